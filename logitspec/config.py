@@ -1,0 +1,78 @@
+"""Engine and drafter configuration: one frozen dataclass, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+METHODS = ("ar", "pld", "logitspec")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How the engine drafts and batches.
+
+    Defaults for the draft budget are sized for this project's CPU target (a k-token forward costs
+    far more than a 1-token one there); ``SpecConfig.paper()`` gives the paper's A100 settings.
+    """
+
+    method: str = "logitspec"
+    # --- batching
+    max_batch_size: int = 1
+    # --- n-gram retrieval (shared by pld and logitspec)
+    max_ngram: int = 3
+    min_ngram: int = 1
+    # --- pld: one chain of up to this many tokens (Spec-Bench: 10)
+    pld_max_tokens: int = 10
+    # --- logitspec
+    capacity: int = 16  # max draft nodes per sequence and step, root excluded
+    top_k: int = 16  # next-next guesses taken from the last logits (x1 excluded)
+    branch0_max_tokens: int = 10  # plain lookup continuation of x1
+    # rank pruning: a guess of rank r (1-based) keeps rank_keep[i] tokens if r <= rank_limits[i]
+    rank_limits: tuple[int, ...] = (8, 32)
+    rank_keep: tuple[int, ...] = (4, 3)
+    rank_keep_else: int = 1
+    continuations_per_key: int = 1  # distinct continuations retrieved per n-gram key
+    # Scale per-sequence capacity with the number of active sequences: capacity / active ** budget_decay.
+    budget_decay: float = 1.0
+    min_capacity: int = 2
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
+        for name in ("pld_max_tokens", "capacity", "top_k", "branch0_max_tokens", "continuations_per_key"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.rank_limits) != len(self.rank_keep):
+            raise ValueError("rank_limits and rank_keep must have the same length")
+        if list(self.rank_limits) != sorted(self.rank_limits):
+            raise ValueError(f"rank_limits must be increasing, got {self.rank_limits}")
+        if self.budget_decay < 0:
+            raise ValueError(f"budget_decay must be >= 0, got {self.budget_decay}")
+
+    def keep_for_rank(self, rank: int) -> int:
+        """Tokens kept in the branch of the guess with 1-based ``rank`` (the guess included)."""
+        for limit, keep in zip(self.rank_limits, self.rank_keep):
+            if rank <= limit:
+                return keep
+        return self.rank_keep_else
+
+    def budget_for(self, base: int, active: int) -> int:
+        """Per-sequence draft nodes when ``active`` sequences share one forward: ``base`` at batch 1,
+        shrinking as ``base / active ** budget_decay`` (never below ``min_capacity``, never above base)."""
+        if active <= 1 or self.budget_decay == 0 or base == 0:
+            return base
+        return min(base, max(self.min_capacity, int(base / active**self.budget_decay)))
+
+    def with_(self, **changes) -> "SpecConfig":
+        return replace(self, **changes)
+
+    @classmethod
+    def paper(cls, **changes) -> "SpecConfig":
+        """The paper's A100 defaults: capacity 64, k 64, branch 0 up to 20, no batch scaling."""
+        base = dict(capacity=64, top_k=64, branch0_max_tokens=20, budget_decay=0.0)
+        base.update(changes)
+        return cls(**base)

@@ -1,0 +1,75 @@
+"""Drafters: turn a sequence's context (+ the last logits' guesses) into a draft tree.
+
+All drafters are pure given their inputs: the same context, root and guesses give the same tree,
+which keeps tree sampling exact (drafts must not depend on the target's random draws).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .config import SpecConfig
+from .index import NgramSource, retrieve
+from .tree import DraftTree, TreeBuilder
+
+
+class Drafter:
+    """No drafts: plain autoregressive decoding in the same engine (the reference)."""
+
+    wants_guesses = False
+
+    def __init__(self, config: SpecConfig):
+        self.config = config
+
+    def base_budget(self) -> int:
+        return 0
+
+    def draft(self, sources: Sequence[NgramSource], context: Sequence[int], guesses: Sequence[int],
+              budget: int) -> DraftTree:
+        """``context`` ends with the root token (already emitted, not yet in the cache)."""
+        return DraftTree.single(context[-1])
+
+
+class PromptLookupDrafter(Drafter):
+    """Prompt lookup decoding: one chain continuing the longest matching suffix n-gram."""
+
+    def base_budget(self) -> int:
+        return self.config.pld_max_tokens
+
+    def draft(self, sources, context, guesses, budget):
+        c = self.config
+        b = TreeBuilder(context[-1], budget)
+        hits = retrieve(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram, c.min_ngram)
+        if hits:
+            b.retrieved = b.add_chain(hits[0]) > 0
+        return b.build()
+
+
+class LogitSpecDrafter(Drafter):
+    """LogitSpec: branch 0 continues the root; branch j starts with the j-th next-next guess
+    taken from the last logits and continues the n-gram ending in (root, guess)."""
+
+    wants_guesses = True
+
+    def base_budget(self) -> int:
+        return self.config.capacity
+
+    def draft(self, sources, context, guesses, budget):
+        c = self.config
+        b = TreeBuilder(context[-1], budget)
+        for chain in retrieve(sources, context, c.branch0_max_tokens, c.continuations_per_key,
+                              c.max_ngram, c.min_ngram):
+            b.retrieved |= b.add_chain(chain) > 0
+        # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
+        tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
+        for rank, g in enumerate(guesses, 1):
+            if b.full:
+                break
+            keep = c.keep_for_rank(rank)
+            hits = retrieve(sources, tail + [int(g)], keep - 1, 1, c.max_ngram, c.min_ngram) if keep > 1 else []
+            added = b.add_chain([int(g)] + (hits[0] if hits else []))
+            b.retrieved |= bool(hits) and added > 0
+        return b.build()
+
+
+def make_drafter(config: SpecConfig) -> Drafter:
+    return {"ar": Drafter, "pld": PromptLookupDrafter, "logitspec": LogitSpecDrafter}[config.method](config)

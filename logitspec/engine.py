@@ -1,0 +1,311 @@
+"""The decoding loop: continuous batching of sequences, each with its own draft tree per step.
+
+Per step: draft a tree per active sequence -> pack all trees into one forward (tree masks,
+positions) -> verify each sequence's tree -> commit the accepted path's KV -> emit tokens.
+The root of each tree is the last emitted token (not yet in the cache); the logits at the last
+accepted node pick the next root (the bonus token) and, for LogitSpec, its next-next guesses.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .cache import BatchKV
+from .config import SpecConfig
+from .draft import make_drafter
+from .index import NgramSource, SequenceIndex
+from .masks import StepRow, layer_windows, pack_step
+from .stats import SequenceStats
+from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
+
+log = logging.getLogger("logitspec.engine")
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only
+    text: str | None
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    stats: dict[str, Any]
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Sequence:
+    """Decoding state of one request."""
+
+    req: int
+    prompt_len: int
+    max_new: int
+    index: SequenceIndex  # prompt + emitted tokens; the last one is the root (not yet cached)
+    sources: list[NgramSource]
+    generator: torch.Generator | None
+    stats: SequenceStats
+    stops: list[str] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)
+    guesses: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+class Engine:
+    """Speculative (or plain) decoding of many prompts with one model replica."""
+
+    def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or SpecConfig()
+        self.drafter = make_drafter(self.config)
+        self.windows = layer_windows(model.config)
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.prefill_chunk = prefill_chunk
+        cfg = model.config.get_text_config(decoder=True)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    # ------------------------------------------------------------------ input
+    def encode(self, prompt, apply_chat_template: bool = False) -> list[int]:
+        """Token ids of one prompt (a string, a list of chat messages, or token ids); ValueError if unusable."""
+        if prompt is None:
+            raise ValueError("prompt is None")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError("empty prompt")
+            if apply_chat_template or not isinstance(prompt, str):
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("the tokenizer has no chat template")
+                msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple, np.ndarray, torch.Tensor)):
+            ids = [int(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+            vocab = self.model.config.get_text_config(decoder=True).vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"token ids must be in [0, {vocab})")
+        else:
+            raise ValueError(f"a prompt must be a string, chat messages or token ids, not {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        return list(ids)
+
+    # ------------------------------------------------------------------ api
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
+                 stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
+                 reference: NgramSource | Sequence[NgramSource | None] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt; results in input order.
+
+        ``seed``: an int (request i uses ``seed + i``) or one seed per prompt; a sequence's samples
+        depend only on its own seed, never on which others share its batch. ``reference``: a shared
+        n-gram source (e.g. a :class:`CorpusIndex`) consulted after the sequence's own context,
+        or one per prompt.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(temperature, top_p, top_k)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        prompts = list(prompts)
+        seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+        refs = reference if isinstance(reference, (list, tuple)) else [reference] * len(prompts)
+        if len(seeds) != len(prompts) or len(refs) != len(prompts):
+            raise ValueError("seed and reference lists must have one entry per prompt")
+        encoded = [self.encode(p, apply_chat_template) for p in prompts]  # all errors before any forward
+        return self._run(encoded, max_new_tokens, params, stops, seeds, refs)
+
+    # ------------------------------------------------------------------ loop
+    def _run(self, encoded, max_new_tokens, params, stops, seeds, refs) -> list[GenerationResult]:
+        t_start = time.perf_counter()
+        results: list[GenerationResult | None] = [None] * len(encoded)
+        pending = list(range(len(encoded)))[::-1]
+        active: list[_Sequence] = []
+        kv = BatchKV()
+        steps = 0
+        active_sum = 0
+        while pending or active:
+            while pending and len(active) < self.config.max_batch_size:
+                req = pending.pop()
+                seq = self._admit(req, encoded[req], max_new_tokens, params, stops, seeds[req], refs[req], kv)
+                if seq.finish:
+                    results[req] = self._result(seq, encoded[req])
+                else:
+                    active.append(seq)
+            if not active:
+                continue
+            self._step(active, kv, params, stops)
+            steps += 1
+            active_sum += len(active)
+            still = [i for i, s in enumerate(active) if not s.finish]
+            for s in active:
+                if s.finish:
+                    results[s.req] = self._result(s, encoded[s.req])
+            kv.keep_rows(still)
+            active = [active[i] for i in still]
+        wall = time.perf_counter() - t_start
+        ntok = sum(len(r.token_ids) for r in results)
+        self.last_run_stats = {"wall_s": wall, "tokens": ntok, "tokens_per_s": ntok / wall if wall else 0.0,
+                               "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
+        return results
+
+    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool) -> torch.Tensor:
+        ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)
+        if isinstance(mask, dict):
+            mask = {k: v.to(self.device) for k, v in mask.items()}
+        else:
+            mask = mask.to(self.device)
+        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
+                         cache=kv.hf, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        return out.logits  # [B, T or 1, V]
+
+    def _admit(self, req, prompt_ids, max_new_tokens, params, stops, seed, ref, kv: BatchKV) -> _Sequence:
+        """Prefill one prompt (in chunks) into its own cache row and emit its first token."""
+        c = self.config
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(int(seed))
+        seq = _Sequence(req=req, prompt_len=len(prompt_ids),
+                        max_new=min(max_new_tokens, self.max_context - len(prompt_ids)),
+                        index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
+                        sources=[], generator=gen, stats=SequenceStats(), stops=stops)
+        seq.sources = [seq.index] + ([ref] if ref is not None else [])
+        t0 = time.perf_counter()
+        row = BatchKV()
+        row.lengths = [0]
+        for start in range(0, len(prompt_ids), self.prefill_chunk):
+            chunk = prompt_ids[start:start + self.prefill_chunk]
+            cols = row.columns
+            logits = self._forward([StepRow.chain(start, chunk)], row, all_logits=False)
+            row.commit([list(range(cols, cols + len(chunk)))])
+        last = logits[0, -1]
+        seq.stats.prefill_s = time.perf_counter() - t0
+        tok = self._pick(last, params, seq)
+        seq.guesses = self._guesses(last, tok)
+        self._emit(seq, [tok], stops)
+        seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
+        if not seq.finish:
+            kv.add_row(row)
+        return seq
+
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, seq: _Sequence) -> int:
+        if params.greedy:
+            return int(torch.argmax(logits))
+        return sample_token(probs_from_logits(logits, params), seq.generator)
+
+    def _guesses(self, logits: torch.Tensor, next_token: int) -> list[int]:
+        """Top-k next-next guesses from the logits that chose ``next_token`` (excluded)."""
+        if not self.drafter.wants_guesses or self.config.top_k == 0:
+            return []
+        top = torch.topk(logits, self.config.top_k + 1).indices.tolist()
+        return [t for t in top if t != next_token][: self.config.top_k]
+
+    def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
+        c = self.config
+        t0 = time.perf_counter()
+        base = self.drafter.base_budget()
+        budget = c.budget_for(base, len(active))
+        trees, rows = [], []
+        for s in active:
+            remaining = s.max_new - len(s.out)
+            room = self.max_context - len(s.index) - 1
+            b = max(0, min(budget, remaining - 1, room))
+            tree = self.drafter.draft(s.sources, s.index.tokens, s.guesses, b)
+            trees.append(tree)
+            rows.append(StepRow.from_tree(len(s.index) - 1, tree))
+        t1 = time.perf_counter()
+        cols = kv.columns
+        logits = self._forward(rows, kv, all_logits=True)  # [B, T, V]
+        t2 = time.perf_counter()
+        paths, bonus = [], []
+        if params.greedy:
+            argmax = logits.argmax(-1).tolist()  # [B, T]
+            for b, tree in enumerate(trees):
+                p, tok = accept_path(tree, argmax[b].__getitem__)
+                paths.append(p)
+                bonus.append(tok)
+        else:
+            for b, (tree, s) in enumerate(zip(trees, active)):
+                p, tok = accept_path(tree, lambda node: sample_token(probs_from_logits(logits[b, node], params),
+                                                                   s.generator))
+                paths.append(p)
+                bonus.append(tok)
+        last = torch.stack([logits[b, p[-1]] for b, p in enumerate(paths)])  # [B, V]
+        if self.drafter.wants_guesses and c.top_k:
+            top = torch.topk(last, c.top_k + 1, dim=-1).indices.tolist()
+        t3 = time.perf_counter()
+        kv.commit([[cols + n for n in p] for p in paths])
+        t4 = time.perf_counter()
+        for b, (s, tree, p) in enumerate(zip(active, trees, paths)):
+            if self.drafter.wants_guesses and c.top_k:
+                s.guesses = [t for t in top[b] if t != bonus[b]][: c.top_k]
+            emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [bonus[b]], stops)
+            s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1,
+                             draft_s=t1 - t0, forward_s=t2 - t1, verify_s=t3 - t2, commit_s=t4 - t3)
+
+    def _emit(self, seq: _Sequence, tokens: list[int], stops) -> int:
+        """Append accepted tokens, stopping at EOS, a stop string or the length limit; returns
+        how many were kept."""
+        kept = []
+        for t in tokens:
+            kept.append(t)
+            if t in self.eos_ids:
+                seq.finish = "stop"
+                break
+            if len(seq.out) + len(kept) >= seq.max_new:
+                seq.finish = "length"
+                break
+        if stops:
+            before = len(seq.out)
+            cut = _stop_cut(self.tokenizer, seq.out + kept, before, stops)
+            if cut is not None:
+                kept = kept[: cut - before]
+                seq.finish = "stop"
+        seq.out.extend(kept)
+        seq.index.extend(kept)
+        return len(kept)
+
+    def _result(self, seq: _Sequence, prompt_ids) -> GenerationResult:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+            for s in seq.stops:  # like vLLM: the stop string itself is not part of the text
+                if s in text:
+                    text = text[: text.index(s)]
+        stats = seq.stats.as_dict()
+        return GenerationResult(seq.out, text, seq.finish or "length", stats, list(prompt_ids))
+
+
+def _stop_cut(tokenizer, out: list[int], before: int, stops: list[str]) -> int | None:
+    """Smallest token count > ``before`` whose text contains a stop string, or None."""
+    if not any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stops):
+        return None
+    for n in range(before + 1, len(out) + 1):
+        text = tokenizer.decode(out[:n], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            return n
+    return len(out)
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gc = getattr(model, "generation_config", None)
+    for src in (getattr(gc, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(t) for t in src)
+    return ids

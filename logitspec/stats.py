@@ -1,0 +1,46 @@
+"""Per-sequence decoding statistics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SequenceStats:
+    """Accumulated per target forward; ``accepted_lengths`` sums to the tokens emitted."""
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    retrieved_steps: int = 0
+    draft_s: float = 0.0
+    forward_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def add_step(self, emitted: int, retrieved: bool, tree_size: int = 0, draft_s: float = 0.0,
+                 forward_s: float = 0.0, verify_s: float = 0.0, commit_s: float = 0.0) -> None:
+        self.accepted_lengths.append(emitted)
+        self.tree_sizes.append(tree_size)
+        self.retrieved_steps += bool(retrieved)
+        self.draft_s += draft_s
+        self.forward_s += forward_s
+        self.verify_s += verify_s
+        self.commit_s += commit_s
+
+    def as_dict(self) -> dict:
+        steps = len(self.accepted_lengths)
+        # the prefill forward drafts nothing, so retrieval success counts decode steps only
+        decode_steps = max(steps - 1, 0)
+        return {
+            "steps": steps,
+            "accepted_lengths": list(self.accepted_lengths),
+            "mean_accepted": sum(self.accepted_lengths) / steps if steps else 0.0,
+            "retrieval_success": self.retrieved_steps / decode_steps if decode_steps else 0.0,
+            "mean_tree_size": sum(self.tree_sizes[1:]) / decode_steps if decode_steps else 0.0,
+            "prefill_s": self.prefill_s,
+            "draft_s": self.draft_s,
+            "forward_s": self.forward_s,
+            "verify_s": self.verify_s,
+            "commit_s": self.commit_s,
+            "wall_s": self.prefill_s + self.draft_s + self.forward_s + self.verify_s + self.commit_s,
+        }

@@ -1,0 +1,118 @@
+"""Draft trees as ``(tokens, parents)``; depth, mask, positions and paths are derived."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """A draft tree in topological order: node 0 is the root, ``parents[i] < i`` for i > 0.
+
+    tokens:  int64 [n]  token id of each node
+    parents: int64 [n]  parent node index, -1 for the root
+    """
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    retrieved: bool = False  # whether retrieval (not only logit guesses) supplied a draft token
+    _children: dict = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) != len(self.parents) or len(self.tokens) == 0:
+            raise ValueError("tokens and parents must be non-empty and of equal length")
+        if self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents[1:], 1)):
+            raise ValueError(f"parents must be topological with root 0: {self.parents.tolist()}")
+        children = {}
+        for i, (p, t) in enumerate(zip(self.parents[1:].tolist(), self.tokens[1:].tolist()), 1):
+            children.setdefault((p, t), i)
+        object.__setattr__(self, "_children", children)
+
+    @classmethod
+    def single(cls, root_token: int) -> "DraftTree":
+        return cls(np.array([root_token], dtype=np.int64), np.array([-1], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, node: int, token: int) -> int | None:
+        """Index of ``node``'s child carrying ``token``, or None."""
+        return self._children.get((node, token))
+
+    @property
+    def depths(self) -> np.ndarray:
+        """int64 [n]: root depth 0."""
+        d = np.zeros(len(self), dtype=np.int64)
+        for i in range(1, len(self)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+    def ancestor_mask(self) -> np.ndarray:
+        """bool [n, n]: ``m[i, j]`` is True when j is i or an ancestor of i (what node i may attend to)."""
+        n = len(self)
+        m = np.zeros((n, n), dtype=bool)
+        for i in range(n):
+            if i:
+                m[i] = m[self.parents[i]]
+            m[i, i] = True
+        return m
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node`` inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def leaf_paths(self) -> list[list[int]]:
+        """Every root-to-leaf path, in leaf order."""
+        is_parent = np.zeros(len(self), dtype=bool)
+        is_parent[self.parents[1:]] = True
+        return [self.path_to(i) for i in range(len(self)) if not is_parent[i]]
+
+
+class TreeBuilder:
+    """Builds a :class:`DraftTree` by inserting token chains into a trie under a fixed node budget.
+
+    Shared prefixes are merged, so no token is verified twice; ``capacity`` counts draft nodes
+    (the root excluded).
+    """
+
+    def __init__(self, root_token: int, capacity: int):
+        self.tokens = [int(root_token)]
+        self.parents = [-1]
+        self.children: list[dict[int, int]] = [{}]
+        self.capacity = capacity
+        self.retrieved = False
+
+    @property
+    def full(self) -> bool:
+        return len(self.tokens) - 1 >= self.capacity
+
+    def add_chain(self, chain, parent: int = 0) -> int:
+        """Insert ``chain`` below ``parent``; returns the number of new nodes (stops at capacity)."""
+        added = 0
+        node = parent
+        for tok in chain:
+            tok = int(tok)
+            nxt = self.children[node].get(tok)
+            if nxt is None:
+                if self.full:
+                    break
+                nxt = len(self.tokens)
+                self.tokens.append(tok)
+                self.parents.append(node)
+                self.children.append({})
+                self.children[node][tok] = nxt
+                added += 1
+            node = nxt
+        return added
+
+    def build(self) -> DraftTree:
+        return DraftTree(
+            np.asarray(self.tokens, dtype=np.int64),
+            np.asarray(self.parents, dtype=np.int64),
+            retrieved=self.retrieved,
+        )
