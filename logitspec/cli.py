@@ -1,0 +1,74 @@
+"""``logitspec`` command line: generate, bench, calibrate."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .config import METHODS, SpecConfig
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a continuation for one or more prompts")
+    p.add_argument("prompts", nargs="+", help="prompt text(s)")
+    p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
+    p.add_argument("--method", default="logitspec", choices=METHODS)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--max-batch-size", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args) -> int:
+    config = SpecConfig(method=args.method, max_batch_size=args.max_batch_size)  # validates first
+    from .engine import Engine
+    from .models import load_model
+
+    model, tok = load_model(args.model)
+    engine = Engine(model, tok, config)
+    results = engine.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                              apply_chat_template=args.chat)
+    for r in results:
+        if args.json:
+            print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
+                              "stats": r.stats}))
+        else:
+            print(r.text)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="logitspec", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    try:
+        from .bench import add_bench_command
+        add_bench_command(sub)
+    except ImportError:
+        pass
+    try:
+        from .calibrate import add_calibrate_command
+        add_calibrate_command(sub)
+    except ImportError:
+        pass
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
