@@ -1,0 +1,77 @@
+"""Cache surgery per attention-layer kind: keeping a tree's accepted path must give the same
+logits as decoding that path plainly (guards against transformers cache changes)."""
+import numpy as np
+import pytest
+import torch
+
+from logitspec.cache import BatchKV
+from logitspec.masks import StepRow, layer_windows, pack_step
+from logitspec.tree import DraftTree
+from tiny_models import VOCAB, tiny_model
+
+
+def _forward(model, rows, kv):
+    ids, pos, mask = pack_step(rows, kv.columns, layer_windows(model.config), torch.float32)
+    return model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=kv.hf, use_cache=True).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: full + sliding (window 6) layers
+def test_commit_keeps_only_the_accepted_path(family):
+    model = tiny_model(family)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (11, 4)]
+    tree = DraftTree(np.array([5, 6, 7, 8, 9]), np.array([-1, 0, 1, 0, 3]))  # paths 5-6-7 and 5-8-9
+    accept = [[0, 3, 4], [0, 1]]
+    with torch.no_grad():
+        kv = BatchKV()
+        for p in prompts:  # prefill each row on its own, then batch the rows (holes in row 1)
+            row = BatchKV()
+            row.lengths = [0]
+            _forward(model, [StepRow.chain(0, p)], row)
+            row.commit([list(range(len(p)))])
+            kv.add_row(row)
+        cols = kv.columns
+        _forward(model, [StepRow.from_tree(len(p), tree) for p in prompts], kv)
+        kv.commit([[cols + n for n in a] for a in accept])
+        # one more token after the accepted paths, through the surgically edited cache
+        nxt = [StepRow.chain(len(p) + len(a), [3]) for p, a in zip(prompts, accept)]
+        got = _forward(model, nxt, kv)[:, 0]
+        for b, (p, a) in enumerate(zip(prompts, accept)):
+            full = p + [int(tree.tokens[n]) for n in a] + [3]
+            want = model(torch.tensor([full])).logits[0, -1]
+            assert torch.allclose(got[b], want, atol=1e-4), (got[b] - want).abs().max()
+    assert kv.lengths == [len(p) + len(a) for p, a in zip(prompts, accept)]
+
+
+def test_wrong_gather_is_detected():
+    """The check above is sensitive: keeping the wrong branch changes the logits."""
+    model = tiny_model("gemma3")
+    p = list(range(1, 12))
+    tree = DraftTree(np.array([5, 6, 8]), np.array([-1, 0, 0]))
+    with torch.no_grad():
+        kv = BatchKV()
+        kv.lengths = [0]
+        _forward(model, [StepRow.chain(0, p)], kv)
+        kv.commit([list(range(len(p)))])
+        cols = kv.columns
+        _forward(model, [StepRow.from_tree(len(p), tree)], kv)
+        kv.commit([[cols + 0, cols + 2]])  # keeps 5, 8 ...
+        got = _forward(model, [StepRow.chain(len(p) + 2, [3])], kv)[0, 0]
+        want = model(torch.tensor([p + [5, 6, 3]])).logits[0, -1]  # ... but the truth is 5, 6
+    assert (got - want).abs().max() > 1e-3
+
+
+def test_keep_rows_releases_memory():
+    model = tiny_model("llama")
+    with torch.no_grad():
+        kv = BatchKV()
+        for n in (30, 5):
+            row = BatchKV()
+            row.lengths = [0]
+            _forward(model, [StepRow.chain(0, list(range(1, n + 1)))], row)
+            row.commit([list(range(n))])
+            kv.add_row(row)
+        assert kv.columns == 30
+        kv.keep_rows([1])
+    assert kv.lengths == [5] and kv.columns == 5
+    assert kv.hf.layers[0].keys.shape[0] == 1

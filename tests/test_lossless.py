@@ -1,0 +1,69 @@
+"""Greedy speculative output == plain greedy output, for every method and model family."""
+import pytest
+import torch
+
+from logitspec import Engine, SpecConfig
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
+
+N_NEW = 24
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_case(request):
+    model = tiny_model(request.param)
+    prompts = repetitive_prompts(8, seed=1)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    return request.param, model, prompts, refs
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
+def test_greedy_equals_hf_generate_batch1(family_case, method):
+    family, model, prompts, refs = family_case
+    res = Engine(model, None, SpecConfig(method=method)).generate(prompts, max_new_tokens=N_NEW)
+    for r, ref in zip(res, refs):
+        assert r.token_ids == ref
+        assert sum(r.stats["accepted_lengths"]) == N_NEW
+        assert r.finish_reason == "length"
+    if method == "ar":
+        assert all(r.stats["mean_accepted"] == 1.0 for r in res)
+    else:  # repetitive prompts: drafts must be accepted sometimes, or the test proves nothing
+        assert max(r.stats["mean_accepted"] for r in res) > 1.2
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
+def test_continuous_batching_equals_batch1(family_case, method):
+    family, model, prompts, refs = family_case
+    res = Engine(model, None, SpecConfig(method=method, max_batch_size=4)).generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+
+
+def test_paper_budget_lossless(family_case):
+    family, model, prompts, refs = family_case
+    res = Engine(model, None, SpecConfig.paper(method="logitspec", max_batch_size=3)).generate(
+        prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+    small = Engine(model, None, SpecConfig(method="logitspec", capacity=4)).generate(prompts, max_new_tokens=N_NEW)
+    mean_tree = lambda rs: sum(r.stats["mean_tree_size"] for r in rs) / len(rs)
+    assert mean_tree(res) > mean_tree(small) + 4  # the big budget is really used
+
+
+def test_long_prompt_admitted_mid_run_with_chunked_prefill():
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(5, seed=3)
+    long_prompt = (prompts[0] * 20)[:70]
+    prompts.insert(3, long_prompt)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), prefill_chunk=16)
+    assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
+
+
+def test_eos_stops_and_is_kept():
+    model = tiny_model("llama")
+    prompt = repetitive_prompts(1, seed=2)[0]
+    ref = hf_greedy(model, prompt, 12)
+    eos = ref[5]
+    model.generation_config.eos_token_id = eos
+    for method in ("ar", "logitspec"):
+        r = Engine(model, None, SpecConfig(method=method)).generate([prompt], max_new_tokens=12)[0]
+        assert r.token_ids == ref[: ref.index(eos) + 1]
+        assert r.finish_reason == "stop"

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import torch
+
+from logitspec.tree import DraftTree
+from logitspec.verify import SamplingParams, greedy_accept, probs_from_logits, sample_token
+
+TREE = DraftTree(np.array([7, 1, 2, 3, 4, 5]), np.array([-1, 0, 1, 2, 2, 0]))
+
+
+@pytest.mark.parametrize("argmax,path,bonus", [
+    ([1, 2, 4, 0, 9, 0], [0, 1, 2, 4], 9),  # follows 1 -> 2 -> 4, bonus after 4
+    ([5, 0, 0, 0, 0, 6], [0, 5], 6),        # the second branch
+    ([9, 0, 0, 0, 0, 0], [0], 9),           # nothing accepted: the bonus alone
+    ([1, 8, 0, 0, 0, 0], [0, 1], 8),
+])
+def test_greedy_accept(argmax, path, bonus):
+    assert greedy_accept(TREE, argmax) == (path, bonus)
+
+
+def test_probs_top_k_top_p():
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    p = probs_from_logits(logits, SamplingParams(1.0, 1.0, 2))
+    assert p[:2].sum() == 0 and torch.isclose(p.sum(), torch.tensor(1.0))
+    p = probs_from_logits(torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])), SamplingParams(1.0, 0.7, 0))
+    assert torch.allclose(p, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_sample_token_never_picks_zero_probability():
+    p = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_token(p, g) for _ in range(200)}
+    assert draws == {1, 3}
+
+
+def test_bad_sampling_values():
+    for kw in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kw)
+
+
+def test_tree_sampling_matches_target_distribution():
+    """Chi-square check: sampling through a draft tree reproduces the target's two-token joint
+    distribution, whatever the draft."""
+    V = 4
+    torch.manual_seed(0)
+    root_p = torch.softmax(torch.randn(V) * 1.5, 0)
+    child_p = torch.softmax(torch.randn(V, V) * 1.5, 1)  # distribution after first token t
+    # draft: root -> 2 -> 1 and root -> 0 (deterministic)
+    tree = DraftTree(np.array([9, 2, 1, 0]), np.array([-1, 0, 1, 0]))
+    g = torch.Generator().manual_seed(123)
+    n = 20000
+    counts = np.zeros((V, V))
+    for _ in range(n):
+        seq = []
+
+        def next_token(node):
+            p = root_p if node == 0 else child_p[int(tree.tokens[node])]
+            return sample_token(p, g)
+
+        from logitspec.verify import accept_path
+        path, bonus = accept_path(tree, next_token)
+        toks = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
+        if len(toks) < 2:  # the first token was the bonus: draw the second from the target directly
+            toks.append(sample_token(child_p[toks[0]], g))
+        counts[toks[0], toks[1]] += 1
+    expected = (root_p[:, None] * child_p).numpy() * n
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    # 15 degrees of freedom: the 99.9% quantile is 37.7
+    assert chi2 < 37.7, chi2

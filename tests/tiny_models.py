@@ -1,0 +1,54 @@
+"""Tiny random models of each supported family, built from configs (no downloads)."""
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+VOCAB = 96
+_NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    if family == "llama":
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, **_NO_SPECIAL)
+        cls = LlamaForCausalLM
+    elif family == "qwen2":
+        cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, **_NO_SPECIAL)
+        cls = Qwen2ForCausalLM
+    elif family == "gemma3":
+        # sliding window far smaller than the sequences below, so the window wraps
+        cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=8, sliding_window=6,
+                               **_NO_SPECIAL)
+        cls = Gemma3ForCausalLM
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    model = cls(cfg).eval()
+    # sharpen the random logits so greedy ties (float noise) are vanishingly rare
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+FAMILIES = ("llama", "qwen2", "gemma3")
+
+
+def repetitive_prompts(n: int, seed: int = 0, lengths=(5, 9, 14, 20, 27, 33, 8, 12)):
+    """Token-id prompts with repeated spans, so retrieval has something to find."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = lengths[i % len(lengths)]
+        base = torch.randint(0, VOCAB, (max(3, L // 2),), generator=g).tolist()
+        out.append((base * 3)[:L])
+    return out
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
