@@ -18,6 +18,7 @@ import torch
 from .cache import BatchKV
 from .config import SpecConfig
 from .draft import make_drafter
+from .head import Head
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow, layer_windows, pack_step
 from .stats import SequenceStats
@@ -55,8 +56,10 @@ class _Sequence:
 class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
-    def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512):
+    def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
+                 fast_head: bool = True):
         self.model = model
+        self.head = Head(model, fast=fast_head)
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
@@ -162,15 +165,24 @@ class Engine:
                                "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
         return results
 
-    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool) -> torch.Tensor:
+    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool) -> list[torch.Tensor]:
+        """One target forward over ``rows``; per row, logits [n_b, V] of all its nodes (or of its
+        last node only)."""
         ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)
         if isinstance(mask, dict):
             mask = {k: v.to(self.device) for k, v in mask.items()}
         else:
             mask = mask.to(self.device)
-        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device), attention_mask=mask,
-                         cache=kv.hf, use_cache=True, logits_to_keep=0 if all_logits else 1)
-        return out.logits  # [B, T or 1, V]
+        T = ids.shape[1]
+        spans = [(b * T, b * T + len(r.tokens)) if all_logits else (b * T + len(r.tokens) - 1, b * T + len(r.tokens))
+                 for b, r in enumerate(rows)]
+        select = torch.cat([torch.arange(a, z) for a, z in spans]).to(self.device)
+        logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select)  # [N, V]
+        out, start = [], 0
+        for a, z in spans:
+            out.append(logits[start:start + z - a])
+            start += z - a
+        return out
 
     def _admit(self, req, prompt_ids, max_new_tokens, params, stops, seed, ref, kv: BatchKV) -> _Sequence:
         """Prefill one prompt (in chunks) into its own cache row and emit its first token."""
@@ -191,7 +203,7 @@ class Engine:
             cols = row.columns
             logits = self._forward([StepRow.chain(start, chunk)], row, all_logits=False)
             row.commit([list(range(cols, cols + len(chunk)))])
-        last = logits[0, -1]
+        last = logits[0][-1]
         seq.stats.prefill_s = time.perf_counter() - t0
         tok = self._pick(last, params, seq)
         seq.guesses = self._guesses(last, tok)
@@ -228,23 +240,19 @@ class Engine:
             rows.append(StepRow.from_tree(len(s.index) - 1, tree))
         t1 = time.perf_counter()
         cols = kv.columns
-        logits = self._forward(rows, kv, all_logits=True)  # [B, T, V]
+        logits = self._forward(rows, kv, all_logits=True)  # per row [n_b, V]
         t2 = time.perf_counter()
         paths, bonus = [], []
-        if params.greedy:
-            argmax = logits.argmax(-1).tolist()  # [B, T]
-            for b, tree in enumerate(trees):
-                p, tok = accept_path(tree, argmax[b].__getitem__)
-                paths.append(p)
-                bonus.append(tok)
-        else:
-            for b, (tree, s) in enumerate(zip(trees, active)):
-                p, tok = accept_path(tree, lambda node: sample_token(probs_from_logits(logits[b, node], params),
-                                                                   s.generator))
-                paths.append(p)
-                bonus.append(tok)
-        last = torch.stack([logits[b, p[-1]] for b, p in enumerate(paths)])  # [B, V]
+        for b, (tree, s) in enumerate(zip(trees, active)):
+            if params.greedy:
+                choose = logits[b].argmax(-1).tolist().__getitem__
+            else:
+                choose = lambda node, lg=logits[b], g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
+            p, tok = accept_path(tree, choose)
+            paths.append(p)
+            bonus.append(tok)
         if self.drafter.wants_guesses and c.top_k:
+            last = torch.stack([logits[b][p[-1]] for b, p in enumerate(paths)])  # [B, V]
             top = torch.topk(last, c.top_k + 1, dim=-1).indices.tolist()
         t3 = time.perf_counter()
         kv.commit([[cols + n for n in p] for p in paths])
