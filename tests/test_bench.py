@@ -1,0 +1,261 @@
+"""The benchmark harness: pure aggregation on hand-made records, then end to end on a tiny model."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from logitspec import bench_report as br
+from logitspec.bench import (DEFAULT_QUESTIONS, Question, _accept_lengths, _split_top, load_questions,
+                             parse_methods, run_bench, select_questions)
+
+
+def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
+    r = {"method": method, "question_id": qid, "category": task, "task": task, "turn": turn,
+         "new_tokens": tokens, "wall_time": wall}
+    if steps is not None:
+        r["steps"] = steps
+        r["decode_steps"] = steps - 1
+    if accept is not None:
+        r["accept_lengths"] = accept
+    if token_ids is not None:
+        r["token_ids"] = token_ids
+    r.update(kw)
+    return r
+
+
+# ------------------------------------------------------------------------------------ aggregation
+def test_speedup_is_mean_of_per_question_ratios_and_reference_is_exactly_one():
+    records = [
+        rec("ar", 1, "qa", 10, 2.0), rec("x", 1, "qa", 10, 1.0),  # x: 2x on q1
+        rec("ar", 2, "qa", 20, 2.0), rec("x", 2, "qa", 20, 4.0),  # x: 0.5x on q2
+        rec("ar", 3, "rag", 30, 3.0), rec("x", 3, "rag", 30, 1.0),  # x: 3x
+    ]
+    sp = br.speedups(records)
+    assert sp["ar"]["mean_ratio"] == {"qa": 1.0, "rag": 1.0, "overall": 1.0}
+    assert sp["x"]["mean_ratio"]["qa"] == pytest.approx((2.0 + 0.5) / 2)
+    assert sp["x"]["mean_ratio"]["rag"] == pytest.approx(3.0)
+    assert sp["x"]["mean_ratio"]["overall"] == pytest.approx((2.0 + 0.5 + 3.0) / 3)
+    # ratio of totals: (60 tokens / 6 s) / (60 tokens / 7 s)
+    assert sp["x"]["total_ratio"]["overall"] == pytest.approx(7.0 / 6.0)
+    # Spec-Bench speed.py: mean speed / mean reference speed = mean(10,5,30) / mean(5,10,10)
+    assert sp["x"]["specbench"]["overall"] == pytest.approx((45 / 3) / (25 / 3))
+
+
+def test_speedup_pairs_turns_and_skips_units_the_reference_lacks():
+    records = [
+        rec("ar", 1, "mt_bench", 10, 1.0, turn=0), rec("ar", 1, "mt_bench", 10, 1.0, turn=1),
+        rec("x", 1, "mt_bench", 10, 0.5, turn=0), rec("x", 1, "mt_bench", 10, 2.0, turn=1),
+        rec("x", 9, "mt_bench", 10, 0.001),  # no ar record: ignored
+    ]
+    assert br.speedups(records)["x"]["mean_ratio"]["mt_bench"] == pytest.approx((2.0 + 0.5) / 2)
+    with pytest.raises(ValueError, match="reference"):
+        br.speedups([rec("x", 1, "qa", 1, 1.0)])
+
+
+def test_batched_units_share_one_wall_time():
+    # two questions in one generate call of 2 s: unit speed = 30 tokens / 2 s
+    records = [
+        rec("ar", 1, "qa", 10, 3.0, unit=0, unit_wall_time=3.0), rec("ar", 2, "qa", 20, 3.0, unit=0, unit_wall_time=3.0),
+        rec("x", 1, "qa", 10, 2.0, unit=0, unit_wall_time=2.0), rec("x", 2, "qa", 20, 2.0, unit=0, unit_wall_time=2.0),
+    ]
+    u = br.units(records)
+    assert u["x"][0] == {"task": "qa", "tokens": 30, "wall": 2.0, "tps": 15.0}
+    assert br.speedups(records)["x"]["mean_ratio"]["overall"] == pytest.approx(1.5)
+
+
+def test_mat_histogram_rates_time_split_and_lossless():
+    records = [
+        rec("ar", 1, "qa", 3, 1.0, steps=3, accept=[1, 1, 1], token_ids=[5, 6, 7], mean_tree_size=0.0,
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+        rec("x", 1, "qa", 3, 1.0, steps=2, accept=[1, 2], token_ids=[5, 6, 7], mean_tree_size=4.0,
+            retrieval_success=1.0, prefill_s=0.1, draft_s=0.1, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+        rec("ar", 2, "rag", 4, 1.0, steps=4, accept=[1, 1, 1, 1], token_ids=[1, 2, 3, 4], mean_tree_size=0.0,
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+        rec("x", 2, "rag", 4, 1.0, steps=2, accept=[1, 3], token_ids=[1, 2, 3, 9], mean_tree_size=2.0,
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.1, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+        rec("hf", 1, "qa", 3, 1.0, steps=3, token_ids=[5, 6, 7]),
+        rec("hf", 2, "rag", 4, 1.0, steps=4, token_ids=[1, 2, 3, 4]),
+    ]
+    s = br.summarize(records)
+    assert list(s) == ["ar", "x", "hf"]
+    assert s["ar"]["mat"] == {"qa": 1.0, "rag": 1.0, "overall": 1.0}
+    assert s["x"]["mat"] == {"qa": 1.5, "rag": 2.0, "overall": 7 / 4}
+    assert s["hf"]["mat"]["overall"] == 1.0 and s["hf"]["accept_hist"] is None
+    assert s["x"]["accept_hist"] == {"1": 2, "2": 1, "3": 1}
+    assert br.accept_histogram(records) == {1: 9, 2: 1, 3: 1}
+    # weighted by decode steps (1 each for x): (1.0 + 0.0) / 2 and (4 + 2) / 2
+    assert s["x"]["retrieval_success"] == pytest.approx(0.5)
+    assert s["x"]["mean_tree_size"] == pytest.approx(3.0)
+    assert s["ar"]["retrieval_success"] is None  # never drafts: no retrieval rate
+    assert s["x"]["lossless"] == 0.5 and s["ar"]["lossless"] == 1.0 and s["hf"]["lossless"] == 1.0
+    ts = s["x"]["time_split"]
+    assert ts["forward"] == pytest.approx(0.6) and ts["other"] == pytest.approx(0.1)
+    assert s["hf"]["time_split"] is None
+    assert s["x"]["tokens_per_s"]["overall"] == pytest.approx(3.5)
+    assert s["x"]["question_turns"] == 2 and s["x"]["new_tokens"] == 7
+
+
+def test_report_numbers_come_from_the_summary(tmp_path):
+    records = [rec("ar", 1, "qa", 10, 2.0, steps=10, accept=[1] * 10, token_ids=list(range(10))),
+               rec("logitspec", 1, "qa", 10, 1.6, steps=4, accept=[1, 3, 3, 3], token_ids=list(range(10)),
+                   mean_tree_size=12.0, retrieval_success=0.75)]
+    summary = {"model": {"name": "tiny"}, "methods": br.summarize(records), "tasks": ["qa"],
+               "question_turns_per_task": {"qa": 1}, "questions": 1, "settings": {"max_new_tokens": 10},
+               "command": "logitspec bench --x", "machine": {"cpu": "test cpu"}}
+    md = br.render_report(summary)
+    assert "| `ar` | 1.00x | 1.00x | 1.00 | 5.00 |" in md
+    assert "| `logitspec` | 1.25x | 1.25x | 2.50 | 6.25 |" in md
+    assert "75.0%" in md and "12.0" in md and "logitspec bench --x" in md and "test cpu" in md
+    br.plot_speedup(summary, tmp_path / "s.png")
+    br.plot_accept_hist(summary, tmp_path / "h.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "h.png").stat().st_size > 1000
+
+
+# -------------------------------------------------------------------------- questions and methods
+def _write_questions(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_load_questions_groups_tasks_and_takes_first_n(tmp_path):
+    rows = [{"question_id": i, "category": c, "turns": ["a", "b"] if c == "writing" else ["a"]}
+            for i, c in enumerate(["qa", "writing", "qa", "roleplay", "rag", "qa"])]
+    p = _write_questions(tmp_path / "q.jsonl", rows)
+    qs = load_questions(p, per_task=2)
+    assert [(q.question_id, q.task) for q in qs] == [(1, "mt_bench"), (3, "mt_bench"), (0, "qa"), (2, "qa"), (4, "rag")]
+    assert [q.question_id for q in load_questions(p, categories=["roleplay", "rag"])] == [3, 4]
+    assert [q.question_id for q in load_questions(p, categories=["mt_bench"])] == [1, 3]
+    with pytest.raises(ValueError, match="unknown categories"):
+        load_questions(p, categories=["nope"])
+    with pytest.raises(ValueError, match="not found"):
+        load_questions(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.skipif(not DEFAULT_QUESTIONS.is_file(), reason="Spec-Bench data not beside the repository")
+def test_spec_bench_file_has_six_tasks_of_eighty():
+    qs = load_questions()
+    assert len(qs) == 480
+    counts = {}
+    for q in qs:
+        counts[q.task] = counts.get(q.task, 0) + 1
+    assert counts == {t: 80 for t in br.TASKS}
+    assert all(len(q.turns) == 2 for q in qs if q.task == "mt_bench")
+    assert len(select_questions(qs, per_task=3)) == 18
+
+
+def test_parse_methods_variants_and_reference():
+    specs = parse_methods("pld,logitspec@capacity=8@rank_limits=(4,16),hf-pld@prompt_lookup_num_tokens=4")
+    assert [s.name for s in specs] == ["ar", "pld", "logitspec@capacity=8@rank_limits=(4,16)",
+                                       "hf-pld@prompt_lookup_num_tokens=4"]
+    assert specs[2].base == "logitspec" and specs[2].overrides == {"capacity": 8, "rank_limits": (4, 16)}
+    assert specs[3].is_hf and specs[3].overrides == {"prompt_lookup_num_tokens": 4}
+    assert _split_top("a,b@x=(1,2),c", ",") == ["a", "b@x=(1,2)", "c"]
+    for bad, msg in [("nope", "unknown method"), ("logitspec@capcity=8", "not a SpecConfig field"),
+                     ("logitspec@8", "key=value"), ("ar,pld,pld", "twice")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_methods(bad)
+
+
+def test_hf_accept_lengths_from_forward_positions():
+    # prompt of 13; prefill then plain steps, then a forward starting at 24 that emits 6 tokens
+    starts = [0] + list(range(13, 25)) + [30]
+    acc = _accept_lengths(starts, 13, 20)
+    assert sum(acc) == 20 and acc[:12] == [1] * 12 and acc[12] == 6 and acc[13] == 2
+    assert _accept_lengths([0, None], 13, 2) is None
+
+
+# ------------------------------------------------------------------------------- end to end (tiny)
+def _tiny_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=None, bos_token_id=None)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tiny_questions():
+    rng = random.Random(0)
+    qs = []
+    for i, cat in enumerate(["writing", "translation", "qa"]):
+        base = [rng.randrange(3, 64) for _ in range(5)]
+        turns = [tuple(base * 3)] + ([tuple(rng.randrange(3, 64) for _ in range(4))] if cat == "writing" else [])
+        qs.append(Question(100 + i, cat, tuple(turns)))
+    return qs
+
+
+def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path):
+    summary = run_bench(_tiny_model(), None, _tiny_questions(), tmp_path, methods="pld,logitspec,hf,hf-pld",
+                        max_new_tokens=12, warmup_tokens=4, progress=False, model_name="tiny-llama")
+    for f in ("results.jsonl", "summary.json", "report.md", "speedup.png", "accept_hist.png"):
+        assert (tmp_path / f).is_file(), f
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 5 * 4  # 5 methods (ar added) x 4 question-turns
+    assert {"question_id", "category", "new_tokens", "wall_time", "accept_lengths"} <= set(records[0])
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["methods"].keys() == summary["methods"].keys() == {"ar", "pld", "logitspec", "hf", "hf-pld"}
+    ar = on_disk["methods"]["ar"]
+    assert set(ar["speedup"]) == {"mt_bench", "translation", "qa", "overall"}
+    assert all(v == 1.0 for v in ar["speedup"].values()) and ar["mat"]["overall"] == 1.0
+    assert ar["lossless"] == 1.0
+    # the engine's methods are lossless on this model; HF's greedy decoding agrees with ours
+    for m in ("pld", "logitspec", "hf", "hf-pld"):
+        assert on_disk["methods"][m]["lossless"] == 1.0, m
+    assert on_disk["methods"]["hf"]["mat"]["overall"] == 1.0  # counted forwards, not typed in
+    # turn 2 sees the reference's turn-1 answer, the same prompt for every method
+    t2 = [r for r in records if r["turn"] == 1]
+    ans = next(r for r in records if r["method"] == "ar" and r["turn"] == 0 and r["question_id"] == 100)
+    assert len({r["prompt_tokens"] for r in t2}) == 1
+    assert t2[0]["prompt_tokens"] == 15 + len(ans["token_ids"]) + 4
+    # interleaving: each unit rotates which method goes first
+    assert len({r["method"] for r in records if r["order"] == 0}) > 1
+    md = (tmp_path / "report.md").read_text()
+    assert "| `ar` | 1.00x | 1.00x | 1.00x | 1.00x | 1.00 |" in md
+
+
+def test_batched_run_and_cli(tmp_path, monkeypatch):
+    """``--max-batch-size 2`` through the CLI on a saved tiny model with a token-id questions file."""
+    from logitspec.cli import main
+
+    model_dir = tmp_path / "tiny"
+    _tiny_model().save_pretrained(model_dir)
+    rows = [{"question_id": q.question_id, "category": q.category, "turns": [list(t) for t in q.turns]}
+            for q in _tiny_questions()] + [{"question_id": 200, "category": "qa", "turns": [[5, 6, 7, 5, 6, 7]]}]
+    qfile = _write_questions(tmp_path / "q.jsonl", rows)
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(model_dir), "--questions", str(qfile), "--methods", "ar,logitspec@capacity=4",
+               "--max-new-tokens", "8", "--max-batch-size", "2", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["settings"]["max_batch_size"] == 2
+    assert "--max-batch-size 2" in summary["command"] and "logitspec@capacity=4" in summary["command"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    qa = [r for r in records if r["task"] == "qa" and r["method"] == "ar"]
+    assert len(qa) == 2 and qa[0]["unit"] == qa[1]["unit"] and qa[0]["batch"] == 2
+    assert summary["methods"]["ar"]["speedup"]["overall"] == 1.0
+    assert summary["methods"]["logitspec@capacity=4"]["lossless"] == 1.0
+    assert main(["bench", "--model", str(model_dir), "--questions", str(tmp_path / "none.jsonl"),
+                 "--out", str(out)]) == 2  # a clear error, not a traceback
+
+
+# ------------------------------------------------------------------------------ the embedded model
+@pytest.mark.slow
+def test_quick_run_on_the_embedded_model(tmp_path):
+    from logitspec.cli import main
+
+    if not DEFAULT_QUESTIONS.is_file():
+        pytest.skip("Spec-Bench data not beside the repository")
+    out = tmp_path / "quick"
+    assert main(["bench", "--quick", "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["methods"]) == {"ar", "logitspec", "hf"}
+    assert summary["methods"]["ar"]["speedup"]["overall"] == 1.0
+    assert summary["methods"]["ar"]["mat"]["overall"] == 1.0
+    assert summary["methods"]["logitspec"]["lossless"] == 1.0
+    assert summary["question_turns_per_task"]["mt_bench"] == 2 and len(summary["tasks"]) == 6
+    for f in ("results.jsonl", "report.md", "speedup.png", "accept_hist.png"):
+        assert (out / f).is_file()
