@@ -347,7 +347,8 @@ def code_version() -> str | None:
                                 timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(git + ["status", "--porcelain", "--", "logitspec"],
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        text += f", git {commit}" + (" + uncommitted changes in logitspec/" if dirty else "")
+        changed = [line[3:] for line in dirty.splitlines()]
+        text += f", git {commit}" + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
     except (OSError, subprocess.SubprocessError):
         pass
     return text
@@ -407,6 +408,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     groups = _units(list(questions), max_batch_size)
     n_turns = sum(len(q.turns) for q in questions)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    code = code_version()  # now: the modules were imported from this tree, whatever changes later
     load_start = _load()
     bar = _progress(total=len(names) * (n_turns + (1 if warmup else 0)), enabled=progress)
 
@@ -450,7 +452,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
                   "parameters": sum(p.numel() for p in model.parameters())},
         "machine": machine_info(model),
         "command": command,
-        "code": code_version(),
+        "code": code,
         "settings": {"methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
                      "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
                      "temperature": 0.0, "chat_template": build.chat, **(settings or {})},
