@@ -346,8 +346,8 @@ def code_version() -> str | None:
         commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 timeout=10, check=True).stdout.strip()
         dirty = subprocess.run(git + ["status", "--porcelain", "--", "logitspec"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        changed = [line[3:] for line in dirty.splitlines()]
+                               capture_output=True, text=True, timeout=10, check=True).stdout
+        changed = [line[3:] for line in dirty.splitlines() if line.strip()]  # "XY path"
         text += f", git {commit}" + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
     except (OSError, subprocess.SubprocessError):
         pass
