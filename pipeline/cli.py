@@ -1,0 +1,108 @@
+"""Command line of ``jobs/generate.py``: flags -> :class:`JobConfig` -> :func:`run_job`.
+
+Exit codes: 0 done (every input row is in the output), 2 the job could not start (bad flag, input,
+model, reference or output dir; nothing ran), 1 it started but could not finish (see summary.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from logitspec.config import METHODS
+
+from .config import DTYPES, ConfigError, GenerationSpec, JobConfig, parse_reference
+
+log = logging.getLogger("pipeline.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jobs/generate.py",
+        description="Batch generation with LogitSpec speculative decoding on Ray: one output row per input row.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    io = p.add_argument_group("input and output")
+    io.add_argument("--input", required=True,
+                    help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
+    io.add_argument("--output", required=True, help="output directory (generations/*.parquet, summary.json)")
+    io.add_argument("--prompt-column", default="prompt")
+    io.add_argument("--id-column", default="id", help="row ids; generated from row order when the column is absent")
+    io.add_argument("--messages-column", default=None,
+                    help="chat messages column (list of {role, content}); used instead of the prompt when not null")
+    io.add_argument("--corpus-column", default=None, help="column naming the reference corpus a row uses")
+    io.add_argument("--split", default=None, help="split of a saved DatasetDict")
+    io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
+    io.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    ref = p.add_argument_group("reference corpora (shared n-gram indexes)")
+    ref.add_argument("--reference", action="append", default=[], metavar="[NAME=]PATH[#COLUMN]",
+                     help="text corpus (file, directory, table/dataset column) or an index from "
+                          "jobs/build_index.py; repeatable, NAME matches --corpus-column values")
+    gen = p.add_argument_group("generation (as in the engine)")
+    gen.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
+    gen.add_argument("--method", default="logitspec", choices=METHODS)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0,
+                     help="base seed; a row's seed is a stable hash of (seed, row id)")
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
+    gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
+    gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
+    gen.add_argument("--no-warmup", action="store_true", help="skip the replica's warm-up generation")
+    ray_ = p.add_argument_group("Ray")
+    ray_.add_argument("--address", default=None,
+                      help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
+    ray_.add_argument("--actors", type=int, default=1, help="model replicas (one actor each)")
+    ray_.add_argument("--cpus-per-actor", type=float, default=None,
+                      help="default: the local Ray's CPUs / actors, or 1 on a cluster")
+    ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
+    ray_.add_argument("--threads-per-actor", type=int, default=None, help="torch threads; default floor(cpus)")
+    ray_.add_argument("--batch-rows", type=int, default=None,
+                      help="rows per actor task (and per part file); default 4 x max-batch-size")
+    ray_.add_argument("--max-replacements", type=int, default=None,
+                      help="dead actors replaced before giving up; default 3 + 2 x actors")
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
+    p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    gen = GenerationSpec(model=args.model, method=args.method, max_batch_size=args.max_batch_size,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), chat=args.chat,
+                         dtype=args.dtype, warmup=not args.no_warmup)
+    return JobConfig(
+        input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column, id_column=args.id_column,
+        messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
+        references=tuple(parse_reference(r) for r in args.reference), actors=args.actors,
+        cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
+        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, overwrite=args.overwrite,
+        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from .job import run_job
+    from .scheduler import JobFailed
+
+    try:
+        cfg = config_from_args(args)
+        summary = run_job(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"error: the job did not finish: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    brief = {k: summary[k] for k in ("complete", "rows", "tokens", "rows_per_s", "mat")}
+    brief["timing"] = {k: v for k, v in summary["timing"].items() if v is not None}
+    print(json.dumps(brief, indent=2))
+    return 0 if summary["complete"] else 1

@@ -1,0 +1,140 @@
+"""The job's configuration: one frozen dataclass, validated at construction (before Ray starts).
+
+``JobConfig`` holds everything the driver needs; ``GenerationSpec`` is the part each replica
+needs (model, engine and sampling settings) and is what a replica is built from.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from logitspec.config import METHODS, SpecConfig
+from logitspec.verify import SamplingParams
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class ConfigError(ValueError):
+    """The job cannot start: a bad flag, input, model or reference (message names the problem)."""
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What one replica needs to turn rows into generations (picklable, sent to every actor)."""
+
+    model: str = "default"
+    method: str = "logitspec"
+    max_batch_size: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    dtype: str = "auto"
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        try:
+            self.spec_config()
+            SamplingParams(self.temperature, self.top_p, self.top_k)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def spec_config(self) -> SpecConfig:
+        return SpecConfig(method=self.method, max_batch_size=self.max_batch_size)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole batch-generation job (see ``python jobs/generate.py --help``)."""
+
+    input: str
+    output: str
+    gen: GenerationSpec = field(default_factory=GenerationSpec)
+    prompt_column: str = "prompt"
+    id_column: str = "id"
+    messages_column: str | None = None
+    corpus_column: str | None = None
+    split: str | None = None  # for a saved datasets.DatasetDict
+    limit: int | None = None  # only the first N input rows (the job's input is then those rows)
+    # (name, path) pairs; name "default" when given without a name
+    references: tuple[tuple[str, str], ...] = ()
+    actors: int = 1
+    cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
+    gpus_per_actor: float = 0.0
+    threads_per_actor: int | None = None  # None: max(1, floor(cpus per actor))
+    batch_rows: int | None = None  # rows per actor task; None: 4 * max_batch_size
+    overwrite: bool = False
+    address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
+    log_interval: float = 10.0
+    max_replacements: int | None = None  # actor deaths replaced before the job gives up; None: 3 + 2 * actors
+    max_row_attempts: int = 2  # a single row that kills its actor this many times becomes an error row
+
+    def __post_init__(self) -> None:
+        if not self.input:
+            raise ConfigError("--input is required")
+        if not self.output:
+            raise ConfigError("--output is required")
+        for name in ("actors", "max_row_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("batch_rows", "threads_per_actor", "limit"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.cpus_per_actor is not None and not self.cpus_per_actor > 0:
+            raise ConfigError(f"--cpus-per-actor must be > 0, got {self.cpus_per_actor}")
+        if not self.gpus_per_actor >= 0:
+            raise ConfigError(f"--gpus-per-actor must be >= 0, got {self.gpus_per_actor}")
+        if self.max_replacements is not None and self.max_replacements < 0:
+            raise ConfigError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        if not self.log_interval > 0:
+            raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
+        names = [n for n, _ in self.references]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"reference names must be unique, got {names}")
+        for n in names:
+            if not _NAME.match(n):
+                raise ConfigError(f"reference name {n!r} may hold only letters, digits, '_', '.', '-'")
+        if len(self.references) > 1 and not self.corpus_column:
+            raise ConfigError("several --reference corpora need --corpus-column to say which one a row uses")
+        if self.references and self.corpus_column and "default" in names and len(names) == 1:
+            raise ConfigError("with --corpus-column, name the reference after the corpus it serves: "
+                              "--reference NAME=PATH")
+        if {self.prompt_column, self.id_column} & {self.messages_column, self.corpus_column} - {None}:
+            raise ConfigError("the id, prompt, messages and corpus columns must differ")
+
+    @property
+    def rows_per_batch(self) -> int:
+        return self.batch_rows or 4 * self.gen.max_batch_size
+
+    @property
+    def replacements(self) -> int:
+        return self.max_replacements if self.max_replacements is not None else 3 + 2 * self.actors
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["references"] = {n: p for n, p in self.references}
+        d["gen"]["stop"] = list(self.gen.stop)
+        return d
+
+
+def parse_reference(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` or ``PATH`` (name ``default``). A PATH holding '=' needs the NAME= form."""
+    name, sep, path = text.partition("=")
+    if sep and _NAME.match(name):
+        return name, path
+    return "default", text

@@ -1,0 +1,226 @@
+"""Feeding batches of rows to replicas, and surviving replicas that die.
+
+Each replica gets up to ``depth`` batches in flight (one running, the next already queued in the
+actor), so it never waits on the driver. When a replica dies (``RayActorError``: its process was
+killed, crashed or lost its node), every batch it had in flight goes back to the front of the queue
+and a new replica is started in its place (up to ``max_replacements`` times). A batch that was
+running when its replica died twice is split into single rows; a single row that kills its replica
+``max_row_attempts`` times becomes an error row. So every row ends up in the output exactly once,
+either generated or with the reason it failed; results of a dead replica are never used.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from .replica import Replica
+
+log = logging.getLogger("pipeline.scheduler")
+
+
+class JobFailed(RuntimeError):
+    """The job cannot go on (e.g. every replica fails to start)."""
+
+
+@dataclass
+class Batch:
+    key: int
+    rows: list[dict]
+    deaths: int = 0  # replicas that died while running this batch
+
+
+@dataclass
+class _Slot:
+    replica: Replica
+    started: float
+    ready: bool = False
+    info: dict = field(default_factory=dict)
+    inflight: deque = field(default_factory=deque)  # (ref, Batch), oldest (= running) first
+
+
+@dataclass
+class SchedulerStats:
+    first_ready_s: float | None = None  # from scheduler start to the first replica ready
+    all_ready_s: float | None = None  # ... to every initial replica ready
+    first_dispatch: float | None = None  # perf_counter of the first batch sent
+    last_result: float | None = None
+    replicas_started: int = 0
+    replacements: int = 0
+    deaths: int = 0
+    batches_redone: int = 0
+    replica_info: list = field(default_factory=list)  # info dicts of every replica that became ready
+
+
+class Scheduler:
+    def __init__(self, factory: Callable[[str], Replica], n_replicas: int, batches: list[Batch],
+                 on_result: Callable[[Batch, list[dict], dict], None],
+                 on_failed_rows: Callable[[list[dict], str], None],
+                 on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
+                 depth: int = 2, max_replacements: int = 5, max_row_attempts: int = 2,
+                 tick_s: float = 1.0):
+        self.factory = factory
+        self.n = n_replicas
+        self.queue: deque[Batch] = deque(batches)
+        self.on_result = on_result
+        self.on_failed_rows = on_failed_rows
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.on_tick = on_tick or (lambda: None)
+        self.depth = depth
+        self.max_replacements = max_replacements
+        self.max_row_attempts = max_row_attempts
+        self.tick_s = tick_s
+        self.slots: dict[str, _Slot] = {}
+        self.ready_refs: dict = {}  # ObjectRef -> slot name
+        self.task_refs: dict = {}  # ObjectRef -> slot name
+        self.stats = SchedulerStats()
+        self._next_key = max((b.key for b in batches), default=-1) + 1
+        self._count = 0
+        self._initial_ready = 0
+        self._start_failures = 0
+        self._last_error = ""
+
+    # ------------------------------------------------------------------ replicas
+    def _start(self) -> None:
+        name = f"replica-{self._count}"
+        self._count += 1
+        rep = self.factory(name)
+        self.slots[name] = _Slot(rep, time.perf_counter())
+        self.ready_refs[rep.ready()] = name
+        self.stats.replicas_started += 1
+        self.on_event("start", name=name)
+
+    def _lost(self, name: str, err: BaseException) -> None:
+        """A replica died: requeue its batches, replace it."""
+        slot = self.slots.pop(name)
+        slot.replica.kill()
+        self.stats.deaths += 1
+        self._last_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        for ref in [r for r, n in self.ready_refs.items() if n == name]:
+            del self.ready_refs[ref]
+        requeue = []
+        for i, (ref, batch) in enumerate(slot.inflight):
+            self.task_refs.pop(ref, None)
+            if i == 0:
+                batch.deaths += 1  # actor tasks run in order: the oldest in flight was the one running
+            requeue.append(batch)
+        self.stats.batches_redone += len(requeue)
+        for batch in reversed(requeue):
+            self._requeue(batch)
+        log.warning("%s died (%s); %d batch(es) go back to the queue", name, self._last_error, len(requeue))
+        self.on_event("death", name=name, error=self._last_error, requeued=len(requeue))
+        if not slot.ready:
+            self._start_failures += 1
+            if self.stats.first_ready_s is None and self._start_failures >= min(2, self.n + 1):
+                raise JobFailed(f"replicas fail to start: {err}")
+        if self.stats.replacements >= self.max_replacements:
+            if not self.slots:
+                raise JobFailed(f"every replica died and the replacement budget ({self.max_replacements}) "
+                                f"is spent; last error: {self._last_error}")
+            log.warning("replacement budget spent; going on with %d replica(s)", len(self.slots))
+            return
+        if self.queue or any(s.inflight for s in self.slots.values()):
+            self.stats.replacements += 1
+            self._start()
+
+    def _requeue(self, batch: Batch) -> None:
+        if batch.deaths >= 2 and len(batch.rows) > 1:
+            log.warning("batch %d was running in %d replicas that died; splitting it into single rows",
+                        batch.key, batch.deaths)
+            for row in reversed(batch.rows):
+                self.queue.appendleft(Batch(self._new_key(), [row]))
+        elif len(batch.rows) == 1 and batch.deaths >= self.max_row_attempts:
+            self.on_failed_rows(batch.rows, f"the worker process died {batch.deaths} times while generating "
+                                            f"this row (last: {self._last_error})")
+        else:
+            self.queue.appendleft(batch)
+
+    def _new_key(self) -> int:
+        self._next_key += 1
+        return self._next_key - 1
+
+    def _feed(self) -> None:
+        for name, slot in self.slots.items():
+            while slot.ready and self.queue and len(slot.inflight) < self.depth:
+                batch = self.queue.popleft()
+                ref = slot.replica.submit(batch.rows)
+                slot.inflight.append((ref, batch))
+                self.task_refs[ref] = name
+                if self.stats.first_dispatch is None:
+                    self.stats.first_dispatch = time.perf_counter()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> SchedulerStats:
+        t0 = time.perf_counter()
+        for _ in range(self.n):
+            self._start()
+        while self.queue or self.task_refs:
+            self._feed()
+            refs = list(self.ready_refs) + list(self.task_refs)
+            if not refs:
+                raise JobFailed("no replica is alive or starting")  # pragma: no cover - guarded in _lost
+            done, _ = ray.wait(refs, num_returns=1, timeout=self.tick_s)
+            for ref in done:
+                if ref in self.ready_refs:
+                    self._on_ready(ref, t0)
+                elif ref in self.task_refs:
+                    self._on_task(ref)
+            self.on_tick()
+        for slot in self.slots.values():  # replicas still starting are not needed any more
+            if not slot.ready:
+                slot.replica.kill()
+        return self.stats
+
+    def _on_ready(self, ref, t0: float) -> None:
+        name = self.ready_refs.pop(ref)
+        try:
+            info = ray.get(ref)
+        except RayError as e:
+            self._lost(name, e)
+            return
+        slot = self.slots[name]
+        slot.ready, slot.info = True, {**info, "name": name, "ready_s": time.perf_counter() - slot.started}
+        self.stats.replica_info.append(slot.info)
+        now = time.perf_counter() - t0
+        if self.stats.first_ready_s is None:
+            self.stats.first_ready_s = now
+        self._initial_ready += 1
+        if self._initial_ready == self.n:
+            self.stats.all_ready_s = now
+        log.info("%s ready in %.1f s (pid %s, %s, model load %.1f s)", name, slot.info["ready_s"],
+                 info.get("pid"), info.get("device"), info.get("model_load_s", float("nan")))
+        self.on_event("ready", name=name, info=slot.info)
+
+    def _on_task(self, ref) -> None:
+        name = self.task_refs.pop(ref)
+        slot = self.slots[name]
+        batch = next(b for r, b in slot.inflight if r == ref)
+        try:
+            rows, stats = ray.get(ref)
+        except RayActorError as e:
+            self.task_refs[ref] = name  # _lost drops every ref of the slot, this one included
+            self._lost(name, e)
+            return
+        except (RayTaskError, GetTimeoutError, RayError) as e:
+            slot.inflight = deque((r, b) for r, b in slot.inflight if r != ref)
+            self._task_error(batch, e)
+            return
+        slot.inflight = deque((r, b) for r, b in slot.inflight if r != ref)
+        self.stats.last_result = time.perf_counter()
+        self.on_result(batch, rows, stats)
+        self.on_event("batch", name=name, batch=batch.key, rows=len(rows), pid=stats.get("pid"))
+
+    def _task_error(self, batch: Batch, err: BaseException) -> None:
+        """The batch raised inside a live replica (the worker catches row errors, so this is rare)."""
+        msg = f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''}"
+        log.warning("batch %d raised %s", batch.key, msg)
+        if len(batch.rows) > 1:
+            for row in reversed(batch.rows):
+                self.queue.appendleft(Batch(self._new_key(), [row]))
+        else:
+            self.on_failed_rows(batch.rows, msg)
