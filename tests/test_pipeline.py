@@ -1,0 +1,475 @@
+"""The Ray batch-generation job (pipeline/, jobs/generate.py), end to end on a local Ray.
+
+A tiny random Llama with a small byte-level BPE tokenizer (trained here on the sample corpus) stands
+in for the model: text prompts, a chat template, a 128-token context, milliseconds per step. One
+local Ray is shared by the module (``ray_session``); the jobs run in-process (they reuse it) or as
+subprocesses that join it with ``--address`` (and one that starts its own local Ray).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import ConfigError, GenerationSpec, JobConfig
+from pipeline.inputs import load_input, row_problem
+from pipeline.output import OutputStore, read_generations
+from pipeline.worker import row_seed
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GENERATE = REPO / "jobs" / "generate.py"
+BUILD_INDEX = REPO / "jobs" / "build_index.py"
+
+OUTPUT_COLUMNS = ["id", "generation", "finish_reason", "n_prompt_tokens", "n_new_tokens", "steps",
+                  "mean_accepted", "accepted_lengths", "retrieval_success", "wall_s", "method", "model", "error"]
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+def _build_tiny_text_model(path: pathlib.Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = [p.read_text() for p in sorted((REPO / "data" / "sample_corpus").rglob("*.txt"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharpen the random logits: greedy ties (float noise) become vanishingly rare
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-text-llama")
+    _build_tiny_text_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module; in-process jobs reuse it, subprocess jobs join it by address."""
+    ray = pytest.importorskip("ray")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p])  # actors import this checkout
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _long_prompt() -> str:
+    return " ".join(["lorem ipsum dolor sit amet"] * 60)  # far beyond the tiny model's 128 positions
+
+
+def _mixed_rows() -> list[dict]:
+    """20 rows: 14 good text prompts, 1 chat row, 5 bad rows (null, empty, blank, wrong type, too long)."""
+    samples = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()]
+    rows = [{"id": i, "prompt": s["prompt"], "messages": None} for i, s in enumerate(samples[:14])]
+    rows.append({"id": 14, "prompt": None, "messages": [{"role": "user", "content": "Name a colour."}]})
+    rows += [{"id": 15, "prompt": None, "messages": None},
+             {"id": 16, "prompt": "", "messages": None},
+             {"id": 17, "prompt": "   \n", "messages": None},
+             {"id": 18, "prompt": 12345, "messages": None},
+             {"id": 19, "prompt": _long_prompt(), "messages": None}]
+    return rows
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cfg(tiny: str, inp, out, **kw) -> JobConfig:
+    gen = dict(model=tiny, max_new_tokens=kw.pop("max_new_tokens", 12), max_batch_size=kw.pop("max_batch_size", 2),
+               temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), warmup=False)
+    kw.setdefault("threads_per_actor", 1)
+    kw.setdefault("log_interval", 2.0)
+    return JobConfig(input=str(inp), output=str(out), gen=GenerationSpec(**gen), **kw)
+
+
+def _check_exactly_once(out, ids) -> pa.Table:
+    table = read_generations(out)
+    got = table.column("id").to_pylist()
+    assert sorted(got) == sorted(ids), "every input row exactly once"
+    assert len(got) == len(set(got))
+    assert set(OUTPUT_COLUMNS) <= set(table.column_names)
+    return table
+
+
+def _env_without_ray_address() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- no Ray
+def test_inputs_all_formats_read_the_same_rows(tmp_path):
+    import datasets
+    import pyarrow.csv as pcsv
+
+    table = pa.table({"id": ["a", "b", "c"], "prompt": ["one", "", None], "extra": [1, 2, 3]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    _write_jsonl(tmp_path / "t.jsonl", table.to_pylist())
+    pcsv.write_csv(table.slice(0, 2), tmp_path / "t.csv")
+    (tmp_path / "dir").mkdir()
+    pq.write_table(table.slice(0, 2), tmp_path / "dir" / "a.parquet")
+    pq.write_table(table.slice(2), tmp_path / "dir" / "b.parquet")
+    datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
+    for name in ("t.parquet", "t.arrow", "t.jsonl", "dir", "ds"):
+        rows = load_input(JobConfig(input=str(tmp_path / name), output="unused"))
+        assert rows.ids == ["a", "b", "c"] and rows.prompts == ["one", "", None], name
+        assert rows.id_type == pa.string()
+    csv_rows = load_input(JobConfig(input=str(tmp_path / "t.csv"), output="unused"))
+    assert csv_rows.prompts == ["one", ""]  # CSV: an empty field is an empty prompt (an error row), not a crash
+    no_ids = load_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row"))
+    assert no_ids.ids == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
+
+
+@pytest.mark.parametrize("rows, kwargs, message", [
+    ([{"id": 1, "text": "x"}], {}, "column 'prompt' (--prompt-column) not found"),
+    ([{"id": 1, "prompt": "x"}], {"corpus_column": "corpus"}, "column 'corpus' (--corpus-column) not found"),
+    ([{"id": 1, "prompt": "x"}, {"id": 1, "prompt": "y"}], {}, "duplicated value(s), e.g. 1"),
+    ([{"id": 1, "prompt": "x"}, {"id": None, "prompt": "y"}], {}, "has a null at row 1"),
+    ([{"id": 1, "prompt": "x"}, {"id": "b", "prompt": "y"}], {}, "mixes integers and strings"),
+])
+def test_schema_errors_name_the_problem(tmp_path, rows, kwargs, message):
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    with pytest.raises(ConfigError) as e:
+        load_input(JobConfig(input=str(inp), output="unused", **kwargs))
+    assert message in str(e.value)
+
+
+def test_parquet_column_of_wrong_type_is_a_config_error(tmp_path):
+    pq.write_table(pa.table({"id": [1, 2], "prompt": [1.5, 2.5]}), tmp_path / "in.parquet")
+    with pytest.raises(ConfigError, match="'prompt' .* has type double"):
+        load_input(JobConfig(input=str(tmp_path / "in.parquet"), output="unused"))
+
+
+def test_row_problems_and_seeds():
+    assert row_problem("hi") is None and row_problem([5, 6]) is None
+    assert row_problem(None) == "prompt is null"
+    assert row_problem("  ") == "empty prompt" and row_problem([]) == "empty prompt"
+    assert "type int" in row_problem(3) and "type dict" in row_problem({"a": 1})
+    assert row_problem(None, [{"role": "user", "content": "x"}], True) is None
+    assert "malformed" in row_problem(None, [{"role": "user"}], True)
+    # a row's seed depends only on (--seed, id): stable across processes, shards, batches
+    assert row_seed(0, 7) == row_seed(0, 7) != row_seed(1, 7)
+    assert row_seed(0, 7) != row_seed(0, "7") and 0 <= row_seed(123, "x") < 2**63
+    # pinned: changing the derivation would make resumed outputs mix two seed schemes
+    assert row_seed(0, 7) == 2261305308355864834 and row_seed(0, "a") == 3705219367631438799
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="temperature"):
+        GenerationSpec(temperature=-1.0)
+    with pytest.raises(ConfigError, match="top_p"):
+        GenerationSpec(top_p=0.0)
+    with pytest.raises(ConfigError, match="unknown method"):
+        GenerationSpec(method="medusa")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        GenerationSpec(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="actors"):
+        JobConfig(input="a", output="b", actors=0)
+    with pytest.raises(ConfigError, match="--corpus-column"):
+        JobConfig(input="a", output="b", references=(("x", "p"), ("y", "q")))
+
+
+def test_part_files_are_atomic_and_ids_never_written_twice(tmp_path, monkeypatch):
+    store = OutputStore(tmp_path / "out", pa.int64())
+    assert store.prepare({"model": "m"}, overwrite=False) is None
+    row = {"id": 1, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
+           "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
+           "method": "ar", "model": "m", "error": None, "corpus": None}
+    assert store.write([row]) is not None
+    assert store.write([row]) is None  # same id again: not written
+    # a crash in the middle of writing leaves only a hidden temporary file, which readers skip
+    import pipeline.output as output
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(output.os, "fsync", crash)
+    with pytest.raises(OSError):
+        store.write([{**row, "id": 2}])
+    monkeypatch.undo()
+    assert len(store.part_files()) == 1
+    assert read_generations(tmp_path / "out").column("id").to_pylist() == [1]
+    (store.parts / ".part-dead.parquet.tmp").write_bytes(b"half")  # a crashed run's temporary
+    store2 = OutputStore(tmp_path / "out", pa.int64())
+    existing = store2.prepare({"model": "m"}, overwrite=False)
+    assert existing.column("id").to_pylist() == [1] and store2.written == {1}
+    assert not list(store2.parts.glob(".*.tmp"))
+    with pytest.raises(ConfigError, match="other settings .*model: was 'm', now 'n'"):
+        OutputStore(tmp_path / "out", pa.int64()).prepare({"model": "n"}, overwrite=False)
+    with pytest.raises(ConfigError, match="ids of type int64"):
+        OutputStore(tmp_path / "out", pa.string()).prepare({"model": "m"}, overwrite=False)
+
+
+def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
+    from pipeline.cli import main
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hello"}, {"id": 2, "prompt": "world"}])
+    dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}])
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    out = str(tmp_path / "out")
+    cases = [
+        (["--input", str(inp), "--prompt-column", "question"], "column 'question' (--prompt-column) not found"),
+        (["--input", str(dup)], "duplicated value(s), e.g. 1"),
+        (["--input", str(inp), "--model", str(tmp_path / "nope")], "not found"),
+        (["--input", str(inp), "--model", str(broken)], "cannot read"),
+        (["--input", str(inp), "--temperature", "-0.5"], "temperature must be >= 0"),
+        (["--input", str(inp), "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--input", str(inp), "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--input", str(tmp_path / "missing.parquet")], "does not exist"),
+        (["--input", str(inp), "--reference", str(tmp_path / "no-corpus")], "does not exist"),
+    ]
+    for args, message in cases:
+        t0 = time.perf_counter()
+        model = [] if "--model" in args else ["--model", tiny]
+        assert main(args + model + ["--output", out, "-q"]) == 2, args
+        err = capsys.readouterr().err
+        assert message in err, (args, err)
+        assert time.perf_counter() - t0 < 30, args
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_cli_exit_code_for_a_config_error_in_a_subprocess(tmp_path, tiny):
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hello"}])
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, str(GENERATE), "--input", str(inp), "--output", str(tmp_path / "o"),
+                        "--model", tiny, "--id-column", "id", "--messages-column", "chat"],
+                       capture_output=True, text=True, env=_env_without_ray_address(), timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "column 'chat' (--messages-column) not found" in p.stderr
+    assert time.perf_counter() - t0 < 60
+
+
+# ---------------------------------------------------------------------------------------------- Ray, in-process
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory, tiny, ray_session):
+    """The main end-to-end run: 20 mixed rows, 2 actors, 3 rows per task, sampling."""
+    from pipeline.job import run_job
+
+    d = tmp_path_factory.mktemp("mixed")
+    inp = _write_jsonl(d / "in.jsonl", _mixed_rows())
+    out = d / "out"
+    summary = run_job(_cfg(tiny, inp, out, actors=2, batch_rows=3, messages_column="messages",
+                           temperature=0.8, seed=7))
+    return inp, out, summary
+
+
+def test_exactly_once_with_error_rows(mixed_run):
+    inp, out, summary = mixed_run
+    table = _check_exactly_once(out, list(range(20)))
+    rows = {r["id"]: r for r in table.to_pylist()}
+    errors = {i: r["error"] for i, r in rows.items() if r["error"] is not None}
+    assert errors[15] == "prompt and messages are both null"
+    assert errors[16] == "empty prompt" and errors[17] == "empty prompt"
+    assert "type int" in errors[18]
+    assert "context is 128" in errors[19]  # found by the engine in the actor
+    assert set(errors) == {15, 16, 17, 18, 19}
+    for i in range(15):
+        r = rows[i]
+        assert r["generation"] is not None and r["finish_reason"] in ("stop", "length")
+        assert 1 <= r["n_new_tokens"] <= 12 and r["steps"] == len(r["accepted_lengths"])
+        assert sum(r["accepted_lengths"]) == r["n_new_tokens"] and r["method"] == "logitspec"
+    assert rows[14]["n_prompt_tokens"] > 5  # the chat row went through the chat template
+    assert summary["complete"] is True
+    assert summary["rows"] == {**summary["rows"], "total": 20, "done_now": 15, "failed_now": 5,
+                               "skipped_already_done": 0, "in_output": 20, "missing": 0, "duplicates_in_output": 0}
+    assert summary["tokens"]["new_now"] == sum(rows[i]["n_new_tokens"] for i in range(15))
+    assert summary["mat"]["now"] == pytest.approx(summary["tokens"]["new_now"] / sum(rows[i]["steps"] for i in range(15)))
+    # one model copy per replica that came up (the 2nd may still be loading when the tiny job ends)
+    assert 1 <= summary["memory"]["model_copies"] == len(summary["replicas"]["startup"]) <= 2
+    assert summary["memory"]["model_bytes_per_replica"] > 0
+    assert summary["timing"]["generation_s"] > 0 and summary["timing"]["startup_s"] > 0
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["rows"] == summary["rows"]
+
+
+def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_session, mixed_run):
+    from pipeline.job import run_job
+
+    inp, _, first = mixed_run
+    out = tmp_path / "out"
+    s1 = run_job(_cfg(tiny, inp, out, limit=8, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
+    assert s1["rows"]["done_now"] == 8 and s1["complete"]
+    parts = {p.name: p.stat().st_mtime_ns for p in (out / "generations").glob("part-*.parquet")}
+    s2 = run_job(_cfg(tiny, inp, out, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
+    assert s2["rows"]["skipped_already_done"] == 8 and s2["rows"]["done_now"] + s2["rows"]["failed_now"] == 12
+    assert s2["complete"]
+    for name, mtime in parts.items():  # no recompute: the first run's files are untouched
+        assert (out / "generations" / name).stat().st_mtime_ns == mtime
+    table = _check_exactly_once(out, list(range(20)))
+    # sampling seeds depend on (seed, id) only: 1 actor x 4-row tasks == 2 actors x 3-row tasks
+    _, mixed_out, _ = mixed_run
+    a = {r["id"]: r["generation"] for r in table.to_pylist()}
+    b = {r["id"]: r["generation"] for r in read_generations(mixed_out).to_pylist()}
+    assert a == b
+    # nothing left: no actor starts at all
+    s3 = run_job(_cfg(tiny, inp, out, messages_column="messages", temperature=0.8, seed=7))
+    assert s3["rows"]["skipped_already_done"] == 20 and s3["replicas"]["started"] == 0 and s3["complete"]
+    # other settings on the same output: refused, naming the difference
+    with pytest.raises(ConfigError, match="temperature: was 0.8, now 0.0"):
+        run_job(_cfg(tiny, inp, out, messages_column="messages", seed=7))
+    s4 = run_job(_cfg(tiny, inp, out, messages_column="messages", seed=7, overwrite=True, limit=4))
+    assert s4["rows"]["skipped_already_done"] == 0 and s4["rows"]["done_now"] == 4
+    _check_exactly_once(out, list(range(4)))
+
+
+def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_session):
+    import psutil
+
+    from pipeline.job import run_job
+
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox jumps over the lazy dog"} for i in range(24)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    killed = []
+
+    def on_event(kind, **info):
+        if kind == "batch" and not killed:  # after the first finished batch, SIGKILL the actor's process
+            pid = info["pid"]
+            title = " ".join(psutil.Process(pid).cmdline())
+            assert "EngineWorker" in title, title  # the process titled ray::EngineWorker...
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    summary = run_job(_cfg(tiny, inp, tmp_path / "out", actors=1, batch_rows=3, max_new_tokens=24),
+                      on_event=on_event)
+    assert killed
+    assert summary["replicas"]["deaths"] == 1 and summary["replicas"]["replacements"] == 1
+    assert summary["replicas"]["batches_redone"] >= 1
+    assert summary["complete"] and summary["rows"]["failed_now"] == 0
+    _check_exactly_once(tmp_path / "out", [r["id"] for r in rows])
+
+
+def _reference_job(tmp_path, tiny):
+    """Rows whose continuations live in a shared corpus: the corpus holds the model's own greedy
+    output for each prompt, so retrieval from the index must find it."""
+    from pipeline.job import run_job
+
+    prompts = [f"Note {i}: " + s for i, s in enumerate(["the cat sat on the mat", "four score and seven years",
+                                                         "permission is hereby granted", "beautiful is better",
+                                                         "in the beginning", "to be or not to be"])]
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "corpus": "notes"} for i, p in enumerate(prompts)])
+    base = run_job(_cfg(tiny, inp, tmp_path / "plain", max_new_tokens=24, corpus_column="corpus"))
+    gens = {r["id"]: r["generation"] for r in read_generations(tmp_path / "plain").to_pylist()}
+    corpus = tmp_path / "corpus.jsonl"
+    _write_jsonl(corpus, [{"text": prompts[i] + gens[i]} for i in range(len(prompts))])
+    return inp, corpus, base, gens
+
+
+def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_session):
+    from pipeline.job import run_job
+
+    inp, corpus, base, gens = _reference_job(tmp_path, tiny)
+    with_ref = run_job(_cfg(tiny, inp, tmp_path / "ref", max_new_tokens=24, corpus_column="corpus", actors=2,
+                            references=(("notes", f"{corpus}#text"),)))
+    table = read_generations(tmp_path / "ref")
+    assert {r["id"]: r["generation"] for r in table.to_pylist()} == gens  # greedy: the index changes no token
+    mat_plain = base["mat"]["per_corpus_now"]["notes"]["mat"]
+    mat_ref = with_ref["mat"]["per_corpus_now"]["notes"]["mat"]
+    assert mat_ref > mat_plain + 0.5, (mat_plain, mat_ref)
+    assert with_ref["mat"]["per_corpus_now"]["notes"]["reference"] is True
+    mem = with_ref["memory"]
+    assert mem["reference_zero_copy"] is True and len(mem["replicas"]) == 2
+    assert mem["reference_indexes"]["notes"]["documents"] == 6 and mem["reference_copies_per_node"] == 1
+    # the same index prebuilt to disk by jobs/build_index.py gives the same result
+    idx = tmp_path / "notes.npz"
+    p = subprocess.run([sys.executable, str(BUILD_INDEX), "--corpus", f"{corpus}#text", "--output", str(idx),
+                        "--model", tiny], capture_output=True, text=True, env=_env_without_ray_address(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["documents"] == 6
+    prebuilt = run_job(_cfg(tiny, inp, tmp_path / "pre", max_new_tokens=24, corpus_column="corpus",
+                            references=(("notes", str(idx)),)))
+    assert prebuilt["mat"]["now"] == pytest.approx(with_ref["mat"]["now"])
+    # a reference naming no corpus of the input is a typo, caught before Ray work starts
+    with pytest.raises(ConfigError, match="--reference 'nots' names no corpus"):
+        run_job(_cfg(tiny, inp, tmp_path / "typo", corpus_column="corpus", references=(("nots", str(idx)),)))
+
+
+# ---------------------------------------------------------------------------------------------- subprocesses
+def test_driver_crash_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_session):
+    """SIGKILL the driver (a `jobs/generate.py` joined to the running Ray by --address) after its first
+    part file: the output holds only complete files, and the rerun finishes every row exactly once."""
+    rows = [{"id": i, "prompt": f"Line {i}: four score and seven years ago"} for i in range(16)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GENERATE), "--input", str(inp), "--output", str(out), "--model", tiny,
+           "--address", ray_session, "--max-new-tokens", "40", "--batch-rows", "2", "--max-batch-size", "1",
+           "--threads-per-actor", "1", "--no-warmup"]
+    env = _env_without_ray_address()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and not list((out / "generations").glob("part-*.parquet")):
+            assert proc.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = [pq.read_table(p).column("id").to_pylist() for p in (out / "generations").glob("part-*.parquet")]
+    n_done = sum(len(d) for d in done)
+    assert 0 < n_done < 16 and not (out / "summary.json").exists()
+    p = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rows"]["skipped_already_done"] == n_done and summary["complete"]
+    _check_exactly_once(out, list(range(16)))
+
+
+def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
+    """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray."""
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(["Hello there", "Lorem ipsum dolor", ""])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
+                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6", "--threads-per-actor", "1"],
+                       capture_output=True, text=True, env=_env_without_ray_address(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    brief = json.loads(p.stdout)
+    assert brief["complete"] and brief["rows"]["done_now"] == 2 and brief["rows"]["failed_now"] == 1
+    assert "rows 3/3" in p.stderr  # progress in the driver log
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["ray"]["started_here"] is True and summary["timing"]["ray_init_s"] > 0
+    _check_exactly_once(tmp_path / "out", [0, 1, 2])
+
+
+@pytest.mark.slow
+def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
+    """The README quick start, on 3 sample rows and 8 new tokens: the embedded default model."""
+    from pipeline.job import run_job
+
+    summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"), output=str(tmp_path / "out"),
+                                gen=GenerationSpec(max_new_tokens=8), limit=3, threads_per_actor=2))
+    assert summary["complete"] and summary["rows"]["done_now"] == 3
+    table = read_generations(tmp_path / "out")
+    assert all(g for g in table.column("generation").to_pylist())
+    assert table.column("model").to_pylist() == ["default"] * 3
