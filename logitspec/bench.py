@@ -416,7 +416,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     if warmup:
         prompts = [build(q, 0, []) for q in groups[0]]
         for name in names:
-            bar.set_postfix_str(f"warm-up {name}")
+            bar.set_postfix_str(f"warm-up {name}", refresh=False)
             warm[name] = runners[name].run(prompts, min(warmup_tokens, max_new_tokens))[0]
             bar.update(1)
 
@@ -431,7 +431,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
                 order = names[unit % len(names):] + names[: unit % len(names)]
                 unit_records = {}
                 for pos, name in enumerate(order):
-                    bar.set_postfix_str(f"{qs[0].task} q{qs[0].question_id} t{turn + 1} {name}")
+                    bar.set_postfix_str(f"{qs[0].task} q{qs[0].question_id} t{turn + 1} {name}", refresh=False)
                     wall, outs = runners[name].run(prompts, max_new_tokens)
                     unit_records[name] = [
                         _record(name, q, turn, unit, pos, p, o, wall, len(qs)) for q, p, o in zip(qs, prompts, outs)]
@@ -501,7 +501,7 @@ class _NoBar:
     def update(self, n=1):
         pass
 
-    def set_postfix_str(self, s):
+    def set_postfix_str(self, s, refresh=True):
         pass
 
     def close(self):
@@ -546,27 +546,46 @@ def add_bench_command(sub) -> None:
     p.set_defaults(func=bench_command)
 
 
+def bench(model="default", questions=None, out_dir="bench_out", methods: str | Sequence[str] = DEFAULT_METHODS,
+          per_task: int | None = None, categories: Sequence[str] | None = None, **kwargs) -> dict:
+    """Python twin of ``logitspec bench``: ``model`` is a spec for :func:`logitspec.models.load_model` or a
+    ``(model, tokenizer)`` pair; ``questions`` a ``question.jsonl`` path (default: Spec-Bench beside the
+    repository) or a list of :class:`Question`; other keywords go to :func:`run_bench`."""
+    parse_methods(methods)  # fail on a typo before loading anything
+    if questions is None or isinstance(questions, (str, os.PathLike)):
+        qs = load_questions(questions, per_task, categories)
+        kwargs.setdefault("settings", {"questions_file": str(questions or DEFAULT_QUESTIONS), "per_task": per_task,
+                                       "categories": list(categories) if categories else None})
+    else:
+        qs = select_questions(list(questions), per_task, categories)
+    if isinstance(model, tuple):
+        model_obj, tok = model
+        kwargs.setdefault("model_name", getattr(model_obj.config, "name_or_path", None) or type(model_obj).__name__)
+    else:
+        from .models import load_model
+
+        model_obj, tok = load_model(model)
+        kwargs.setdefault("model_name", str(model))
+    return run_bench(model_obj, tok, qs, out_dir, methods, **kwargs)
+
+
 def bench_command(args) -> int:
     quick = QUICK if args.quick else {}
     per_task = args.per_task if args.per_task is not None else quick.get("per_task")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else quick.get("max_new_tokens", 64)
-    methods = args.methods or quick.get("methods", DEFAULT_METHODS)
-    specs = parse_methods(methods)  # fail on a typo before loading anything
-    questions = load_questions(args.questions, per_task, _split_top(args.categories, ",") if args.categories else None)
+    methods = [s.name for s in parse_methods(args.methods or quick.get("methods", DEFAULT_METHODS))]
+    categories = _split_top(args.categories, ",") if args.categories else None
+    load_questions(args.questions, per_task, categories)  # a missing file fails before the model loads
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    from .models import load_model
-
-    model, tok = load_model(args.model)
-    summary = run_bench(model, tok, questions, args.out, [s.name for s in specs], max_new_tokens=max_new,
-                        max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.top_k,
-                        warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens,
-                        progress=not args.no_progress, model_name=str(args.model),
-                        command=_command_line(args, per_task, max_new, [s.name for s in specs]),
-                        settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS), "per_task": per_task,
-                                  "categories": args.categories, "quick": args.quick})
+    summary = bench(args.model, args.questions, args.out, methods, per_task, categories, max_new_tokens=max_new,
+                    max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.top_k,
+                    warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, progress=not args.no_progress,
+                    command=_command_line(args, per_task, max_new, methods),
+                    settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS), "per_task": per_task,
+                              "categories": categories, "quick": args.quick})
     print(_console_table(summary))
     print(f"wrote {args.out}/results.jsonl, summary.json, report.md, speedup.png, accept_hist.png")
     return 0

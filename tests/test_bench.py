@@ -7,8 +7,8 @@ import random
 import pytest
 
 from logitspec import bench_report as br
-from logitspec.bench import (DEFAULT_QUESTIONS, Question, _accept_lengths, _split_top, load_questions,
-                             parse_methods, run_bench, select_questions)
+from logitspec.bench import (DEFAULT_QUESTIONS, Question, _accept_lengths, _split_top, bench, load_questions,
+                             parse_methods, select_questions)
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -167,6 +167,17 @@ def test_hf_accept_lengths_from_forward_positions():
 
 
 # ------------------------------------------------------------------------------- end to end (tiny)
+@pytest.fixture
+def one_thread():
+    """A tiny model gains nothing from threads, and on a busy 2-core box 2 threads ran it ~10x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _tiny_model():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -188,9 +199,9 @@ def _tiny_questions():
     return qs
 
 
-def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path):
-    summary = run_bench(_tiny_model(), None, _tiny_questions(), tmp_path, methods="pld,logitspec,hf,hf-pld",
-                        max_new_tokens=12, warmup_tokens=4, progress=False, model_name="tiny-llama")
+def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
+    summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods="pld,logitspec,hf,hf-pld",
+                    max_new_tokens=12, warmup_tokens=4, progress=False, model_name="tiny-llama")
     for f in ("results.jsonl", "summary.json", "report.md", "speedup.png", "accept_hist.png"):
         assert (tmp_path / f).is_file(), f
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -217,7 +228,7 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path):
     assert "| `ar` | 1.00x | 1.00x | 1.00x | 1.00x | 1.00 |" in md
 
 
-def test_batched_run_and_cli(tmp_path, monkeypatch):
+def test_batched_run_and_cli(tmp_path, one_thread):
     """``--max-batch-size 2`` through the CLI on a saved tiny model with a token-id questions file."""
     from logitspec.cli import main
 
