@@ -23,8 +23,12 @@ class SpecConfig:
     # --- pld: one chain of up to this many tokens (Spec-Bench: 10)
     pld_max_tokens: int = 10
     # --- logitspec
-    capacity: int = 16  # max draft nodes per sequence and step, root excluded
-    top_k: int = 16  # next-next guesses taken from the last logits (x1 excluded)
+    # "auto": each step verifies the draft nodes that maximise expected tokens per second, from the
+    # measured cost curve and running acceptance rates (up to ``capacity``); "fixed": always up to
+    # ``capacity`` (scaled down with the batch by ``budget_decay``), as in the paper.
+    budget: str = "auto"
+    capacity: int = 32  # max draft nodes per sequence and step, root excluded
+    top_k: int = 32  # next-next guesses taken from the last logits (x1 excluded)
     branch0_max_tokens: int = 10  # plain lookup continuation of x1
     # rank pruning: a guess of rank r (1-based) keeps rank_keep[i] tokens if r <= rank_limits[i]
     rank_limits: tuple[int, ...] = (8, 32)
@@ -39,6 +43,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.budget not in ("auto", "fixed"):
+            raise ValueError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -73,6 +79,6 @@ class SpecConfig:
     @classmethod
     def paper(cls, **changes) -> "SpecConfig":
         """The paper's A100 defaults: capacity 64, k 64, branch 0 up to 20, no batch scaling."""
-        base = dict(capacity=64, top_k=64, branch0_max_tokens=20, budget_decay=0.0)
+        base = dict(capacity=64, top_k=64, branch0_max_tokens=20, budget_decay=0.0, budget="fixed")
         base.update(changes)
         return cls(**base)

@@ -11,6 +11,20 @@ from .config import SpecConfig
 from .index import NgramSource, retrieve
 from .tree import DraftTree, TreeBuilder
 
+BRANCH0 = 1  # node kind of the plain lookup chain; guess branches use guess_kind(rank)
+RANK_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def guess_kind(rank: int) -> int:
+    """Node kind of a guess branch by the guess's 1-based rank: 2 + its rank bucket."""
+    for i, limit in enumerate(RANK_BUCKETS):
+        if rank <= limit:
+            return 2 + i
+    return 2 + len(RANK_BUCKETS)
+
+
+N_KINDS = 3 + len(RANK_BUCKETS)
+
 
 class Drafter:
     """No drafts: plain autoregressive decoding in the same engine (the reference)."""
@@ -40,7 +54,7 @@ class PromptLookupDrafter(Drafter):
         b = TreeBuilder(context[-1], budget)
         hits = retrieve(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram, c.min_ngram)
         if hits:
-            b.retrieved = b.add_chain(hits[0]) > 0
+            b.retrieved = b.add_chain(hits[0], kind=BRANCH0) > 0
         return b.build()
 
 
@@ -58,7 +72,7 @@ class LogitSpecDrafter(Drafter):
         b = TreeBuilder(context[-1], budget)
         for chain in retrieve(sources, context, c.branch0_max_tokens, c.continuations_per_key,
                               c.max_ngram, c.min_ngram):
-            b.retrieved |= b.add_chain(chain) > 0
+            b.retrieved |= b.add_chain(chain, kind=BRANCH0) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
         for rank, g in enumerate(guesses, 1):
@@ -66,7 +80,7 @@ class LogitSpecDrafter(Drafter):
                 break
             keep = c.keep_for_rank(rank)
             hits = retrieve(sources, tail + [int(g)], keep - 1, 1, c.max_ngram, c.min_ngram) if keep > 1 else []
-            added = b.add_chain([int(g)] + (hits[0] if hits else []))
+            added = b.add_chain([int(g)] + (hits[0] if hits else []), kind=guess_kind(rank))
             b.retrieved |= bool(hits) and added > 0
         return b.build()
 

@@ -15,9 +15,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
-from .draft import make_drafter
+from .draft import N_KINDS, make_drafter
 from .head import Head
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow, layer_windows, pack_step
@@ -57,7 +58,9 @@ class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
-                 fast_head: bool = True):
+                 fast_head: bool = True, cost_curve: CostCurve | None = None):
+        """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
+        from ``logitspec calibrate``'s store or measured quickly on first use."""
         self.model = model
         self.head = Head(model, fast=fast_head)
         self.tokenizer = tokenizer
@@ -70,6 +73,9 @@ class Engine:
         cfg = model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.eos_ids = _eos_ids(model, tokenizer)
+        self.acceptance = AcceptanceStats(N_KINDS)
+        self.cost_curve = cost_curve
+        self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt, apply_chat_template: bool = False) -> list[int]:
@@ -230,14 +236,15 @@ class Engine:
         t0 = time.perf_counter()
         base = self.drafter.base_budget()
         budget = c.budget_for(base, len(active))
-        trees, rows = [], []
+        trees = []
         for s in active:
             remaining = s.max_new - len(s.out)
             room = self.max_context - len(s.index) - 1
             b = max(0, min(budget, remaining - 1, room))
-            tree = self.drafter.draft(s.sources, s.index.tokens, s.guesses, b)
-            trees.append(tree)
-            rows.append(StepRow.from_tree(len(s.index) - 1, tree))
+            trees.append(self.drafter.draft(s.sources, s.index.tokens, s.guesses, b))
+        if self.auto_budget:
+            trees = self._prune(trees)
+        rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         t1 = time.perf_counter()
         cols = kv.columns
         logits = self._forward(rows, kv, all_logits=True)  # per row [n_b, V]
@@ -249,6 +256,7 @@ class Engine:
             else:
                 choose = lambda node, lg=logits[b], g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
             p, tok = accept_path(tree, choose)
+            self.acceptance.update(tree, p)
             paths.append(p)
             bonus.append(tok)
         if self.drafter.wants_guesses and c.top_k:
@@ -263,6 +271,16 @@ class Engine:
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [bonus[b]], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1,
                              draft_s=t1 - t0, forward_s=t2 - t1, verify_s=t3 - t2, commit_s=t4 - t3)
+
+    def _prune(self, trees: list) -> list:
+        """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`)."""
+        if self.cost_curve is None:
+            from .calibrate import load_or_measure
+
+            self.cost_curve = load_or_measure(self)
+        probs = [self.acceptance.node_probs(t) for t in trees]
+        n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, max(len(t) - 1 for t in trees))
+        return [top_nodes(t, p, n) for t, p in zip(trees, probs)]
 
     def _emit(self, seq: _Sequence, tokens: list[int], stops) -> int:
         """Append accepted tokens, stopping at EOS, a stop string or the length limit; returns

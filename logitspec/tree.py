@@ -17,6 +17,9 @@ class DraftTree:
     tokens: np.ndarray
     parents: np.ndarray
     retrieved: bool = False  # whether retrieval (not only logit guesses) supplied a draft token
+    # where each node came from (for acceptance statistics): branch kind and index within its chain
+    kinds: np.ndarray | None = None  # int64 [n]; 0 for the root
+    offsets: np.ndarray | None = None  # int64 [n]; 0 for the first token of a chain
     _children: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +69,15 @@ class DraftTree:
             node = int(self.parents[node])
         return path[::-1]
 
+    def subtree(self, keep) -> "DraftTree":
+        """The tree restricted to the ancestor-closed node set ``keep`` (root included)."""
+        keep = sorted(set(int(k) for k in keep) | {0})
+        new = {old: i for i, old in enumerate(keep)}
+        parents = [-1] + [new[int(self.parents[k])] for k in keep[1:]]  # KeyError: not ancestor-closed
+        pick = lambda a: None if a is None else a[keep]
+        return DraftTree(self.tokens[keep], np.asarray(parents, dtype=np.int64), self.retrieved,
+                         pick(self.kinds), pick(self.offsets))
+
     def leaf_paths(self) -> list[list[int]]:
         """Every root-to-leaf path, in leaf order."""
         is_parent = np.zeros(len(self), dtype=bool)
@@ -86,16 +98,19 @@ class TreeBuilder:
         self.children: list[dict[int, int]] = [{}]
         self.capacity = capacity
         self.retrieved = False
+        self.kinds = [0]
+        self.offsets = [0]
 
     @property
     def full(self) -> bool:
         return len(self.tokens) - 1 >= self.capacity
 
-    def add_chain(self, chain, parent: int = 0) -> int:
-        """Insert ``chain`` below ``parent``; returns the number of new nodes (stops at capacity)."""
+    def add_chain(self, chain, parent: int = 0, kind: int = 1) -> int:
+        """Insert ``chain`` below ``parent``; returns the number of new nodes (stops at capacity).
+        New nodes are tagged with ``kind`` and their offset in the chain."""
         added = 0
         node = parent
-        for tok in chain:
+        for off, tok in enumerate(chain):
             tok = int(tok)
             nxt = self.children[node].get(tok)
             if nxt is None:
@@ -106,6 +121,8 @@ class TreeBuilder:
                 self.parents.append(node)
                 self.children.append({})
                 self.children[node][tok] = nxt
+                self.kinds.append(kind)
+                self.offsets.append(off)
                 added += 1
             node = nxt
         return added
@@ -115,4 +132,6 @@ class TreeBuilder:
             np.asarray(self.tokens, dtype=np.int64),
             np.asarray(self.parents, dtype=np.int64),
             retrieved=self.retrieved,
+            kinds=np.asarray(self.kinds, dtype=np.int64),
+            offsets=np.asarray(self.offsets, dtype=np.int64),
         )

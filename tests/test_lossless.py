@@ -19,7 +19,7 @@ def family_case(request):
 @pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
 def test_greedy_equals_hf_generate_batch1(family_case, method):
     family, model, prompts, refs = family_case
-    res = Engine(model, None, SpecConfig(method=method)).generate(prompts, max_new_tokens=N_NEW)
+    res = Engine(model, None, SpecConfig(method=method, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
     for r, ref in zip(res, refs):
         assert r.token_ids == ref
         assert sum(r.stats["accepted_lengths"]) == N_NEW
@@ -33,7 +33,8 @@ def test_greedy_equals_hf_generate_batch1(family_case, method):
 @pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
 def test_continuous_batching_equals_batch1(family_case, method):
     family, model, prompts, refs = family_case
-    res = Engine(model, None, SpecConfig(method=method, max_batch_size=4)).generate(prompts, max_new_tokens=N_NEW)
+    res = Engine(model, None, SpecConfig(method=method, max_batch_size=4, budget="fixed")).generate(
+        prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
 
 
@@ -42,7 +43,7 @@ def test_paper_budget_lossless(family_case):
     res = Engine(model, None, SpecConfig.paper(method="logitspec", max_batch_size=3)).generate(
         prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
-    small = Engine(model, None, SpecConfig(method="logitspec", capacity=4)).generate(prompts, max_new_tokens=N_NEW)
+    small = Engine(model, None, SpecConfig(method="logitspec", capacity=4, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
     mean_tree = lambda rs: sum(r.stats["mean_tree_size"] for r in rs) / len(rs)
     assert mean_tree(res) > mean_tree(small) + 4  # the big budget is really used
 
@@ -53,7 +54,7 @@ def test_long_prompt_admitted_mid_run_with_chunked_prefill():
     long_prompt = (prompts[0] * 20)[:70]
     prompts.insert(3, long_prompt)
     refs = [hf_greedy(model, p, N_NEW) for p in prompts]
-    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), prefill_chunk=16)
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=16)
     assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
 
 
@@ -67,3 +68,17 @@ def test_eos_stops_and_is_kept():
         r = Engine(model, None, SpecConfig(method=method)).generate([prompt], max_new_tokens=12)[0]
         assert r.token_ids == ref[: ref.index(eos) + 1]
         assert r.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("slope,expect_drafts", [(0.0, True), (10.0, False)])
+def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
+    """Free extra tokens: verify drafts; very costly ones: plain decoding. Lossless either way."""
+    from logitspec.budget import CostCurve
+
+    family, model, prompts, refs = family_case
+    curve = CostCurve([1, 64], [1.0, 1.0 + 63 * slope])
+    res = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), cost_curve=curve).generate(
+        prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+    trees = sum(r.stats["mean_tree_size"] for r in res)
+    assert (trees > 0) == expect_drafts

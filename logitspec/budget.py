@@ -1,0 +1,96 @@
+"""Choosing how many draft nodes to verify: expected committed tokens per second of forward time.
+
+A node's acceptance probability is estimated as the product, along its path, of running per-kind
+acceptance rates (kind = branch 0 or a guess-rank bucket, and offset within the chain). For a
+candidate size n, a row keeps its n most probable nodes (always an ancestor-closed set, since a
+child is never more probable than its parent), and the expected tokens committed are
+``1 + sum of their probabilities``. The chosen n maximises ``sum over rows / t(tokens in the forward)``,
+with ``t`` from a measured cost curve (:mod:`logitspec.calibrate`).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+from .tree import DraftTree
+
+
+class AcceptanceStats:
+    """P(node accepted | its parent accepted), per (kind, offset), with a Beta prior."""
+
+    def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0):
+        self.max_offset = max_offset
+        self.hits = np.full((n_kinds, max_offset), prior_hits)
+        self.tries = np.full((n_kinds, max_offset), prior_hits + prior_misses)
+
+    def _cells(self, tree: DraftTree, nodes):
+        return tree.kinds[nodes], np.minimum(tree.offsets[nodes], self.max_offset - 1)
+
+    def node_probs(self, tree: DraftTree) -> np.ndarray:
+        """float64 [n]: estimated probability that each node ends on the accepted path (root: 1)."""
+        n = len(tree)
+        p = np.ones(n)
+        if n > 1:
+            k, o = self._cells(tree, np.arange(1, n))
+            rate = self.hits[k, o] / self.tries[k, o]
+            for i in range(1, n):
+                p[i] = p[tree.parents[i]] * rate[i - 1]
+        return p
+
+    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
+        """Every node whose parent was accepted was tested; those on ``path`` passed."""
+        if len(tree) == 1:
+            return
+        on_path = np.zeros(len(tree), dtype=bool)
+        on_path[list(path)] = True
+        tested = np.flatnonzero(on_path[tree.parents[1:]]) + 1
+        k, o = self._cells(tree, tested)
+        np.add.at(self.tries, (k, o), 1.0)
+        np.add.at(self.hits, (k, o), on_path[tested].astype(float))
+
+
+class CostCurve:
+    """Forward time as a function of the number of new tokens in the batch (piecewise linear)."""
+
+    def __init__(self, tokens: Sequence[int], seconds: Sequence[float]):
+        order = np.argsort(tokens)
+        self.tokens = [int(tokens[i]) for i in order]
+        self.seconds = [float(seconds[i]) for i in order]
+
+    def __call__(self, n: int) -> float:
+        x, y = self.tokens, self.seconds
+        if n <= x[0]:
+            return y[0]
+        i = min(bisect.bisect_left(x, n), len(x) - 1)
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "seconds": self.seconds}
+
+
+def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:
+    """Draft nodes per row (0..max_nodes) maximising expected committed tokens / forward time.
+
+    ``probs[b]``: node probabilities of row b's draft nodes (root excluded), sorted descending.
+    """
+    B = len(probs)
+    best_n, best = 0, B / cost(B)
+    cum = [np.concatenate([[0.0], np.cumsum(p[:max_nodes])]) for p in probs]
+    for n in range(1, max_nodes + 1):
+        T = 1 + max(min(n, len(p)) for p in probs)  # padded width of the forward
+        gain = sum(1.0 + c[min(n, len(c) - 1)] for c in cum)
+        score = gain / cost(B * T)
+        if score > best:
+            best_n, best = n, score
+    return best_n
+
+
+def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:
+    """The sub-tree of the root and the ``n`` most probable draft nodes (ties: earlier first)."""
+    if n >= len(tree) - 1:
+        return tree
+    order = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))[:n]
+    return tree.subtree(order)

@@ -1,0 +1,149 @@
+"""Measure this machine's forward cost t(n) for n new tokens, store it per model and machine.
+
+``logitspec calibrate --model default`` prints and plots the curve; engines with
+``SpecConfig(budget="auto")`` load the stored curve, or measure a quick one on first use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import time
+
+import torch
+
+from .budget import CostCurve
+
+log = logging.getLogger("logitspec.calibrate")
+TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def machine_fingerprint(device) -> str:
+    """What the cost depends on besides the model: processor, threads, device."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    dev = str(device)
+    if dev.startswith("cuda") and torch.cuda.is_available():
+        dev = torch.cuda.get_device_name(torch.device(dev))
+    return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev}"
+
+
+def curve_path(model, cache_dir=None) -> pathlib.Path | None:
+    """Where the curve of this model on this machine is stored (None for unnamed in-memory models)."""
+    name = getattr(model.config, "_name_or_path", "") or ""
+    if not name:
+        return None
+    from .models import default_cache_dir
+
+    p = next(model.parameters())
+    key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}"
+    slug = pathlib.Path(name).name.replace(os.sep, "_")[:40]
+    root = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
+    return root / "calibration" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+
+
+@torch.inference_mode()
+def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1) -> CostCurve:
+    """Median time of one engine forward (decoder + logits for every node) adding n tokens to a
+    ``context``-token cache, for each n; the cache is rolled back after each forward."""
+    from .cache import BatchKV
+    from .masks import StepRow
+
+    vocab = engine.model.config.get_text_config(decoder=True).vocab_size
+    ctx = [(7 * i + 3) % vocab for i in range(min(context, engine.max_context - max(tokens) - 1))]
+    kv = BatchKV()
+    kv.lengths = [0]
+    engine._forward([StepRow.chain(0, ctx)], kv, all_logits=False)
+    kv.commit([list(range(len(ctx)))])
+    times = {n: [] for n in tokens}
+    for rep in range(warmup + reps):
+        for n in tokens:  # interleaved, so machine noise hits all sizes alike
+            row = StepRow.chain(len(ctx), [(5 * i + 1) % vocab for i in range(n)])
+            t0 = time.perf_counter()
+            engine._forward([row], kv, all_logits=True)
+            dt = time.perf_counter() - t0
+            kv.commit([[]])  # drop the n new columns
+            if rep >= warmup:
+                times[n].append(dt)
+    return CostCurve(list(tokens), [statistics.median(times[n]) for n in tokens])
+
+
+def load_or_measure(engine, quick: bool = True) -> CostCurve:
+    path = curve_path(engine.model)
+    if path is not None and path.exists():
+        try:
+            d = json.loads(path.read_text())
+            return CostCurve(d["tokens"], d["seconds"])
+        except (OSError, ValueError, KeyError):
+            log.warning("ignoring unreadable calibration %s", path)
+    t0 = time.perf_counter()
+    curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5)
+    log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
+    if path is not None:
+        save(curve, path, engine)
+    return curve
+
+
+def save(curve: CostCurve, path: pathlib.Path, engine) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    p = next(engine.model.parameters())
+    doc = {**curve.to_dict(), "model": engine.model.config._name_or_path, "dtype": str(p.dtype),
+           "machine": machine_fingerprint(p.device)}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+def add_calibrate_command(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure and store the forward cost curve t(n) of a model here")
+    p.add_argument("--model", default="default")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before the measured forward")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--plot", default=None, help="write the curve as a PNG here")
+    p.add_argument("--mm-linears", action="store_true", help="measure with logitspec.kernels.MMLinear")
+    p.set_defaults(func=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from .config import SpecConfig
+    from .engine import Engine
+    from .models import load_model
+
+    model, tok = load_model(args.model)
+    if args.mm_linears:
+        from .kernels import use_mm_linears
+
+        use_mm_linears(model)
+    engine = Engine(model, tok, SpecConfig(method="ar"))
+    curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
+    path = curve_path(model)
+    if path is not None and not args.mm_linears:
+        save(curve, path, engine)
+    print(f"machine: {machine_fingerprint(next(model.parameters()).device)}")
+    print("| new tokens | forward ms | x one token |\n|---|---|---|")
+    for n, s in zip(curve.tokens, curve.seconds):
+        print(f"| {n} | {s * 1000:.1f} | {s / curve.seconds[0]:.2f} |")
+    if path is not None:
+        print(f"stored: {path}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o")
+        ax.set_xlabel("new tokens in the forward")
+        ax.set_ylabel("ms")
+        ax.set_title(f"forward cost: {args.model}")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+    return 0

@@ -1,0 +1,44 @@
+"""Optional CPU kernels for skinny matmuls (a few new tokens per step).
+
+On this project's CPU target, ``F.linear(x, W)`` with a handful of rows ran several times slower
+than the same product computed as ``W @ x.T`` (docs/performance.md). ``use_mm_linears`` swaps a
+model's ``nn.Linear`` modules for :class:`MMLinear`, which shares the same weight tensors and only
+changes how the product is computed (results equal up to float rounding). Opt-in: ``ar`` and the
+speculative methods then run the same kernels, so comparisons stay fair.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MMLinear(nn.Linear):
+    """``nn.Linear`` computing ``(W @ x.T).T`` for up to ``max_rows`` rows, ``F.linear`` beyond."""
+
+    max_rows: int = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows:
+            return super().forward(x)
+        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.contiguous().reshape(*x.shape[:-1], self.out_features)
+
+
+def use_mm_linears(model: nn.Module, max_rows: int = 64) -> int:
+    """Replace every plain ``nn.Linear`` in ``model`` (weights shared, not copied); returns the count."""
+    swaps = []
+    for name, mod in model.named_modules():
+        for child_name, child in mod.named_children():
+            if type(child) is nn.Linear:
+                swaps.append((mod, child_name, child))
+    for parent, child_name, old in swaps:
+        new = MMLinear.__new__(MMLinear)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = old.in_features, old.out_features
+        new.weight, new.bias = old.weight, old.bias
+        new.max_rows = max_rows
+        setattr(parent, child_name, new)
+    return len(swaps)

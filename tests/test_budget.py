@@ -1,0 +1,50 @@
+import numpy as np
+
+from logitspec.budget import AcceptanceStats, CostCurve, choose_size, top_nodes
+from logitspec.tree import DraftTree
+
+TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
+                 kinds=np.array([0, 1, 1, 1, 2]), offsets=np.array([0, 0, 1, 2, 0]))
+
+
+def test_node_probs_multiply_along_paths_and_learn():
+    st = AcceptanceStats(n_kinds=3, max_offset=4, prior_hits=1, prior_misses=1)
+    assert np.allclose(st.node_probs(TREE), [1, 0.5, 0.25, 0.125, 0.5])
+    for _ in range(20):
+        st.update(TREE, [0, 1, 2])  # branch 0 accepted twice, its 3rd node rejected; kind 2 rejected
+    p = st.node_probs(TREE)
+    assert p[1] > 0.9 and p[2] > 0.85 and p[3] < 0.1 and p[4] < 0.1
+
+
+def test_update_counts_only_tested_nodes():
+    st = AcceptanceStats(n_kinds=3, max_offset=4, prior_hits=0, prior_misses=1)
+    st.update(TREE, [0, 4])  # node 1 tested and rejected; 2, 3 never tested
+    assert st.tries[1, 0] == 2 and st.hits[1, 0] == 0
+    assert st.tries[1, 1] == 1 and st.tries[2, 0] == 2 and st.hits[2, 0] == 1
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    c = CostCurve([1, 4, 8], [1.0, 1.6, 2.0])
+    assert c(1) == 1.0 and np.isclose(c(2), 1.2) and np.isclose(c(6), 1.8) and np.isclose(c(12), 2.4)
+
+
+def test_choose_size_trades_acceptance_for_cost():
+    probs = [np.array([0.9, 0.8, 0.1, 0.05])]
+    flat = CostCurve([1, 64], [1.0, 1.0])
+    assert choose_size(probs, flat, 4) == 4
+    steep = CostCurve([1, 2, 64], [1.0, 2.0, 64.0])
+    assert choose_size(probs, steep, 4) == 0
+    knee = CostCurve([1, 3, 4, 64], [1.0, 1.1, 2.0, 40.0])  # 2 drafts cheap, the 3rd costly
+    assert choose_size(probs, knee, 4) == 2
+
+
+def test_choose_size_shrinks_with_batch():
+    c = CostCurve([1, 8, 16, 64], [1.0, 1.05, 1.6, 6.0])
+    p = np.array([0.6, 0.3, 0.2, 0.1, 0.1, 0.1, 0.05])
+    assert choose_size([p], c, 7) > choose_size([p] * 8, c, 7)
+
+
+def test_top_nodes_is_ancestor_closed():
+    probs = np.array([1, 0.6, 0.5, 0.1, 0.55])
+    t = top_nodes(TREE, probs, 3)
+    assert t.tokens.tolist() == [7, 1, 2, 4] and t.parents.tolist() == [-1, 0, 1, 0]
