@@ -1,4 +1,4 @@
-"""``logitspec`` command line: generate, bench, calibrate."""
+"""``logitspec`` command line: generate, bench, calibrate, throughput."""
 from __future__ import annotations
 
 import argparse
@@ -50,16 +50,13 @@ def main(argv=None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    try:
-        from .bench import add_bench_command
-        add_bench_command(sub)
-    except ImportError:
-        pass
-    try:
-        from .calibrate import add_calibrate_command
-        add_calibrate_command(sub)
-    except ImportError:
-        pass
+    from .bench import add_bench_command
+    from .calibrate import add_calibrate_command
+    from .throughput import add_throughput_command
+
+    add_bench_command(sub)
+    add_calibrate_command(sub)
+    add_throughput_command(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
