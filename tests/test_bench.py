@@ -7,7 +7,7 @@ import random
 import pytest
 
 from logitspec import bench_report as br
-from logitspec.bench import (DEFAULT_QUESTIONS, Question, _accept_lengths, _split_top, bench, load_questions,
+from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, _accept_lengths, _split_top, bench, load_questions,
                              parse_methods, select_questions)
 
 
@@ -156,6 +156,34 @@ def test_parse_methods_variants_and_reference():
                      ("logitspec@8", "key=value"), ("ar,pld,pld", "twice")]:
         with pytest.raises(ValueError, match=msg):
             parse_methods(bad)
+
+
+class _FakeTok:
+    def __init__(self, chat):
+        self.chat_template = "{{ messages }}" if chat else None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(96 + i) for i in ids)
+
+
+def test_prompt_builder_second_turn_sees_the_reference_answer():
+    seen = []
+
+    def encode(prompt, apply_chat_template=False):
+        seen.append((prompt, apply_chat_template))
+        return [1]
+
+    q = Question(81, "writing", ("Write.", "Shorter."))
+    PromptBuilder(_FakeTok(chat=True), encode)(q, 1, [[1, 2, 3]])
+    assert seen[-1] == ([{"role": "user", "content": "Write."}, {"role": "assistant", "content": "abc"},
+                         {"role": "user", "content": "Shorter."}], True)
+    raw = PromptBuilder(_FakeTok(chat=False), encode)
+    raw(q, 0, [])
+    assert seen[-1] == ("Write.", False)
+    raw(q, 1, [[1, 2]])
+    assert seen[-1] == ("Write.\n\nab\n\nShorter.", False)
+    ids = PromptBuilder(None, lambda p, apply_chat_template=False: p)
+    assert ids(Question(1, "writing", ((5, 6), (7,))), 1, [[8, 9]]) == [5, 6, 8, 9, 7]
 
 
 def test_hf_accept_lengths_from_forward_positions():
