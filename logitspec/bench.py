@@ -228,11 +228,11 @@ class HFRunner:
         dev = next(self.model.parameters()).device
         outs, total = [], 0.0
         for ids in prompts:
-            starts: list[int | None] = []
+            starts: list = []  # first position of each forward (a 1-element tensor: no device sync here)
 
             def hook(module, args, kwargs):
                 pos = kwargs.get("position_ids")
-                starts.append(int(pos.reshape(-1)[0]) if pos is not None else None)
+                starts.append(pos.reshape(-1)[:1].clone() if pos is not None else None)
 
             x = torch.tensor([ids], device=dev)
             handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -247,6 +247,7 @@ class HFRunner:
             finally:
                 handle.remove()
             new = out[0, len(ids):].tolist()
+            starts = [int(p) if p is not None else None for p in starts]
             total += wall
             outs.append({
                 "token_ids": new,
