@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 
 from logitspec.config import METHODS
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
     ray_.add_argument("--threads-per-actor", type=int, default=None, help="torch threads; default floor(cpus)")
     ray_.add_argument("--batch-rows", type=int, default=None,
-                      help="rows per actor task (and per part file); default 4 x max-batch-size")
+                      help="rows per actor task (and per part file); default 2 x max-batch-size")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
@@ -90,6 +91,11 @@ def main(argv=None) -> int:
     from .job import run_job
     from .scheduler import JobFailed
 
+    def on_sigterm(signum, frame):  # before generation starts; while it runs, run_job handles signals
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
     try:
         cfg = config_from_args(args)
         summary = run_job(cfg)
@@ -99,8 +105,8 @@ def main(argv=None) -> int:
     except JobFailed as e:
         print(f"error: the job did not finish: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume", file=sys.stderr)
+    except (KeyboardInterrupt, SystemExit) as e:
+        print(f"interrupted ({e or type(e).__name__}); rerun the same command to resume", file=sys.stderr)
         return 130
     brief = {k: summary[k] for k in ("complete", "rows", "tokens", "rows_per_s", "mat")}
     brief["timing"] = {k: v for k, v in summary["timing"].items() if v is not None}

@@ -76,7 +76,7 @@ class JobConfig:
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
     threads_per_actor: int | None = None  # None: max(1, floor(cpus per actor))
-    batch_rows: int | None = None  # rows per actor task; None: 4 * max_batch_size
+    batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
     overwrite: bool = False
     address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
     log_interval: float = 10.0
@@ -119,7 +119,7 @@ class JobConfig:
 
     @property
     def rows_per_batch(self) -> int:
-        return self.batch_rows or 4 * self.gen.max_batch_size
+        return self.batch_rows or 2 * self.gen.max_batch_size
 
     @property
     def replacements(self) -> int:

@@ -84,6 +84,8 @@ class Scheduler:
         self._initial_ready = 0
         self._start_failures = 0
         self._last_error = ""
+        self._last_stuck_log = 0.0
+        self.stop_requested: str | None = None  # set (e.g. by a signal handler) to stop after the current wait
 
     # ------------------------------------------------------------------ replicas
     def _start(self) -> None:
@@ -171,10 +173,22 @@ class Scheduler:
                 elif ref in self.task_refs:
                     self._on_task(ref)
             self.on_tick()
+            self._warn_if_stuck(t0)
+            if self.stop_requested:
+                raise KeyboardInterrupt(self.stop_requested)
         for slot in self.slots.values():  # replicas still starting are not needed any more
             if not slot.ready:
                 slot.replica.kill()
         return self.stats
+
+    def _warn_if_stuck(self, t0: float) -> None:
+        """No replica up for a while: usually the cluster lacks the resources asked for (or a slow first load)."""
+        now = time.perf_counter()
+        if any(s.ready for s in self.slots.values()) or now - t0 < 60 or now - self._last_stuck_log < 60:
+            return
+        self._last_stuck_log = now
+        log.warning("no replica ready after %.0f s; waiting (cluster resources available now: %s)",
+                    now - t0, {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")})
 
     def _on_ready(self, ref, t0: float) -> None:
         name = self.ready_refs.pop(ref)

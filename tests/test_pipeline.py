@@ -72,6 +72,7 @@ def ray_session():
     ray = pytest.importorskip("ray")
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
         os.pathsep) if p])  # actors import this checkout
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray: no starved actors
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

@@ -1,0 +1,242 @@
+"""Tensor-parallel replicas (``--tp N``): one model sharded over N Ray actors that decode in lockstep.
+
+A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement group (one node), one
+``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and
+running the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`).
+The driver sends every batch to every rank; only rank 0's answer is returned. It offers the same
+calls as :class:`pipeline.replica.ActorReplica`, so the scheduler, the writer and the fault handling
+(requeue, replace, exactly-once) are unchanged.
+
+Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
+:class:`~logitspec.distributed.PeerWatchdog`; otherwise they would spin forever in the shm all-reduce),
+so rank 0's pending calls fail with ``RayActorError`` and the scheduler kills the group and redoes its
+batches on a new one. An exception inside one rank's engine would leave its peers waiting in a
+collective, so a rank whose engine raises exits too; ranks whose outputs differ raise
+:class:`~logitspec.distributed.RanksDiverged` together.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from .config import ConfigError, GenerationSpec
+from .replica import ReplicaResources, _rss
+
+log = logging.getLogger("pipeline.tp")
+
+
+class TPRank:
+    """One rank's actor. ``__init__`` is light; :meth:`setup` joins the group and loads the shard."""
+
+    def __init__(self):
+        self.rank = None
+        self.run = None
+        self.watchdog = None
+
+    def hello(self) -> dict:
+        """Where this rank runs (before anything is loaded): pid, node, GPUs, a free port."""
+        from logitspec.distributed import free_port
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "port": free_port()}
+
+    def setup(self, rank: int, world: int, spec: GenerationSpec, threads: int, use_gpu: bool,
+              reference_refs: dict, *hellos: dict) -> dict:
+        """Join the group and load this rank's shard; rank 0 returns the group's info (every rank's)."""
+        try:
+            return self._setup(rank, world, spec, threads, use_gpu, reference_refs, hellos)
+        except BaseException:
+            # Peers may wait in a collective for this rank forever: leave, shortly after the error
+            # has gone back to the caller, so their watchdogs end them too.
+            log.exception("rank %d failed to start", rank)
+            threading.Timer(2.0, os._exit, args=(71,)).start()
+            raise
+
+    def _setup(self, rank, world, spec, threads, use_gpu, reference_refs, hellos) -> dict:
+        t0 = time.perf_counter()
+        nodes = {h["node_id"] for h in hellos}
+        if len(nodes) != 1:  # STRICT_PACK guarantees it; the watchdog and the shm all-reduce need it
+            raise RuntimeError(f"tensor-parallel ranks are spread over {len(nodes)} nodes")
+        from logitspec.distributed import PeerWatchdog
+
+        self.rank = rank
+        self.watchdog = PeerWatchdog([h["pid"] for h in hellos])
+        device = "cpu"
+        if use_gpu:
+            # Every rank sees the group's GPUs in rank order (NCCL's peer-to-peer paths need to see
+            # them) and uses its own one, cuda:rank.
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(h["gpu_ids"][0] for h in hellos)
+            device = "cuda"
+        import torch
+
+        from logitspec.distributed import init_rank, load_tp_model, make_engine
+        from logitspec.index import CorpusIndex
+
+        from .reference import split_meta
+        from .worker import RowGenerator
+
+        t_import = time.perf_counter()
+        init_rank(rank, world, hellos[0]["port"], device=device, threads=threads)
+        t_group = time.perf_counter()
+        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+                 "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
+        model, tokenizer = load_tp_model(spec.model, world, dtype=dtype, device=device)
+        t_load = time.perf_counter()
+        references = {}
+        for name, (ref,) in reference_refs.items():  # 1-tuples: Ray must not resolve them for us
+            arrays, _ = split_meta(ray.get(ref))
+            references[name] = CorpusIndex.from_arrays(arrays)
+        engine = _FailStop(make_engine(model, tokenizer, spec.spec_config()), rank)
+        if spec.warmup:
+            ids = engine.encode("Hello, world.") if tokenizer is not None else [1, 2, 3]
+            engine.generate([ids], max_new_tokens=2)
+        t_warm = time.perf_counter()
+        self.run = RowGenerator(engine, spec, references)
+        params = list(model.parameters()) + list(model.buffers())
+        info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"], "device": device,
+                "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+                "import_s": t_import - t0, "group_init_s": t_group - t_import, "model_load_s": t_load - t_group,
+                "warmup_s": t_warm - t_load, "init_s": t_warm - t0,
+                "model_bytes": int(sum(p.numel() * p.element_size() for p in params)), "memory": _rss()}
+        infos: list = [None] * world
+        torch.distributed.all_gather_object(infos, info)
+        return {**infos[0], "tp": world, "pids": [i["pid"] for i in infos], "ranks": infos,
+                "model_load_s": max(i["model_load_s"] for i in infos),
+                "reference_names": sorted(references)}
+
+    def generate(self, rows: list[dict]) -> tuple[list[dict] | None, dict]:
+        """Every rank decodes the batch; rank 0 returns the rows, the others only their digest."""
+        from logitspec.distributed import check_agreement, decisions_digest
+
+        out, stats = self.run(rows)
+        stats["pid"] = os.getpid()
+        stats["digests"] = check_agreement(decisions_digest(out))  # raises on every rank alike
+        return (out, stats) if self.rank == 0 else (None, stats)
+
+    def info(self) -> dict:
+        return {"rank": self.rank, "pid": os.getpid(), "memory": _rss()}
+
+
+class _FailStop:
+    """The engine of one rank, made fail-stop: an exception inside a forward may be one-sided (e.g.
+    out of memory on one rank) and would leave the peers in a collective, so the rank exits instead
+    and the group is replaced (the scheduler redoes its rows; a row that keeps killing groups ends
+    as an error row)."""
+
+    def __init__(self, engine, rank: int):
+        self._engine = engine
+        self._rank = rank
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def generate(self, *args, **kwargs):
+        try:
+            return self._engine.generate(*args, **kwargs)
+        except BaseException:
+            log.exception("rank %d: engine failed mid-batch; ending the group", self._rank)
+            os._exit(72)
+
+
+@ray.remote(num_cpus=0)
+def _group_ready(refs: list) -> dict:
+    """Rank 0's info once every rank is up; else the most telling error (a rank's own exception rather
+    than a peer's "actor died", which the watchdog causes)."""
+    errors, infos = [], []
+    for ref in refs:
+        try:
+            infos.append(ray.get(ref))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    if errors:
+        from ray.exceptions import RayActorError
+
+        raise next((e for e in errors if not isinstance(e, RayActorError)), errors[0])
+    return infos[0]
+
+
+class TPReplica:
+    """A replica made of ``tp`` :class:`TPRank` actors in one STRICT_PACK placement group."""
+
+    def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict,
+                 tp: int):
+        if tp < 2:
+            raise ValueError("a tensor-parallel replica needs tp >= 2")
+        self.name = name
+        self.tp = tp
+        bundle = {"CPU": resources.num_cpus}
+        if resources.num_gpus:
+            bundle["GPU"] = resources.num_gpus
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=f"{name}-tp")
+        self.ranks = [
+            ray.remote(TPRank).options(
+                num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
+                max_restarts=0, max_task_retries=0,  # the scheduler replaces the whole group
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+            ).remote()
+            for i in range(tp)]
+        hellos = [a.hello.remote() for a in self.ranks]  # top-level refs: resolved before setup runs
+        refs = {k: (v,) for k, v in reference_refs.items()}
+        setups = [a.setup.remote(i, tp, spec, resources.threads, resources.num_gpus > 0, refs, *hellos)
+                  for i, a in enumerate(self.ranks)]
+        self._ready = _group_ready.remote(setups)
+
+    def ready(self) -> "ray.ObjectRef":
+        return self._ready
+
+    def submit(self, rows: list[dict]) -> "ray.ObjectRef":
+        refs = [a.generate.remote(rows) for a in self.ranks]
+        return refs[0]  # a peer's death ends rank 0 too (watchdog), so this ref fails with it
+
+    def info(self) -> "ray.ObjectRef":
+        return self.ranks[0].info.remote()
+
+    def kill(self) -> None:
+        for a in self.ranks:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def check_fits(replicas: int, tp: int, cpus_per_rank: float, gpus_per_rank: float = 0.0,
+               nodes: list[dict] | None = None) -> int:
+    """Raise :class:`ConfigError` unless ``replicas`` groups of ``tp`` ranks fit the cluster now, each
+    group on one node; returns how many groups fit. ``nodes``: ``ray.nodes()`` (default: ask Ray)."""
+    nodes = [n for n in (ray.nodes() if nodes is None else nodes) if n.get("Alive", True)]
+    fits, shapes = 0, []
+    for n in nodes:
+        res = n.get("Resources", {})
+        cpu, gpu = res.get("CPU", 0.0), res.get("GPU", 0.0)
+        shapes.append(f"{cpu:g} CPU" + (f" + {gpu:g} GPU" if gpu else ""))
+        k = int(cpu // (tp * cpus_per_rank) + 1e-9) if cpus_per_rank > 0 else 1 << 30
+        if gpus_per_rank > 0:
+            k = min(k, int(gpu // (tp * gpus_per_rank) + 1e-9))
+        fits += k
+    if fits < replicas:
+        need = f"{tp * cpus_per_rank:g} CPU" + (f" + {tp * gpus_per_rank:g} GPU" if gpus_per_rank else "")
+        raise ConfigError(
+            f"--actors {replicas} x --tp {tp} does not fit this cluster: each replica is {tp} actors on ONE "
+            f"node ({need} there: {cpus_per_rank:g} CPU" + (f" + {gpus_per_rank:g} GPU" if gpus_per_rank else "")
+            + f" per rank), and the nodes ({'; '.join(shapes) or 'none'}) hold {fits} such replica(s). "
+            "Lower --actors or --tp, give each rank less (--cpus-per-actor), or add nodes.")
+    return fits
+
+
+def make_tp_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int):
+    """``factory(name) -> TPReplica`` (for :class:`pipeline.scheduler.Scheduler`)."""
+
+    def factory(name: str) -> TPReplica:
+        return TPReplica(name, spec, resources, reference_refs, tp)
+
+    return factory
