@@ -26,13 +26,15 @@ class BatchKV:
     @property
     def columns(self) -> int:
         """Columns held (committed entries of the longest row, plus holes of the others)."""
-        return self.hf.get_seq_length() if self.rows else 0
+        # not hf.get_seq_length(): it reads 0 for a layer with zero KV heads (a tensor-parallel rank
+        # that holds no attention head, e.g. Gemma 3's single KV head under AutoTP)
+        return next((layer.keys.shape[2] for layer in self._layers()), 0) if self.rows else 0
 
     def _layers(self):
         for layer in self.hf.layers:
             if type(layer) is not DynamicLayer:
                 raise TypeError(f"unsupported cache layer {type(layer).__name__}; BatchKV needs DynamicLayer")
-            if layer.is_initialized and layer.keys is not None and layer.keys.numel():
+            if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:  # [rows, heads, cols, dim]
                 yield layer
 
     def commit(self, src_cols: list[list[int]]) -> None:
