@@ -38,6 +38,7 @@ class TPRank:
         self.rank = None
         self.run = None
         self.watchdog = None
+        self._info: dict = {}
 
     def hello(self) -> dict:
         """Where this rank runs (before anything is loaded): pid, node, GPUs, a free port."""
@@ -104,6 +105,7 @@ class TPRank:
                 "import_s": t_import - t0, "group_init_s": t_group - t_import, "model_load_s": t_load - t_group,
                 "warmup_s": t_warm - t_load, "init_s": t_warm - t0,
                 "model_bytes": int(sum(p.numel() * p.element_size() for p in params)), "memory": _rss()}
+        self._info = {k: v for k, v in info.items() if k != "memory"}
         infos: list = [None] * world
         torch.distributed.all_gather_object(infos, info)
         return {**infos[0], "tp": world, "pids": [i["pid"] for i in infos], "ranks": infos,
@@ -120,7 +122,7 @@ class TPRank:
         return (out, stats) if self.rank == 0 else (None, stats)
 
     def info(self) -> dict:
-        return {"rank": self.rank, "pid": os.getpid(), "memory": _rss()}
+        return {**self._info, "memory": _rss()}
 
 
 class _FailStop:
@@ -161,6 +163,12 @@ def _group_ready(refs: list) -> dict:
     return infos[0]
 
 
+@ray.remote(num_cpus=0)
+def _group_info(refs: list) -> dict:
+    infos = ray.get(refs)
+    return {**infos[0], "tp": len(infos), "pids": [i.get("pid") for i in infos], "ranks": infos}
+
+
 class TPReplica:
     """A replica made of ``tp`` :class:`TPRank` actors in one STRICT_PACK placement group."""
 
@@ -195,7 +203,8 @@ class TPReplica:
         return refs[0]  # a peer's death ends rank 0 too (watchdog), so this ref fails with it
 
     def info(self) -> "ray.ObjectRef":
-        return self.ranks[0].info.remote()
+        """Rank 0's info (``memory``: its own) with ``ranks``: every rank's, memory included."""
+        return _group_info.remote([a.info.remote() for a in self.ranks])
 
     def kill(self) -> None:
         for a in self.ranks:

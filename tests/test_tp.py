@@ -178,3 +178,145 @@ def test_batch_kv_zero_head_layers():
     assert kv.lengths == [7, 4] and kv.columns == 7
     kv.keep_rows([1])
     assert kv.hf.layers[0].keys.shape == (1, 0, 4, 8)
+
+
+# ---------------------------------------------------------------------------------------------- Ray job
+def _build_text_model(path: pathlib.Path) -> None:
+    """A tiny random Llama whose heads and MLP really split over 2 ranks, with a byte-level BPE
+    tokenizer trained on the sample corpus (text in, text out, as the job expects)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = [p.read_text() for p in sorted((REPO / "data" / "sample_corpus").rglob("*.txt"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tp-text-llama")
+    _build_text_model(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_address(comm_op):
+    """One local Ray for the module (4 logical CPUs: a TP=2 replica takes 1 per rank); jobs join it."""
+    ray = pytest.importorskip("ray")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+        os.pathsep) if p])
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "Once upon a time there was a king. Once upon a time",
+           "one two three four one two three four one two",
+           "Lorem ipsum dolor sit amet, lorem ipsum",
+           "To be or not to be, that is the question. To be or",
+           "A B C D E F G A B C D"]
+
+
+def _job(address: str, model: str, inp, out, *extra: str) -> dict:
+    """Run the job through jobs/generate.py's entry point (``pipeline.cli.main``) in this process,
+    joined to the module's Ray; returns the summary."""
+    import json
+
+    from pipeline.cli import main
+
+    argv = ["--input", str(inp), "--output", str(out), "--model", model, "--address", address,
+            "--max-batch-size", "3", "--batch-rows", "3", "--threads-per-actor", "1", "--cpus-per-actor", "1",
+            "-q", *extra]
+    assert main(argv) == 0
+    return json.loads((pathlib.Path(out) / "summary.json").read_text())
+
+
+def _generations(out) -> dict:
+    from pipeline.output import read_generations
+
+    t = read_generations(out).to_pylist()
+    ids = [r["id"] for r in t]
+    assert len(ids) == len(set(ids)), "a row written twice"
+    return {r["id"]: r for r in t}
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("method", ["ar", "logitspec"])
+def test_job_tp2_equals_tp1(tmp_path, text_model, ray_address, method):
+    """End to end through jobs/generate.py: --tp 2 writes the same greedy generations as --tp 1."""
+    import json
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    got = {}
+    for tp in (1, 2):
+        t0 = time.perf_counter()
+        s = _job(ray_address, text_model, inp, tmp_path / f"tp{tp}", "--method", method, "--tp", str(tp),
+                 "--max-new-tokens", "24")
+        assert s["complete"] and s["rows"]["failed_now"] == 0
+        got[tp] = _generations(tmp_path / f"tp{tp}")
+        print(f"\n{method} --tp {tp}: job {time.perf_counter() - t0:.1f} s")
+    assert sorted(got[1]) == sorted(got[2]) == list(range(len(PROMPTS)))
+    for i in got[1]:
+        assert got[2][i]["generation"] == got[1][i]["generation"], f"row {i}"
+        assert got[2][i]["n_new_tokens"] == got[1][i]["n_new_tokens"] == 24
+    if method == "logitspec":
+        assert max(r["mean_accepted"] for r in got[2].values()) > 1.0  # drafts were accepted under TP
+
+
+@pytest.mark.ray
+def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
+    """SIGKILL one rank after the first finished batch: its peer ends itself (watchdog), the group is
+    replaced, its batches are redone, and every row is written exactly once."""
+    import json
+
+    from pipeline.config import GenerationSpec, JobConfig
+    from pipeline.job import run_job
+
+    rows = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}"} for i in range(12)]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pids, killed = {}, []
+
+    def on_event(kind, **info):
+        if kind == "ready":
+            pids[info["name"]] = info["info"]["pids"]
+        if kind == "batch" and not killed:
+            victim = pids[info["name"]][1]  # rank 1: rank 0 must notice and go down with it
+            os.kill(victim, signal.SIGKILL)
+            killed.append((info["name"], victim))
+
+    cfg = JobConfig(input=str(inp), output=str(tmp_path / "out"), tp=2, actors=1, batch_rows=2,
+                    cpus_per_actor=1, threads_per_actor=1, log_interval=5.0,
+                    gen=GenerationSpec(model=text_model, method="logitspec", max_new_tokens=24, max_batch_size=2))
+    t0 = time.perf_counter()
+    summary = run_job(cfg, on_event=on_event)
+    assert killed
+    rep = summary["replicas"]
+    assert rep["deaths"] == 1 and rep["replacements"] == 1 and rep["batches_redone"] >= 1
+    assert summary["complete"] and summary["rows"]["failed_now"] == 0
+    got = _generations(tmp_path / "out")
+    assert sorted(got) == sorted(r["id"] for r in rows)
+    assert all(g["error"] is None and g["n_new_tokens"] == 24 for g in got.values())
+    dead_group = pids[killed[0][0]]
+    time.sleep(1.0)
+    for pid in dead_group:  # neither rank of the dead group is left spinning
+        assert not pathlib.Path(f"/proc/{pid}").exists() or \
+            pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    print(f"\nrank kill: job {time.perf_counter() - t0:.1f} s")
