@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray_.add_argument("--address", default=None,
                       help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
     ray_.add_argument("--actors", type=int, default=1, help="model replicas (one actor each)")
+    ray_.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel shards per replica (DeepSpeed AutoTP): each replica is N actors "
+                           "on one node; --cpus/--gpus/--threads-per-actor are then per shard")
     ray_.add_argument("--cpus-per-actor", type=float, default=None,
                       help="default: the local Ray's CPUs / actors, or 1 on a cluster")
     ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
@@ -78,7 +81,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     return JobConfig(
         input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column, id_column=args.id_column,
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
-        references=tuple(parse_reference(r) for r in args.reference), actors=args.actors,
+        references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, overwrite=args.overwrite,
         address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)

@@ -73,6 +73,7 @@ class JobConfig:
     # (name, path) pairs; name "default" when given without a name
     references: tuple[tuple[str, str], ...] = ()
     actors: int = 1
+    tp: int = 1  # tensor-parallel shards per replica: N actors on one node (pipeline/tp.py); resources are per shard
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
     threads_per_actor: int | None = None  # None: max(1, floor(cpus per actor))
@@ -88,7 +89,7 @@ class JobConfig:
             raise ConfigError("--input is required")
         if not self.output:
             raise ConfigError("--output is required")
-        for name in ("actors", "max_row_attempts"):
+        for name in ("actors", "tp", "max_row_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_rows", "threads_per_actor", "limit"):

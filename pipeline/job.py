@@ -171,7 +171,7 @@ def replica_resources(cfg: JobConfig, started_here: bool):
     cpus = cfg.cpus_per_actor
     if cpus is None:
         # a local Ray is ours: share its CPUs among the actors; on a cluster one CPU per actor
-        cpus = max(total.get("CPU", 1.0) / cfg.actors, 0.01) if started_here else 1.0
+        cpus = max(total.get("CPU", 1.0) / (cfg.actors * cfg.tp), 0.01) if started_here else 1.0
         cpus = math.floor(cpus * 100) / 100
     threads = cfg.threads_per_actor or max(1, int(cpus))
     if cfg.gpus_per_actor > total.get("GPU", 0.0):
@@ -179,6 +179,10 @@ def replica_resources(cfg: JobConfig, started_here: bool):
                           f"{total.get('GPU', 0.0):g} GPU(s)")
     if cpus > total.get("CPU", 0.0):
         raise ConfigError(f"--cpus-per-actor {cpus} but the Ray cluster has {total.get('CPU', 0.0):g} CPU(s)")
+    if cfg.tp > 1:  # every replica's N shards must fit on one node
+        from .tp import check_fits
+
+        check_fits(cfg.actors, cfg.tp, cpus, cfg.gpus_per_actor)
     return ReplicaResources(num_cpus=cpus, num_gpus=cfg.gpus_per_actor, threads=threads)
 
 
@@ -287,7 +291,7 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
             t = time.perf_counter()
             refs = {name: ray.put(arrays) for name, arrays in references.items()}  # once per corpus
             timing["reference_put_s"] = time.perf_counter() - t
-            factory = make_replica_factory(cfg.gen, resources, refs)
+            factory = make_replica_factory(cfg.gen, resources, refs, tp=cfg.tp)
             size = cfg.rows_per_batch
             batches = [Batch(k, todo[s:s + size]) for k, s in enumerate(range(0, len(todo), size))]
             made: list = []

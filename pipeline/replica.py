@@ -141,8 +141,12 @@ class ActorReplica:
             pass
 
 
-def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict):
+def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int = 1):
     """``factory(name) -> Replica``; the one place that decides what a replica is (``--tp`` plugs in here)."""
+    if tp > 1:
+        from .tp import make_tp_replica_factory
+
+        return make_tp_replica_factory(spec, resources, reference_refs, tp)
 
     def factory(name: str) -> Replica:
         return ActorReplica(name, spec, resources, reference_refs)
