@@ -411,6 +411,27 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     code = code_version()  # now: the modules were imported from this tree, whatever changes later
     load_start = _load()
+    summary = {
+        "model": {"name": model_name, "class": type(model).__name__,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "machine": machine_info(model),
+        "command": command,
+        "code": code,
+        "settings": {"methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
+                     "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
+                     "temperature": 0.0, "chat_template": build.chat, **(settings or {})},
+        "reference": REFERENCE,
+        "questions": len(questions),
+        "tasks": [t for t in TASKS if any(q.task == t for q in questions)]
+        + sorted({q.task for q in questions} - set(TASKS)),
+        "question_turns_per_task": _count_turns(questions),
+        "started": started,
+        "finished": None,  # null in the file while the run is going (or if it died): see rerender()
+        "load_average": {"start": load_start, "end": None},
+        "warmup_wall_s": None,
+        "methods": {},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     bar = _progress(total=len(names) * (n_turns + (1 if warmup else 0)), enabled=progress)
 
     warm = {}
@@ -448,26 +469,10 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
                 unit += 1
     bar.close()
 
-    summary = {
-        "model": {"name": model_name, "class": type(model).__name__,
-                  "parameters": sum(p.numel() for p in model.parameters())},
-        "machine": machine_info(model),
-        "command": command,
-        "code": code,
-        "settings": {"methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
-                     "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
-                     "temperature": 0.0, "chat_template": build.chat, **(settings or {})},
-        "reference": REFERENCE,
-        "questions": len(questions),
-        "tasks": [t for t in TASKS if any(q.task == t for q in questions)]
-        + sorted({q.task for q in questions} - set(TASKS)),
-        "question_turns_per_task": _count_turns(questions),
-        "started": started,
-        "finished": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "load_average": {"start": load_start, "end": _load()},
-        "warmup_wall_s": warm,
-        "methods": bench_report.summarize(records, REFERENCE, names),
-    }
+    summary["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    summary["load_average"]["end"] = _load()
+    summary["warmup_wall_s"] = warm
+    summary["methods"] = bench_report.summarize(records, REFERENCE, names)
     write_outputs(summary, out)
     return summary
 
@@ -496,6 +501,38 @@ def write_outputs(summary: dict, out_dir) -> None:
     bench_report.plot_accept_hist(summary, out / "accept_hist.png")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     (out / "report.md").write_text(bench_report.render_report(summary), encoding="utf-8")
+
+
+def rerender(out_dir) -> dict:
+    """Recompute the summary, report and plots of ``out_dir`` from its ``results.jsonl`` (e.g. after a
+    change to the report, or while a run is going or after it died: units are written whole, so the
+    records always hold complete units). Metadata come from its ``summary.json`` when there is one."""
+    out = pathlib.Path(out_dir)
+    path = out / "results.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no results.jsonl in {out}")
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path} holds no records yet")
+    meta = out / "summary.json"
+    summary = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else {"reference": REFERENCE}
+    ref = summary.get("reference", REFERENCE)
+    names = (summary.get("settings") or {}).get("methods") or list(dict.fromkeys(r["method"] for r in records))
+    done = [r for r in records if r["method"] == ref]
+    counts: dict[str, int] = {}
+    for r in done:
+        counts[r["task"]] = counts.get(r["task"], 0) + 1
+    expected = summary.get("question_turns_per_task")
+    if summary.get("finished") is None or (expected and expected != counts):
+        summary["partial"] = (f"{len(done)} of {sum(expected.values()) if expected else '?'} question-turns "
+                              f"done (re-rendered from results.jsonl)")
+    summary["question_turns_per_task"] = counts
+    summary["tasks"] = [t for t in TASKS if t in counts] + sorted(set(counts) - set(TASKS))
+    summary["questions"] = len({r["question_id"] for r in done})
+    present = [n for n in names if any(r["method"] == n for r in records)]
+    summary["methods"] = bench_report.summarize(records, ref, present)
+    write_outputs(summary, out)
+    return summary
 
 
 class _NoBar:
@@ -544,6 +581,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report", metavar="DIR", default=None,
+                   help="only re-render DIR's summary, report and plots from its results.jsonl (no model)")
     p.set_defaults(func=bench_command)
 
 
@@ -571,6 +610,12 @@ def bench(model="default", questions=None, out_dir="bench_out", methods: str | S
 
 
 def bench_command(args) -> int:
+    if args.report:
+        summary = rerender(args.report)
+        print(_console_table(summary))
+        if summary.get("partial"):
+            print(f"partial: {summary['partial']}")
+        return 0
     quick = QUICK if args.quick else {}
     per_task = args.per_task if args.per_task is not None else quick.get("per_task")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else quick.get("max_new_tokens", 64)

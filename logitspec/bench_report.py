@@ -188,6 +188,8 @@ def render_report(summary: dict) -> str:
     cols = list(tasks) + ["overall"]
     s = summary.get("settings", {})
     lines = [f"# Spec-Bench: {summary.get('model', {}).get('name', '?')}", ""]
+    if summary.get("partial"):
+        lines += [f"**Partial run: {summary['partial']}.**", ""]
     if summary.get("command"):
         lines += ["Command:", "", "```", summary["command"], "```", ""]
     if summary.get("code"):

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from logitspec import bench_report as br
-from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, _accept_lengths, _split_top, bench, load_questions,
-                             parse_methods, select_questions)
+from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, _accept_lengths, _split_top, bench,
+                             load_questions, parse_methods, rerender, select_questions)
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -254,6 +254,13 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert len({r["method"] for r in records if r["order"] == 0}) > 1
     md = (tmp_path / "report.md").read_text()
     assert "| `ar` | 1.00x | 1.00x | 1.00x | 1.00x | 1.00 |" in md
+    # re-rendering from the records gives the same numbers; a cut-short file renders as partial
+    assert rerender(tmp_path)["methods"] == on_disk["methods"] and "Partial" not in md
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:5]) + "\n")  # the first unit only
+    part = rerender(tmp_path)
+    assert part["partial"].startswith("1 of 4 question-turns") and part["question_turns_per_task"] == {"mt_bench": 1}
+    assert "**Partial run: 1 of 4" in (tmp_path / "report.md").read_text()
 
 
 def test_batched_run_and_cli(tmp_path, one_thread):
