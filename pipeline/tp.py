@@ -104,7 +104,8 @@ class TPRank:
                 "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                 "import_s": t_import - t0, "group_init_s": t_group - t_import, "model_load_s": t_load - t_group,
                 "warmup_s": t_warm - t_load, "init_s": t_warm - t0,
-                "model_bytes": int(sum(p.numel() * p.element_size() for p in params)), "memory": _rss()}
+                "model_bytes": int(sum(p.numel() * p.element_size() for p in params)), "memory": _rss(),
+                "peak_rss_bytes": _peak_rss()}
         self._info = {k: v for k, v in info.items() if k != "memory"}
         infos: list = [None] * world
         torch.distributed.all_gather_object(infos, info)
@@ -123,6 +124,15 @@ class TPRank:
 
     def info(self) -> dict:
         return {**self._info, "memory": _rss()}
+
+
+def _peak_rss() -> int | None:
+    """VmHWM: this process's peak resident memory so far (the load peak, read right after loading)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
 
 
 class _FailStop:

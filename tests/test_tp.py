@@ -320,3 +320,58 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
         assert not pathlib.Path(f"/proc/{pid}").exists() or \
             pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
     print(f"\nrank kill: job {time.perf_counter() - t0:.1f} s")
+
+
+def test_check_fits_says_why_before_starting():
+    from pipeline.config import ConfigError
+    from pipeline.tp import check_fits
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
+             {"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
+             {"Alive": False, "Resources": {"CPU": 96.0, "GPU": 8.0}}]
+    assert check_fits(4, 4, 8, 1, nodes=nodes) == 4  # 2 groups of 4 GPUs per live node
+    with pytest.raises(ConfigError, match=r"--actors 3 x --tp 8 does not fit .* ONE node .* hold 2"):
+        check_fits(3, 8, 8, 1, nodes=nodes)
+    with pytest.raises(ConfigError, match="hold 0"):  # 16 GPUs exist, but not 16 on one node
+        check_fits(1, 16, 1, 1, nodes=nodes)
+    assert check_fits(1, 2, 1, nodes=[{"Resources": {"CPU": 2.0}}]) == 1
+    with pytest.raises(ConfigError):
+        check_fits(2, 2, 1, nodes=[{"Resources": {"CPU": 2.0}}])
+
+
+@pytest.fixture(scope="module")
+def embedded_reference():
+    """The embedded model in this process, behind the same RowGenerator a --tp 1 replica uses."""
+    model, tok = load_model("default")
+    return model, tok
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.parametrize("method", ["ar", "logitspec"])
+def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_reference, method):
+    """Gemma 3 270M (one KV head: attention stays on rank 0, MLP and lm_head split) through
+    jobs/generate.py --tp 2 == the --tp 1 replica's code path (RowGenerator over one Engine) in this
+    process. (The tiny-model test above runs both as jobs; two more embedded-model job start-ups
+    would double this test's time.)"""
+    import json
+
+    from pipeline.config import GenerationSpec
+    from pipeline.worker import RowGenerator
+
+    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()[:3]]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"]}) + "\n" for r in rows))
+    t0 = time.perf_counter()
+    s = _job(ray_address, "default", inp, tmp_path / "tp2", "--method", method, "--tp", "2",
+             "--max-new-tokens", "16")
+    assert s["complete"] and s["rows"]["failed_now"] == 0
+    got = _generations(tmp_path / "tp2")
+    model, tok = embedded_reference
+    spec = GenerationSpec(model="default", method=method, max_batch_size=3, max_new_tokens=16)
+    ref, _ = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(
+        [{"id": r["id"], "prompt": r["prompt"], "corpus": None} for r in rows])
+    for r in ref:
+        assert got[r["id"]]["generation"] == r["generation"], r["id"]
+        assert got[r["id"]]["n_new_tokens"] == r["n_new_tokens"]
+    print(f"\nembedded {method} --tp 2: job {time.perf_counter() - t0:.1f} s")
