@@ -51,16 +51,18 @@ def default_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1") -> dict[str, str]:
+def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1",
+             local_rank: int | None = None) -> dict[str, str]:
     """The environment one rank of a single-node group needs (what DeepSpeed's own launcher sets).
 
     ``LOCAL_SIZE`` = world size is what makes DeepSpeed's CPU shm all-reduce initialise; without it
     the first forward segfaults. DeepSpeed also names its shm segments after ``MASTER_ADDR`` and
-    ``MASTER_PORT``, so two groups on one node need two ports.
+    ``MASTER_PORT``, so two groups on one node need two ports. ``LOCAL_RANK`` is what DeepSpeed
+    binds as the CUDA device index (default: the rank).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a group of {world_size}")
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
             "LOCAL_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
@@ -96,12 +98,15 @@ def build_comm_op() -> float:
 def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cpu", backend: str | None = None,
               threads: int = 1, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the group: environment, threads, ``torch.distributed`` through DeepSpeed. Blocks until
-    every rank has joined."""
-    os.environ.update(rank_env(rank, world_size, master_port, master_addr))
+    every rank has joined. ``device``: "cpu", "cuda" (GPU index = rank) or "cuda:K"."""
+    local = None
+    if device.startswith("cuda"):
+        local = rank if device == "cuda" else torch.device(device).index
+    os.environ.update(rank_env(rank, world_size, master_port, master_addr, local))
     extensions_dir()
     torch.set_num_threads(threads)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank if device == "cuda" else torch.device(device).index)
+    if local is not None:
+        torch.cuda.set_device(local)
     import deepspeed
 
     backend = backend or default_backend(device)
@@ -245,8 +250,9 @@ class LogitsConsensus:
         logits = output.logits if hasattr(output, "logits") else output[0]
         dist = torch.distributed
         world = dist.get_world_size()
+        dev = logits.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
         ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
-        mine = torch.cat([_checksum(logits)] + [_checksum(t).to(logits.device) for t in ins if t is not None])
+        mine = torch.cat([_checksum(t).to(dev) for t in [logits] + ins if t is not None])
         got = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(got, mine)
         self.forwards += 1
@@ -255,7 +261,7 @@ class LogitsConsensus:
                                 "their decoding decisions diverged")
         if all(torch.equal(got[0][:2], g[:2]) for g in got[1:]):
             return None
-        full = logits.contiguous()
+        full = logits.contiguous().to(dev)
         every = [torch.empty_like(full) for _ in range(world)]
         dist.all_gather(every, full)
         self.repairs += 1

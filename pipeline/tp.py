@@ -68,12 +68,18 @@ class TPRank:
 
         self.rank = rank
         self.watchdog = PeerWatchdog([h["pid"] for h in hellos])
-        device = "cpu"
+        device, backend = "cpu", None
         if use_gpu:
-            # Every rank sees the group's GPUs in rank order (NCCL's peer-to-peer paths need to see
-            # them) and uses its own one, cuda:rank.
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(h["gpu_ids"][0] for h in hellos)
-            device = "cuda"
+            # Every rank sees the group's GPUs (NCCL's peer-to-peer paths need to see them) and uses
+            # its own. Ranks sharing one GPU (fractional --gpus-per-actor, e.g. a TP check on a
+            # 1-GPU machine) must use gloo: NCCL refuses two ranks on one device.
+            ids = [h["gpu_ids"][0] if h["gpu_ids"] else None for h in hellos]
+            if None in ids:
+                raise RuntimeError(f"GPU ranks without a GPU: {ids}")
+            visible = list(dict.fromkeys(ids))
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+            device = f"cuda:{visible.index(ids[rank])}"
+            backend = "nccl" if len(visible) == len(ids) else "gloo"
         import torch
 
         from logitspec.distributed import init_rank, load_tp_model, make_engine
@@ -83,9 +89,9 @@ class TPRank:
         from .worker import RowGenerator
 
         t_import = time.perf_counter()
-        init_rank(rank, world, hellos[0]["port"], device=device, threads=threads)
+        init_rank(rank, world, hellos[0]["port"], device=device, backend=backend, threads=threads)
         t_group = time.perf_counter()
-        dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32, "float32": torch.float32,
+        dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
                  "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
         model, tokenizer = load_tp_model(spec.model, world, dtype=dtype, device=device)
         t_load = time.perf_counter()
