@@ -161,7 +161,8 @@ def make_engine(model, tokenizer, config):
     from .engine import Engine
 
     engine = Engine(model, tokenizer, config, fast_head=False)
-    if getattr(engine, "auto_budget", False) and engine.cost_curve is None:
+    grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if grouped and getattr(engine, "auto_budget", False) and engine.cost_curve is None:
         engine.cost_curve = group_cost_curve(engine)
     return engine
 

@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--gpus-per-rank", type=float, default=1.0,
                     help="< 1 lets ranks share a GPU (then gloo, not NCCL: a correctness check, not a speed one)")
     ap.add_argument("--cpus", type=float, default=None, help="CPUs per rank; default: all / tp (TP=1: all)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per process; default floor(CPUs)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default="out/tp_measure")
     a = ap.parse_args()
@@ -75,7 +76,7 @@ def main() -> int:
         argv = ["--input", str(inp), "--output", str(out / f"tp{tp}"), "--overwrite", "--model", a.model,
                 "--method", a.method, "--max-new-tokens", str(a.max_new_tokens), "--max-batch-size", "1",
                 "--batch-rows", "1", "--tp", str(tp), "--cpus-per-actor", str(cpus),
-                "--threads-per-actor", str(max(1, int(cpus))), "--address", address, "--dtype", a.dtype, "-q"]
+                "--threads-per-actor", str(a.threads or max(1, int(cpus))), "--address", address, "--dtype", a.dtype, "-q"]
         if a.gpu:
             argv += ["--gpus-per-actor", str(1.0 if tp == 1 else a.gpus_per_rank)]
         ready = []
