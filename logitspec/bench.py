@@ -376,12 +376,15 @@ def _units(questions: Sequence[Question], batch: int) -> list[list[Question]]:
 def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods: str | Sequence[str] = DEFAULT_METHODS,
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
               top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
-              model_name: str = "?", command: str | None = None, settings: dict | None = None) -> dict:
+              model_name: str = "?", command: str | None = None, settings: dict | None = None,
+              resume: bool = False) -> dict:
     """Run every method on every question-turn, write ``results.jsonl``, ``summary.json``, ``report.md``
     and PNG plots into ``out_dir``, and return the summary.
 
     ``questions`` may hold token-id turns (then ``tokenizer`` may be None). ``capacity`` / ``top_k`` set
-    those SpecConfig fields for every engine method (a variant's own ``@field=`` wins).
+    those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``resume``
+    keeps the complete units already in ``out_dir/results.jsonl`` (same settings required) and runs
+    the rest, in the same rotation.
     """
     from .config import SpecConfig
 
@@ -431,6 +434,9 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
         "warmup_wall_s": None,
         "methods": {},
     }
+    kept = _resumable(out, summary, names) if resume else {}
+    if kept:
+        summary["resumed"] = {"at": started, "kept_question_turns": len(kept)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     bar = _progress(total=len(names) * (n_turns + (1 if warmup else 0)), enabled=progress)
 
@@ -449,6 +455,18 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
             answers: dict[Any, list] = {q.question_id: [] for q in group}
             for turn in range(max(len(q.turns) for q in group)):
                 qs = [q for q in group if turn < len(q.turns)]
+                old = [kept.get((q.question_id, turn)) for q in qs]
+                if all(old):  # done before: keep its records (and the reference's answers)
+                    for q, rs in zip(qs, old):
+                        answers[q.question_id].append(rs[REFERENCE]["token_ids"])
+                    for name in names:
+                        for rs in old:
+                            f.write(json.dumps(rs[name]) + "\n")
+                            records.append(rs[name])
+                    f.flush()
+                    bar.update(len(qs) * len(names))
+                    unit += 1
+                    continue
                 prompts = [build(q, turn, answers[q.question_id]) for q in qs]
                 order = names[unit % len(names):] + names[: unit % len(names)]
                 unit_records = {}
@@ -473,8 +491,46 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     summary["load_average"]["end"] = _load()
     summary["warmup_wall_s"] = warm
     summary["methods"] = bench_report.summarize(records, REFERENCE, names)
+    summary["method_configs"] = {name: _describe(r) for name, r in runners.items()}
     write_outputs(summary, out)
     return summary
+
+
+def _describe(runner) -> dict:
+    """What a method ran with: the full SpecConfig (defaults change) and, for the auto budget, the
+    forward cost curve it used; or the ``generate`` keywords."""
+    if isinstance(runner, HFRunner):
+        return {"generate": {k: v for k, v in runner.kwargs.items() if v is not None}}
+    import dataclasses
+
+    eng = runner.engine
+    cfg = {k: v for k, v in dataclasses.asdict(eng.config).items() if k != "extra"}
+    out = {"config": cfg}
+    curve = getattr(eng, "cost_curve", None)
+    if curve is not None and hasattr(curve, "to_dict"):
+        out["cost_curve"] = curve.to_dict()
+    return out
+
+
+def _resumable(out: pathlib.Path, summary: dict, names: list[str]) -> dict:
+    """``{(question_id, turn): {method: record}}`` of the complete question-turns in ``out``'s results."""
+    path = out / "results.jsonl"
+    if not path.is_file():
+        return {}
+    meta = out / "summary.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text(encoding="utf-8")).get("settings", {})
+        for key in ("methods", "max_new_tokens", "max_batch_size", "capacity", "top_k"):
+            if key in old and old[key] != summary["settings"][key]:
+                raise ValueError(f"cannot resume {out}: its {key} was {old[key]!r}, now {summary['settings'][key]!r}")
+    by_key: dict = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a line cut short when the run died
+        by_key.setdefault((r["question_id"], r.get("turn", 0)), {})[r["method"]] = r
+    return {k: v for k, v in by_key.items() if set(v) >= set(names)}
 
 
 def _count_turns(questions: Sequence[Question]) -> dict[str, int]:
@@ -581,6 +637,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the complete question-turns already in --out's results.jsonl and run the rest")
     p.add_argument("--report", metavar="DIR", default=None,
                    help="only re-render DIR's summary, report and plots from its results.jsonl (no model)")
     p.set_defaults(func=bench_command)
@@ -629,6 +687,7 @@ def bench_command(args) -> int:
     summary = bench(args.model, args.questions, args.out, methods, per_task, categories, max_new_tokens=max_new,
                     max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.top_k,
                     warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, progress=not args.no_progress,
+                    resume=args.resume,
                     command=_command_line(args, per_task, max_new, methods),
                     settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS), "per_task": per_task,
                               "categories": categories, "quick": args.quick})

@@ -254,6 +254,8 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert len({r["method"] for r in records if r["order"] == 0}) > 1
     md = (tmp_path / "report.md").read_text()
     assert "| `ar` | 1.00x | 1.00x | 1.00x | 1.00x | 1.00 |" in md
+    assert summary["method_configs"]["logitspec"]["config"]["method"] == "logitspec"
+    assert summary["method_configs"]["hf-pld"]["generate"]["prompt_lookup_num_tokens"] == 10
     # re-rendering from the records gives the same numbers; a cut-short file renders as partial
     assert rerender(tmp_path)["methods"] == on_disk["methods"] and "Partial" not in md
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
@@ -261,6 +263,21 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     part = rerender(tmp_path)
     assert part["partial"].startswith("1 of 4 question-turns") and part["question_turns_per_task"] == {"mt_bench": 1}
     assert "**Partial run: 1 of 4" in (tmp_path / "report.md").read_text()
+
+
+def test_resume_keeps_complete_units(tmp_path, one_thread):
+    model, qs = _tiny_model(), _tiny_questions()
+    kw = dict(methods="ar,pld", max_new_tokens=6, progress=False, warmup=False)
+    bench((model, None), qs, tmp_path, **kw)
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    # the run "died" after two units, in the middle of writing a third
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:20])
+    s = bench((model, None), qs, tmp_path, resume=True, **kw)
+    again = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert again[:4] == lines[:4] and len(again) == len(lines) == 8
+    assert s["resumed"]["kept_question_turns"] == 2 and s["methods"]["pld"]["lossless"] == 1.0
+    with pytest.raises(ValueError, match="cannot resume"):
+        bench((model, None), qs, tmp_path, resume=True, **{**kw, "max_new_tokens": 7})
 
 
 def test_batched_run_and_cli(tmp_path, one_thread):
