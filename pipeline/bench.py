@@ -3,7 +3,8 @@
     python -m pipeline.bench --input data/sample_prompts.jsonl --limit 12 --max-new-tokens 32 --repeats 2
 
 Side by side in one session, alternating (bare, job, bare, job, ...), same rows, same engine settings,
-same torch thread count, one compute process at a time (the driver idles while its actor works):
+same torch thread count, one compute process at a time (the driver idles while its actor works), a
+fresh engine for every measured run (as the actor has):
 
 * ``bare_all``: ``Engine.generate`` over all rows in one call (the engine's best case);
 * ``bare_batches``: the same engine fed the job's batches (``--batch-rows``) one call after another;
@@ -63,8 +64,14 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    engine = Engine(model, tok, gen.spec_config())
-    engine.generate([engine.encode("Hello, world.")], max_new_tokens=2)  # warm-up, as the actor does
+
+    def fresh_engine():
+        """A new engine per measured run, warmed up as the actor's is: no state carried between runs."""
+        e = Engine(model, tok, gen.spec_config())
+        e.generate([e.encode("Hello, world.")], max_new_tokens=2)
+        return e
+
+    engine = fresh_engine()
     encoded = [engine.encode(x) for x in prompts]
     seeds = [row_seed(gen.seed, i) for i in ids]
     kw = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
@@ -76,14 +83,20 @@ def main(argv=None) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
+            engine = fresh_engine()
             t = time.perf_counter()
             res = engine.generate(encoded, seed=seeds, **kw)
             bare_all = time.perf_counter() - t
             bare_text = {i: r.text for i, r in zip(ids, res)}
+            engine = fresh_engine()
             t = time.perf_counter()
+            res_b = []
             for s in range(0, len(encoded), size):
-                engine.generate(encoded[s:s + size], seed=seeds[s:s + size], **kw)
+                res_b += engine.generate(encoded[s:s + size], seed=seeds[s:s + size], **kw)
             bare_batches = time.perf_counter() - t
+
+            def mat(rs):
+                return sum(len(r.token_ids) for r in rs) / sum(r.stats["steps"] for r in rs)
             summary = run_job(JobConfig(output=f"{tmp}/job{rep}", **base))
             from .output import read_generations
 
@@ -102,6 +115,8 @@ def main(argv=None) -> int:
                 "job_replica_ready_s": summary["timing"]["replicas_first_ready_s"],
                 "job_model_load_s": summary["replicas"]["startup"][0]["model_load_s"],
                 "job_generation_s": summary["timing"]["generation_s"],
+                "bare_all_mat": mat(res),
+                "bare_batches_mat": mat(res_b),
                 "job_mat": summary["mat"]["now"],
                 "same_text_as_bare": sum(job_text[i] == bare_text[i] for i in ids) / n,
             }

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     ray_.add_argument("--cpus-per-actor", type=float, default=None,
                       help="default: the local Ray's CPUs / actors, or 1 on a cluster")
     ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
-    ray_.add_argument("--threads-per-actor", type=int, default=None, help="torch threads; default floor(cpus)")
+    ray_.add_argument("--threads-per-actor", type=int, default=1,
+                      help="torch intra-op threads per actor (more actors beat more threads on a shared CPU)")
     ray_.add_argument("--batch-rows", type=int, default=None,
                       help="rows per actor task (and per part file); default 2 x max-batch-size")
     ray_.add_argument("--max-replacements", type=int, default=None,

@@ -76,7 +76,9 @@ class JobConfig:
     tp: int = 1  # tensor-parallel shards per replica: N actors on one node (pipeline/tp.py); resources are per shard
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
-    threads_per_actor: int | None = None  # None: max(1, floor(cpus per actor))
+    # torch threads per actor. 1 by default: on a CPU shared with other work, 2 threads per process ran
+    # 10x slower than 1 (docs/pipeline.md); scale with --actors instead, or raise this on dedicated nodes.
+    threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
     overwrite: bool = False
     address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
