@@ -17,7 +17,7 @@ class Head:
         cfg = model.config.get_text_config(decoder=True)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         usable = (emb is not None and getattr(emb, "bias", None) is None
-                  and emb.weight.shape[0] == cfg.vocab_size and hasattr(model, "get_decoder"))
+                  and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size) and hasattr(model, "get_decoder"))
         self.fast = fast and usable
         if self.fast:
             self.decoder = model.get_decoder()
