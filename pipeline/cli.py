@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = p.add_argument_group("generation (as in the engine)")
     gen.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
     gen.add_argument("--method", default="logitspec", choices=METHODS)
+    gen.add_argument("--budget", default="auto", choices=("auto", "fixed"),
+                     help="draft budget: auto (from this machine's cost curve and acceptance) or fixed capacity")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    gen = GenerationSpec(model=args.model, method=args.method, max_batch_size=args.max_batch_size,
+    gen = GenerationSpec(model=args.model, method=args.method, budget=args.budget, max_batch_size=args.max_batch_size,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), chat=args.chat,
                          dtype=args.dtype, warmup=not args.no_warmup)

@@ -26,6 +26,7 @@ class GenerationSpec:
 
     model: str = "default"
     method: str = "logitspec"
+    budget: str = "auto"  # draft budget: "auto" (measured cost x acceptance) or "fixed" (the paper's)
     max_batch_size: int = 4
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -54,7 +55,7 @@ class GenerationSpec:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
     def spec_config(self) -> SpecConfig:
-        return SpecConfig(method=self.method, max_batch_size=self.max_batch_size)
+        return SpecConfig(method=self.method, max_batch_size=self.max_batch_size, budget=self.budget)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,10 @@ def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
 
 
 def _cfg(tiny: str, inp, out, **kw) -> JobConfig:
-    gen = dict(model=tiny, max_new_tokens=kw.pop("max_new_tokens", 12), max_batch_size=kw.pop("max_batch_size", 2),
+    # fixed budget: the tiny model's cost curve would make the auto budget skip drafting, and the
+    # tests below need trees to exercise retrieval
+    gen = dict(model=tiny, budget=kw.pop("budget", "fixed"), max_new_tokens=kw.pop("max_new_tokens", 12),
+               max_batch_size=kw.pop("max_batch_size", 2),
                temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), warmup=False)
     kw.setdefault("threads_per_actor", 1)
     kw.setdefault("log_interval", 2.0)
