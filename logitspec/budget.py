@@ -20,10 +20,15 @@ from .tree import DraftTree
 class AcceptanceStats:
     """P(node accepted | its parent accepted), per (kind, offset), with a Beta prior."""
 
-    def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0):
+    def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0,
+                 kind_priors: dict[int, tuple[float, float]] | None = None):
+        """``kind_priors``: (hits, misses) for particular kinds, e.g. an optimistic one for retrieved
+        chains, so a fresh engine tries them (a rate is only learned from nodes that get verified)."""
         self.max_offset = max_offset
         self.hits = np.full((n_kinds, max_offset), prior_hits)
         self.tries = np.full((n_kinds, max_offset), prior_hits + prior_misses)
+        for kind, (h, m) in (kind_priors or {}).items():
+            self.hits[kind], self.tries[kind] = h, h + m
 
     def _cells(self, tree: DraftTree, nodes):
         return tree.kinds[nodes], np.minimum(tree.offsets[nodes], self.max_offset - 1)

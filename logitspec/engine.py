@@ -18,7 +18,7 @@ import torch
 from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
-from .draft import N_KINDS, make_drafter
+from .draft import BRANCH0, N_KINDS, make_drafter
 from .head import Head
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow, layer_windows, pack_step
@@ -73,7 +73,10 @@ class Engine:
         cfg = model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.eos_ids = _eos_ids(model, tokenizer)
-        self.acceptance = AcceptanceStats(N_KINDS)
+        # retrieved continuations start optimistic (offline replays accepted most of them); logit
+        # guesses start at 1/4; both are then learned from every verified node
+        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={BRANCH0: (3.0, 1.0)})
+        self._steps_without_drafts = 0
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
 
@@ -279,7 +282,13 @@ class Engine:
 
             self.cost_curve = load_or_measure(self)
         probs = [self.acceptance.node_probs(t) for t in trees]
-        n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, max(len(t) - 1 for t in trees))
+        most = max(len(t) - 1 for t in trees)
+        n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
+        # explore: rates are learned only from verified nodes, so after 16 draft-free steps verify a
+        # couple of nodes once, or a pessimistic estimate could never recover
+        self._steps_without_drafts = self._steps_without_drafts + 1 if n == 0 else 0
+        if self._steps_without_drafts > 16:
+            n, self._steps_without_drafts = min(2, most), 0
         return [top_nodes(t, p, n) for t, p in zip(trees, probs)]
 
     def _emit(self, seq: _Sequence, tokens: list[int], stops) -> int:

@@ -80,5 +80,6 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     res = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), cost_curve=curve).generate(
         prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
-    trees = sum(r.stats["mean_tree_size"] for r in res)
-    assert (trees > 0) == expect_drafts
+    mean_tree = sum(r.stats["mean_tree_size"] for r in res) / len(res)
+    # costly drafts: only the occasional 2-node exploration step remains
+    assert (mean_tree > 1.0) == expect_drafts, mean_tree
