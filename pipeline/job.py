@@ -155,8 +155,8 @@ def connect_ray(cfg: JobConfig) -> dict:
     # when the project is not pip-installed.
     paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    # Ray runs workers at nice 15 by default; on a machine shared with other work that starves the
-    # actors, which do all of this job's work (measured in docs/pipeline.md). A local Ray is ours: nice 0.
+    # Ray runs workers at nice 15 by default, below every other process of a shared machine, though
+    # the actors do all of this job's work. A local Ray is ours: nice 0 (unless set by the user).
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
     return {"started_here": True, "address": "local"}
@@ -335,13 +335,14 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
             finally:
                 for rep in made:
                     rep.kill()
-            timing["replicas_first_ready_s"] = sched.stats.first_ready_s
-            timing["replicas_all_ready_s"] = sched.stats.all_ready_s
-            if sched.stats.first_dispatch is not None:
-                timing["startup_s"] = sched.stats.first_dispatch - t0
-                end = sched.stats.last_result or time.perf_counter()
-                timing["generation_s"] = end - sched.stats.first_dispatch
-            timing["scheduler_s"] = time.perf_counter() - t_sched
+                # also when stopped or failed: the summary says how far start-up and generation got
+                timing["replicas_first_ready_s"] = sched.stats.first_ready_s
+                timing["replicas_all_ready_s"] = sched.stats.all_ready_s
+                if sched.stats.first_dispatch is not None:
+                    timing["startup_s"] = sched.stats.first_dispatch - t0
+                    end = sched.stats.last_result or time.perf_counter()
+                    timing["generation_s"] = end - sched.stats.first_dispatch
+                timing["scheduler_s"] = time.perf_counter() - t_sched
     except BaseException as e:  # noqa: BLE001 - summarize, then re-raise
         failure = e
         sched_stats = sched.stats if sched is not None else None
