@@ -480,7 +480,7 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     from pipeline.job import run_job
 
     summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"), output=str(tmp_path / "out"),
-                                gen=GenerationSpec(max_new_tokens=8), limit=3, threads_per_actor=2))
+                                gen=GenerationSpec(max_new_tokens=8), limit=3))
     assert summary["complete"] and summary["rows"]["done_now"] == 3
     table = read_generations(tmp_path / "out")
     assert all(g for g in table.column("generation").to_pylist())
