@@ -246,6 +246,13 @@ def render_report(summary: dict) -> str:
             shares = [h.get(str(i), 0) / total for i in range(1, top)]
             shares.append(sum(n for k, n in h.items() if int(k) >= top) / total)
             lines.append(f"| `{m}` | " + " | ".join(_f(x, "{:.1%}") for x in shares) + " |")
+    curves = {m: c["cost_curve"] for m, c in (summary.get("method_configs") or {}).items() if c.get("cost_curve")}
+    if curves:
+        lines += ["", "## Forward cost curves used by the auto draft budget", "",
+                  "Seconds per forward adding n tokens, as the engine loaded or measured them "
+                  "(`method_configs` in summary.json holds every method's full configuration).", ""]
+        for m, c in curves.items():
+            lines.append(f"- `{m}`: " + ", ".join(f"n={n}: {t:.3f}" for n, t in zip(c["tokens"], c["seconds"])))
     plots = summary.get("plots") or []
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]

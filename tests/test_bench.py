@@ -103,10 +103,12 @@ def test_report_numbers_come_from_the_summary(tmp_path):
                    mean_tree_size=12.0, retrieval_success=0.75)]
     summary = {"model": {"name": "tiny"}, "methods": br.summarize(records), "tasks": ["qa"],
                "question_turns_per_task": {"qa": 1}, "questions": 1, "settings": {"max_new_tokens": 10},
-               "command": "logitspec bench --x", "machine": {"cpu": "test cpu"}}
+               "command": "logitspec bench --x", "machine": {"cpu": "test cpu"},
+               "method_configs": {"logitspec": {"config": {}, "cost_curve": {"tokens": [1, 8], "seconds": [0.2, 0.45]}}}}
     md = br.render_report(summary)
     assert "| `ar` | 1.00x | 1.00x | 1.00 | 5.00 |" in md
     assert "| `logitspec` | 1.25x | 1.25x | 2.50 | 6.25 |" in md
+    assert "- `logitspec`: n=1: 0.200, n=8: 0.450" in md
     assert "75.0%" in md and "12.0" in md and "logitspec bench --x" in md and "test cpu" in md
     br.plot_speedup(summary, tmp_path / "s.png")
     br.plot_accept_hist(summary, tmp_path / "h.png")
