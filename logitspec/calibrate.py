@@ -36,15 +36,24 @@ def machine_fingerprint(device) -> str:
     return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev}"
 
 
-def curve_path(model, cache_dir=None) -> pathlib.Path | None:
-    """Where the curve of this model on this machine is stored (None for unnamed in-memory models)."""
+def kernel_fingerprint(model, head=None) -> str:
+    """What the cost depends on in the code: attention kernel, linear modules, output-layer screen."""
+    attn = getattr(model.config, "_attn_implementation", None)
+    linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    screen = head is not None and getattr(head, "screen", None) is not None
+    return f"attn={attn}|linears={','.join(linears)}|screen={screen}"
+
+
+def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
+    """Where the curve of this model on this machine and kernels is stored (None for unnamed
+    in-memory models)."""
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None
     from .models import default_cache_dir
 
     p = next(model.parameters())
-    key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}"
+    key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"
     slug = pathlib.Path(name).name.replace(os.sep, "_")[:40]
     root = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
     return root / "calibration" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
@@ -52,8 +61,8 @@ def curve_path(model, cache_dir=None) -> pathlib.Path | None:
 
 @torch.inference_mode()
 def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1) -> CostCurve:
-    """Median time of one engine forward (decoder + logits for every node) adding n tokens to a
-    ``context``-token cache, for each n; the cache is rolled back after each forward."""
+    """Median time of one engine forward (decoder + greedy output layer for every node) adding n
+    tokens to a ``context``-token cache, for each n; the cache is rolled back after each forward."""
     from .cache import BatchKV
     from .masks import StepRow
 
@@ -68,7 +77,7 @@ def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: in
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
             row = StepRow.chain(len(ctx), [(5 * i + 1) % vocab for i in range(n)])
             t0 = time.perf_counter()
-            engine._forward([row], kv, all_logits=True)
+            engine._forward([row], kv, all_logits=True, exact=False)
             dt = time.perf_counter() - t0
             kv.commit([[]])  # drop the n new columns
             if rep >= warmup:
@@ -77,7 +86,7 @@ def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: in
 
 
 def load_or_measure(engine, quick: bool = True) -> CostCurve:
-    path = curve_path(engine.model)
+    path = curve_path(engine.model, head=engine.head)
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
@@ -96,7 +105,7 @@ def save(curve: CostCurve, path: pathlib.Path, engine) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     p = next(engine.model.parameters())
     doc = {**curve.to_dict(), "model": engine.model.config._name_or_path, "dtype": str(p.dtype),
-           "machine": machine_fingerprint(p.device)}
+           "machine": machine_fingerprint(p.device), "kernels": kernel_fingerprint(engine.model, engine.head)}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
@@ -124,8 +133,8 @@ def _calibrate(args) -> int:
         use_mm_linears(model)
     engine = Engine(model, tok, SpecConfig(method="ar"))
     curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
-    path = curve_path(model)
-    if path is not None and not args.mm_linears:
+    path = curve_path(model, head=engine.head)
+    if path is not None:
         save(curve, path, engine)
     print(f"machine: {machine_fingerprint(next(model.parameters()).device)}")
     print("| new tokens | forward ms | x one token |\n|---|---|---|")

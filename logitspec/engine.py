@@ -19,7 +19,7 @@ from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
 from .draft import BRANCH0, N_KINDS, make_drafter
-from .head import Head
+from .head import Head, NodeLogits
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow, layer_windows, pack_step
 from .stats import SequenceStats
@@ -174,9 +174,9 @@ class Engine:
                                "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
         return results
 
-    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool) -> list[torch.Tensor]:
-        """One target forward over ``rows``; per row, logits [n_b, V] of all its nodes (or of its
-        last node only)."""
+    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True) -> list[NodeLogits]:
+        """One target forward over ``rows``; per row, the output layer's results for all its nodes
+        (or its last node only): argmax [n_b] and scores [n_b, V] (float32 logits if ``exact``)."""
         ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)
         if isinstance(mask, dict):
             mask = {k: v.to(self.device) for k, v in mask.items()}
@@ -186,7 +186,7 @@ class Engine:
         spans = [(b * T, b * T + len(r.tokens)) if all_logits else (b * T + len(r.tokens) - 1, b * T + len(r.tokens))
                  for b, r in enumerate(rows)]
         select = torch.cat([torch.arange(a, z) for a, z in spans]).to(self.device)
-        logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select)  # [N, V]
+        logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select, exact=exact)  # N nodes
         out, start = [], 0
         for a, z in spans:
             out.append(logits[start:start + z - a])
@@ -210,7 +210,7 @@ class Engine:
         for start in range(0, len(prompt_ids), self.prefill_chunk):
             chunk = prompt_ids[start:start + self.prefill_chunk]
             cols = row.columns
-            logits = self._forward([StepRow.chain(start, chunk)], row, all_logits=False)
+            logits = self._forward([StepRow.chain(start, chunk)], row, all_logits=False, exact=not params.greedy)
             row.commit([list(range(cols, cols + len(chunk)))])
         last = logits[0][-1]
         seq.stats.prefill_s = time.perf_counter() - t0
@@ -222,16 +222,17 @@ class Engine:
             kv.add_row(row)
         return seq
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, seq: _Sequence) -> int:
+    def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
+        """The next token after a node whose output is ``logits`` (one row)."""
         if params.greedy:
-            return int(torch.argmax(logits))
-        return sample_token(probs_from_logits(logits, params), seq.generator)
+            return int(logits.argmax)
+        return sample_token(probs_from_logits(logits.scores, params), seq.generator)
 
-    def _guesses(self, logits: torch.Tensor, next_token: int) -> list[int]:
-        """Top-k next-next guesses from the logits that chose ``next_token`` (excluded)."""
+    def _guesses(self, logits: NodeLogits, next_token: int) -> list[int]:
+        """Top-k next-next guesses from the scores that chose ``next_token`` (excluded)."""
         if not self.drafter.wants_guesses or self.config.top_k == 0:
             return []
-        top = torch.topk(logits, self.config.top_k + 1).indices.tolist()
+        top = torch.topk(logits.scores, self.config.top_k + 1).indices.tolist()
         return [t for t in top if t != next_token][: self.config.top_k]
 
     def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
@@ -250,20 +251,20 @@ class Engine:
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         t1 = time.perf_counter()
         cols = kv.columns
-        logits = self._forward(rows, kv, all_logits=True)  # per row [n_b, V]
+        logits = self._forward(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
         t2 = time.perf_counter()
         paths, bonus = [], []
         for b, (tree, s) in enumerate(zip(trees, active)):
             if params.greedy:
-                choose = logits[b].argmax(-1).tolist().__getitem__
+                choose = logits[b].argmax.tolist().__getitem__
             else:
-                choose = lambda node, lg=logits[b], g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
+                choose = lambda node, lg=logits[b].scores, g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
             p, tok = accept_path(tree, choose)
             self.acceptance.update(tree, p)
             paths.append(p)
             bonus.append(tok)
         if self.drafter.wants_guesses and c.top_k:
-            last = torch.stack([logits[b][p[-1]] for b, p in enumerate(paths)])  # [B, V]
+            last = torch.stack([logits[b].scores[p[-1]] for b, p in enumerate(paths)])  # [B, V]
             top = torch.topk(last, c.top_k + 1, dim=-1).indices.tolist()
         t3 = time.perf_counter()
         kv.commit([[cols + n for n in p] for p in paths])

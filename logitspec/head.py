@@ -1,17 +1,93 @@
-"""The target forward of one step: the decoder over all packed nodes, then logits only where needed.
+"""The target forward of one step: the decoder over all packed nodes, then the output layer only
+where needed.
 
-On CPU the output projection (e.g. 262k x 640 for Gemma 3) is half of every step. Computing it as
-``W @ h.T`` instead of ``F.linear(h, W)`` ran several times faster for a handful of rows on this
-machine (docs/performance.md), and skipping padding nodes saves the rest. ``fast=False`` uses the
-model's own forward (needed when the output layer is sharded, e.g. DeepSpeed AutoTP).
+On CPU the output projection (262k x 640 for Gemma 3: 671 MB of float32) costs as much as the
+whole decoder at one token and grows with every verified node. Two things make it cheap:
+
+* logits only for real tree nodes (padding skipped; prefill: last position only);
+* for greedy decoding, an exact argmax screened at half precision (:class:`ScreenedArgmax`): one
+  pass over a float16 copy of the weight (fbgemm's fp16 GEMM, float32 accumulation) gives
+  approximate logits with a proven error bound; only the tokens that can still be the float32
+  argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
+  approximate logits serve ranking only (LogitSpec's next-next guesses).
+
+Sampling needs the full float32 distribution and gets it. ``fast=False`` uses the model's own
+forward (needed when the output layer is sharded, e.g. DeepSpeed AutoTP).
 """
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
+
+log = logging.getLogger("logitspec.head")
+
+# |fp32 dot - exact dot| <= gamma_n * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
+# orders; 3.8e-5 for n = 640). Both the screen and the reference round, hence twice, with headroom.
+ROUNDING_SLACK = 1e-4
+
+
+@dataclass
+class NodeLogits:
+    """Output-layer results for the N selected nodes of one forward."""
+
+    argmax: torch.Tensor  # [N] int64: the float32 argmax token of each node (the greedy choice)
+    scores: torch.Tensor  # [N, V]: float32 logits if ``exact``, else approximations for ranking only
+    exact: bool
+
+    def __getitem__(self, rows: slice) -> "NodeLogits":
+        return NodeLogits(self.argmax[rows], self.scores[rows], self.exact)
+
+
+class ScreenedArgmax:
+    """Exact float32 argmax of ``W @ x`` from one float16 pass plus a few float32 dot products.
+
+    With ``W16`` the float16 copy, ``|W16_v . x - W_v . x| <= ||W16_v - W_v|| ||x||``; add float32
+    rounding of both computations (``ROUNDING_SLACK * ||W_v|| ||x||``) and call the largest such
+    bound over the vocabulary ``B(x)``. Every token whose approximate logit is within ``2 B(x)`` of
+    the best approximate logit is a candidate; the float32 argmax is always among them.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        w = weight.detach()  # [V, H] float32
+        self.weight = w
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+        w16 = w.half().float()
+        err = (w - w16).norm(dim=1).max().item()
+        self.bound_per_norm = err + ROUNDING_SLACK * w.norm(dim=1).max().item()  # B(x) / ||x||
+
+    @staticmethod
+    def supported(weight: torch.Tensor) -> bool:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return False
+        try:
+            return "fbgemm" in torch.backends.quantized.supported_engines and \
+                hasattr(torch.ops.quantized, "linear_dynamic_fp16")
+        except RuntimeError:
+            return False
+
+    def __call__(self, x: torch.Tensor) -> NodeLogits:
+        """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
+        approx = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # [N, V]
+        best = approx.max(dim=1).values  # [N]
+        margin = 2 * self.bound_per_norm * x.norm(dim=1)  # [N]
+        rows, toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)  # [K] each
+        exact = (self.weight[toks] * x[rows]).sum(dim=1)  # [K] float32 logits of the candidates
+        # per row: the largest exact logit, ties to the lowest token id (torch.argmax's rule)
+        n, vocab = x.shape[0], self.weight.shape[0]
+        top = torch.full((n,), float("-inf")).scatter_reduce(0, rows, exact, "amax")  # [N]
+        lowest = torch.where(exact == top[rows], toks, vocab)  # [K]
+        arg = torch.full((n,), vocab).scatter_reduce(0, rows, lowest, "amin")  # [N]
+        lost = torch.nonzero(arg == vocab).squeeze(1)  # rows without a candidate (non-finite input)
+        if len(lost):
+            arg[lost] = torch.mm(self.weight, x[lost].T).argmax(dim=0)
+        return NodeLogits(arg, approx, exact=False)
 
 
 class Head:
-    def __init__(self, model, fast: bool = True):
+    def __init__(self, model, fast: bool = True, screen: bool = True):
+        """``screen``: use :class:`ScreenedArgmax` for greedy steps where the weights allow it."""
         self.model = model
         emb = model.get_output_embeddings()
         cfg = model.config.get_text_config(decoder=True)
@@ -19,19 +95,26 @@ class Head:
         usable = (emb is not None and getattr(emb, "bias", None) is None
                   and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size) and hasattr(model, "get_decoder"))
         self.fast = fast and usable
+        self.screen = None
         if self.fast:
             self.decoder = model.get_decoder()
             self.weight = emb.weight  # [V, H]
+            # soft-capped logits can tie after tanh where the raw ones do not: screen raw logits only
+            if screen and not self.softcap and ScreenedArgmax.supported(self.weight):
+                self.screen = ScreenedArgmax(self.weight)
 
-    def __call__(self, ids, pos, mask, cache, select: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] (possibly a transposed view) of the flat node indices ``select`` [N] into the
-        [B, T] batch; the cache gains all B x T new columns."""
+    def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True) -> NodeLogits:
+        """Output-layer results of the flat node indices ``select`` [N] into the [B, T] batch; the
+        cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores."""
         if self.fast:
             out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
             h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select]  # [N, H]
+            if self.screen is not None and not exact:
+                return self.screen(h)
             logits = torch.mm(self.weight, h.T).T  # [N, V]
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
-            return logits
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
-        return out.logits.reshape(-1, out.logits.shape[-1])[select]
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+            logits = out.logits.reshape(-1, out.logits.shape[-1])[select]
+        return NodeLogits(logits.argmax(dim=-1), logits, exact=True)
