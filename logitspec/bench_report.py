@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 TASK_LABELS = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization",
                "qa": "QA", "math_reasoning": "Math", "rag": "RAG", "overall": "Overall"}
-TIME_PARTS = ("prefill_s", "draft_s", "forward_s", "verify_s", "commit_s")
+TIME_PARTS = ("prefill_s", "draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
 HIST_CAP = 12  # accepted lengths >= this share one histogram bin in the report
 
 

@@ -177,6 +177,7 @@ class Engine:
     def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True) -> list[NodeLogits]:
         """One target forward over ``rows``; per row, the output layer's results for all its nodes
         (or its last node only): argmax [n_b] and scores [n_b, V] (float32 logits if ``exact``)."""
+        t0 = time.perf_counter()
         ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)
         if isinstance(mask, dict):
             mask = {k: v.to(self.device) for k, v in mask.items()}
@@ -186,6 +187,7 @@ class Engine:
         spans = [(b * T, b * T + len(r.tokens)) if all_logits else (b * T + len(r.tokens) - 1, b * T + len(r.tokens))
                  for b, r in enumerate(rows)]
         select = torch.cat([torch.arange(a, z) for a, z in spans]).to(self.device)
+        self._pack_s = time.perf_counter() - t0  # masks, positions, node selection
         logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select, exact=exact)  # N nodes
         out, start = [], 0
         for a, z in spans:
@@ -274,7 +276,8 @@ class Engine:
                 s.guesses = [t for t in top[b] if t != bonus[b]][: c.top_k]
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [bonus[b]], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1,
-                             draft_s=t1 - t0, forward_s=t2 - t1, verify_s=t3 - t2, commit_s=t4 - t3)
+                             draft_s=t1 - t0, pack_s=self._pack_s, forward_s=t2 - t1 - self._pack_s,
+                             verify_s=t3 - t2, commit_s=t4 - t3)
 
     def _prune(self, trees: list) -> list:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`)."""

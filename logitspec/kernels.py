@@ -27,18 +27,26 @@ class MMLinear(nn.Linear):
         return y.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
-def use_mm_linears(model: nn.Module, max_rows: int = 64) -> int:
-    """Replace every plain ``nn.Linear`` in ``model`` (weights shared, not copied); returns the count."""
+def swap_linears(model: nn.Module, cls: type[nn.Linear], max_rows: int, skip_weights=()) -> int:
+    """Replace every plain ``nn.Linear`` in ``model`` by an instance of ``cls`` (an ``nn.Linear``
+    subclass with a ``max_rows`` attribute) holding the same weight and bias tensors, not copies.
+    Modules whose weight is one of ``skip_weights`` (by identity) are left alone. Returns the count."""
+    skip = {id(w) for w in skip_weights}
     swaps = []
     for name, mod in model.named_modules():
         for child_name, child in mod.named_children():
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and id(child.weight) not in skip:
                 swaps.append((mod, child_name, child))
     for parent, child_name, old in swaps:
-        new = MMLinear.__new__(MMLinear)
+        new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = old.in_features, old.out_features
         new.weight, new.bias = old.weight, old.bias
         new.max_rows = max_rows
         setattr(parent, child_name, new)
     return len(swaps)
+
+
+def use_mm_linears(model: nn.Module, max_rows: int = 64) -> int:
+    """Replace every plain ``nn.Linear`` in ``model`` (weights shared, not copied); returns the count."""
+    return swap_linears(model, MMLinear, max_rows)

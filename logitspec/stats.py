@@ -12,17 +12,19 @@ class SequenceStats:
     tree_sizes: list[int] = field(default_factory=list)
     retrieved_steps: int = 0
     draft_s: float = 0.0
+    pack_s: float = 0.0
     forward_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
     prefill_s: float = 0.0
 
     def add_step(self, emitted: int, retrieved: bool, tree_size: int = 0, draft_s: float = 0.0,
-                 forward_s: float = 0.0, verify_s: float = 0.0, commit_s: float = 0.0) -> None:
+                 pack_s: float = 0.0, forward_s: float = 0.0, verify_s: float = 0.0, commit_s: float = 0.0) -> None:
         self.accepted_lengths.append(emitted)
         self.tree_sizes.append(tree_size)
         self.retrieved_steps += bool(retrieved)
         self.draft_s += draft_s
+        self.pack_s += pack_s
         self.forward_s += forward_s
         self.verify_s += verify_s
         self.commit_s += commit_s
@@ -39,8 +41,9 @@ class SequenceStats:
             "mean_tree_size": sum(self.tree_sizes[1:]) / decode_steps if decode_steps else 0.0,
             "prefill_s": self.prefill_s,
             "draft_s": self.draft_s,
+            "pack_s": self.pack_s,
             "forward_s": self.forward_s,
             "verify_s": self.verify_s,
             "commit_s": self.commit_s,
-            "wall_s": self.prefill_s + self.draft_s + self.forward_s + self.verify_s + self.commit_s,
+            "wall_s": self.prefill_s + self.draft_s + self.pack_s + self.forward_s + self.verify_s + self.commit_s,
         }

@@ -68,13 +68,13 @@ def test_batched_units_share_one_wall_time():
 def test_mat_histogram_rates_time_split_and_lossless():
     records = [
         rec("ar", 1, "qa", 3, 1.0, steps=3, accept=[1, 1, 1], token_ids=[5, 6, 7], mean_tree_size=0.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
         rec("x", 1, "qa", 3, 1.0, steps=2, accept=[1, 2], token_ids=[5, 6, 7], mean_tree_size=4.0,
-            retrieval_success=1.0, prefill_s=0.1, draft_s=0.1, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+            retrieval_success=1.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1, commit_s=0.0),
         rec("ar", 2, "rag", 4, 1.0, steps=4, accept=[1, 1, 1, 1], token_ids=[1, 2, 3, 4], mean_tree_size=0.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
         rec("x", 2, "rag", 4, 1.0, steps=2, accept=[1, 3], token_ids=[1, 2, 3, 9], mean_tree_size=2.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.1, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1, commit_s=0.0),
         rec("hf", 1, "qa", 3, 1.0, steps=3, token_ids=[5, 6, 7]),
         rec("hf", 2, "rag", 4, 1.0, steps=4, token_ids=[1, 2, 3, 4]),
     ]
