@@ -5,6 +5,8 @@ than the same product computed as ``W @ x.T`` (docs/performance.md). ``use_mm_li
 model's ``nn.Linear`` modules for :class:`MMLinear`, which shares the same weight tensors and only
 changes how the product is computed (results equal up to float rounding). Opt-in: ``ar`` and the
 speculative methods then run the same kernels, so comparisons stay fair.
+``logitspec.skinny`` (``use_skinny_linears``) is the compiled AVX2 alternative; both swap modules
+with :func:`swap_linears`.
 """
 from __future__ import annotations
 
