@@ -145,7 +145,9 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     """
     from .models import load_model
 
-    model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation)
+    # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
+    model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
+                                  cpu_kernels=tp_size == 1 and device == "cpu")
     if tp_size > 1:
         model = shard(model, tp_size, dtype)
         model.logitspec_consensus = LogitsConsensus(model)

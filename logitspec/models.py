@@ -680,10 +680,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     attn_implementation: str | None = "sdpa",
+    cpu_kernels: bool = True,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
     """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
 
-    The tokenizer is ``None`` when the model directory holds no tokenizer files.
+    The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
+    CPU in float32, compute the decoder's linears with :mod:`logitspec.skinny` (exact float32, same
+    weights; a few rows cost about one row) when the kernel builds here.
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -697,12 +700,17 @@ def load_model(
     if device != "cpu":
         model.to(device)
     model.eval()
+    swapped = 0
+    if cpu_kernels and device == "cpu" and dtype == torch.float32:
+        from .skinny import available, use_skinny_linears
+
+        swapped = use_skinny_linears(model) if available() else 0
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, tokenizer=%s, in %.1f s",
+        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, skinny linears=%d, tokenizer=%s, in %.1f s",
         type(model).__name__,
         os.fspath(spec),
         path,
@@ -710,6 +718,7 @@ def load_model(
         dtype,
         device,
         model.config._attn_implementation,
+        swapped,
         type(tokenizer).__name__ if tokenizer is not None else None,
         time.monotonic() - t0,
     )
