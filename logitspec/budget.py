@@ -18,33 +18,37 @@ from .tree import DraftTree
 
 
 class AcceptanceStats:
-    """P(node accepted | its parent accepted), per (kind, offset), with a Beta prior."""
+    """P(node accepted | its parent accepted), per (state, kind, offset), with a Beta prior.
+
+    ``state`` is what the caller knows before drafting, e.g. how many drafted tokens the sequence's
+    previous step accepted: inside a copied span the next chain is a much better bet than after a miss.
+    """
 
     def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0,
-                 kind_priors: dict[int, tuple[float, float]] | None = None):
+                 kind_priors: dict[int, tuple[float, float]] | None = None, n_states: int = 1):
         """``kind_priors``: (hits, misses) for particular kinds, e.g. an optimistic one for retrieved
         chains, so a fresh engine tries them (a rate is only learned from nodes that get verified)."""
         self.max_offset = max_offset
-        self.hits = np.full((n_kinds, max_offset), prior_hits)
-        self.tries = np.full((n_kinds, max_offset), prior_hits + prior_misses)
+        self.hits = np.full((n_states, n_kinds, max_offset), prior_hits)
+        self.tries = np.full((n_states, n_kinds, max_offset), prior_hits + prior_misses)
         for kind, (h, m) in (kind_priors or {}).items():
-            self.hits[kind], self.tries[kind] = h, h + m
+            self.hits[:, kind], self.tries[:, kind] = h, h + m
 
     def _cells(self, tree: DraftTree, nodes):
         return tree.kinds[nodes], np.minimum(tree.offsets[nodes], self.max_offset - 1)
 
-    def node_probs(self, tree: DraftTree) -> np.ndarray:
+    def node_probs(self, tree: DraftTree, state: int = 0) -> np.ndarray:
         """float64 [n]: estimated probability that each node ends on the accepted path (root: 1)."""
         n = len(tree)
         p = np.ones(n)
         if n > 1:
             k, o = self._cells(tree, np.arange(1, n))
-            rate = self.hits[k, o] / self.tries[k, o]
+            rate = self.hits[state, k, o] / self.tries[state, k, o]
             for i in range(1, n):
                 p[i] = p[tree.parents[i]] * rate[i - 1]
         return p
 
-    def update(self, tree: DraftTree, path: Sequence[int]) -> None:
+    def update(self, tree: DraftTree, path: Sequence[int], state: int = 0) -> None:
         """Every node whose parent was accepted was tested; those on ``path`` passed."""
         if len(tree) == 1:
             return
@@ -52,8 +56,8 @@ class AcceptanceStats:
         on_path[list(path)] = True
         tested = np.flatnonzero(on_path[tree.parents[1:]]) + 1
         k, o = self._cells(tree, tested)
-        np.add.at(self.tries, (k, o), 1.0)
-        np.add.at(self.hits, (k, o), on_path[tested].astype(float))
+        np.add.at(self.tries[state], (k, o), 1.0)
+        np.add.at(self.hits[state], (k, o), on_path[tested].astype(float))
 
 
 class CostCurve:

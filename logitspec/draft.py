@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Sequence
 
 from .config import SpecConfig
-from .index import NgramSource, retrieve
+from .index import NgramSource, retrieve, retrieve_with_order
 from .tree import DraftTree, TreeBuilder
 
-BRANCH0 = 1  # node kind of the plain lookup chain; guess branches use guess_kind(rank)
+BRANCH0 = 1  # node kind of the plain lookup chain (longest n-gram matched); guess branches use guess_kind(rank)
 RANK_BUCKETS = (1, 2, 4, 8, 16, 32)
+MAX_ORDER_KINDS = 2  # lookup chains matched on 1..MAX_ORDER_KINDS tokens get kinds of their own
 
 
 def guess_kind(rank: int) -> int:
@@ -23,7 +24,16 @@ def guess_kind(rank: int) -> int:
     return 2 + len(RANK_BUCKETS)
 
 
-N_KINDS = 3 + len(RANK_BUCKETS)
+def branch0_kind(order: int, max_ngram: int) -> int:
+    """Node kind of a lookup chain by the length of the n-gram it matched: a 3-gram match is a far
+    better bet than a 1-gram one, so shorter matches learn their own acceptance rates."""
+    if order >= max_ngram or order > MAX_ORDER_KINDS or order < 1:
+        return BRANCH0
+    return 3 + len(RANK_BUCKETS) + order - 1
+
+
+N_KINDS = 3 + len(RANK_BUCKETS) + MAX_ORDER_KINDS
+BRANCH0_KINDS = (BRANCH0, *range(3 + len(RANK_BUCKETS), N_KINDS))
 
 
 class Drafter:
@@ -70,9 +80,10 @@ class LogitSpecDrafter(Drafter):
     def draft(self, sources, context, guesses, budget):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        for chain in retrieve(sources, context, c.branch0_max_tokens, c.continuations_per_key,
-                              c.max_ngram, c.min_ngram):
-            b.retrieved |= b.add_chain(chain, kind=BRANCH0) > 0
+        chains, order = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
+                                            c.max_ngram, c.min_ngram)
+        for chain in chains:
+            b.retrieved |= b.add_chain(chain, kind=branch0_kind(order, c.max_ngram)) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
         for rank, g in enumerate(guesses, 1):

@@ -18,7 +18,7 @@ import torch
 from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
-from .draft import BRANCH0, N_KINDS, make_drafter
+from .draft import BRANCH0_KINDS, N_KINDS, make_drafter
 from .head import Head, NodeLogits
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow, layer_windows, pack_step
@@ -26,6 +26,7 @@ from .stats import SequenceStats
 from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
 
 log = logging.getLogger("logitspec.engine")
+STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
 @dataclass
@@ -52,6 +53,7 @@ class _Sequence:
     out: list[int] = field(default_factory=list)
     guesses: list[int] = field(default_factory=list)
     finish: str | None = None
+    streak: int = 0  # drafted tokens its previous step accepted, capped: the acceptance-rate state
 
 
 class Engine:
@@ -75,7 +77,8 @@ class Engine:
         self.eos_ids = _eos_ids(model, tokenizer)
         # retrieved continuations start optimistic (offline replays accepted most of them); logit
         # guesses start at 1/4; both are then learned from every verified node
-        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={BRANCH0: (3.0, 1.0)})
+        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in BRANCH0_KINDS},
+                                          n_states=STREAK_STATES)
         self._steps_without_drafts = 0
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
@@ -249,7 +252,7 @@ class Engine:
             b = max(0, min(budget, remaining - 1, room))
             trees.append(self.drafter.draft(s.sources, s.index.tokens, s.guesses, b))
         if self.auto_budget:
-            trees = self._prune(trees)
+            trees = self._prune(trees, [s.streak for s in active])
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         t1 = time.perf_counter()
         cols = kv.columns
@@ -262,7 +265,8 @@ class Engine:
             else:
                 choose = lambda node, lg=logits[b].scores, g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
             p, tok = accept_path(tree, choose)
-            self.acceptance.update(tree, p)
+            self.acceptance.update(tree, p, s.streak)
+            s.streak = min(len(p) - 1, STREAK_STATES - 1)
             paths.append(p)
             bonus.append(tok)
         if self.drafter.wants_guesses and c.top_k:
@@ -279,13 +283,13 @@ class Engine:
                              draft_s=t1 - t0, pack_s=self._pack_s, forward_s=t2 - t1 - self._pack_s,
                              verify_s=t3 - t2, commit_s=t4 - t3)
 
-    def _prune(self, trees: list) -> list:
+    def _prune(self, trees: list, states: list[int]) -> list:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`)."""
         if self.cost_curve is None:
             from .calibrate import load_or_measure
 
             self.cost_curve = load_or_measure(self)
-        probs = [self.acceptance.node_probs(t) for t in trees]
+        probs = [self.acceptance.node_probs(t, st) for t, st in zip(trees, states)]
         most = max(len(t) - 1 for t in trees)
         n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps verify a

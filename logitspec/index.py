@@ -138,10 +138,16 @@ class CorpusIndex:
 def retrieve(sources: Sequence[NgramSource], context: Sequence[int], max_tokens: int,
              max_results: int = 1, max_ngram: int = 3, min_ngram: int = 1) -> list[list[int]]:
     """Continuations of the longest suffix of ``context`` found, trying each source in order per n."""
+    return retrieve_with_order(sources, context, max_tokens, max_results, max_ngram, min_ngram)[0]
+
+
+def retrieve_with_order(sources: Sequence[NgramSource], context: Sequence[int], max_tokens: int,
+                        max_results: int = 1, max_ngram: int = 3, min_ngram: int = 1) -> tuple[list[list[int]], int]:
+    """Like :func:`retrieve`, plus the length n of the matched suffix (0 when nothing matched)."""
     for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
         key = context[len(context) - n :]
         for src in sources:
             hits = src.lookup(key, max_tokens, max_results)
             if hits:
-                return hits
-    return []
+                return hits, n
+    return [], 0

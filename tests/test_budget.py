@@ -19,8 +19,8 @@ def test_node_probs_multiply_along_paths_and_learn():
 def test_update_counts_only_tested_nodes():
     st = AcceptanceStats(n_kinds=3, max_offset=4, prior_hits=0, prior_misses=1)
     st.update(TREE, [0, 4])  # node 1 tested and rejected; 2, 3 never tested
-    assert st.tries[1, 0] == 2 and st.hits[1, 0] == 0
-    assert st.tries[1, 1] == 1 and st.tries[2, 0] == 2 and st.hits[2, 0] == 1
+    assert st.tries[0, 1, 0] == 2 and st.hits[0, 1, 0] == 0
+    assert st.tries[0, 1, 1] == 1 and st.tries[0, 2, 0] == 2 and st.hits[0, 2, 0] == 1
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -48,3 +48,12 @@ def test_top_nodes_is_ancestor_closed():
     probs = np.array([1, 0.6, 0.5, 0.1, 0.55])
     t = top_nodes(TREE, probs, 3)
     assert t.tokens.tolist() == [7, 1, 2, 4] and t.parents.tolist() == [-1, 0, 1, 0]
+
+
+def test_states_learn_separately():
+    st = AcceptanceStats(n_kinds=3, max_offset=4, prior_hits=1, prior_misses=1, n_states=2)
+    for _ in range(20):
+        st.update(TREE, [0, 1, 2, 3], state=1)  # after a hit: the whole chain accepted
+        st.update(TREE, [0], state=0)  # after a miss: nothing accepted
+    assert st.node_probs(TREE, state=1)[3] > 0.7
+    assert st.node_probs(TREE, state=0)[1] < 0.1
