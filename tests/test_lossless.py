@@ -83,3 +83,21 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     mean_tree = sum(r.stats["mean_tree_size"] for r in res) / len(res)
     # costly drafts: only the occasional 2-node exploration step remains
     assert (mean_tree > 1.0) == expect_drafts, mean_tree
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_skinny_kernels_and_screened_head_equal_stock_generate(family):
+    """The CPU fast paths (skinny linears in the decoder, screened greedy head) against stock
+    transformers: references are computed before the swap, with plain nn.Linear modules."""
+    from logitspec.skinny import available, use_skinny_linears
+
+    if not available():
+        pytest.skip("skinny kernel does not build here")
+    model = tiny_model(family)
+    prompts = repetitive_prompts(6, seed=5)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    assert use_skinny_linears(model) > 0
+    for method in ("ar", "logitspec"):
+        eng = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
+        assert eng.head.screen is not None
+        assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
