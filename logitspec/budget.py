@@ -61,12 +61,20 @@ class AcceptanceStats:
 
 
 class CostCurve:
-    """Forward time as a function of the number of new tokens in the batch (piecewise linear)."""
+    """Forward time as a function of the number of new tokens in the batch (piecewise linear).
 
-    def __init__(self, tokens: Sequence[int], seconds: Sequence[float]):
+    ``batches``: optional curves measured with b > 1 rows, each over new tokens *per row*: b
+    sequences with their own caches cost more than one sequence with as many tokens (measured: 8
+    rows x 2 tokens 1.5x 8 rows x 1 token, where 16 tokens of one row cost 1.4x 8), and the draft
+    budget must not underestimate it.
+    """
+
+    def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None):
         order = np.argsort(tokens)
         self.tokens = [int(tokens[i]) for i in order]
         self.seconds = [float(seconds[i]) for i in order]
+        self.batches = {int(b): c if isinstance(c, CostCurve) else CostCurve(c["tokens"], c["seconds"])
+                        for b, c in (batches or {}).items()}
 
     def __call__(self, n: int) -> float:
         x, y = self.tokens, self.seconds
@@ -76,8 +84,30 @@ class CostCurve:
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
 
+    def step(self, rows: int, per_row: int) -> float:
+        """Forward time of ``rows`` sequences adding ``per_row`` tokens each: the measured batch
+        curves, linear in ``rows`` between them and proportional beyond the largest; the token
+        curve alone when no batch curve was measured."""
+        if rows <= 1 or not self.batches:
+            return self(rows * per_row)
+        sizes = sorted({1, *self.batches})
+
+        def at(b: int) -> float:
+            return self(per_row) if b == 1 else self.batches[b](per_row)
+
+        if rows in sizes:
+            return at(rows)
+        if rows > sizes[-1]:
+            return at(sizes[-1]) * rows / sizes[-1]
+        lo = max(b for b in sizes if b < rows)
+        hi = min(b for b in sizes if b > rows)
+        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
+
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "seconds": self.seconds}
+        d = {"tokens": self.tokens, "seconds": self.seconds}
+        if self.batches:
+            d["batches"] = {str(b): c.to_dict() for b, c in sorted(self.batches.items())}
+        return d
 
 
 def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:
@@ -86,12 +116,12 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
     ``probs[b]``: node probabilities of row b's draft nodes (root excluded), sorted descending.
     """
     B = len(probs)
-    best_n, best = 0, B / cost(B)
+    best_n, best = 0, B / cost.step(B, 1)
     cum = [np.concatenate([[0.0], np.cumsum(p[:max_nodes])]) for p in probs]
     for n in range(1, max_nodes + 1):
         T = 1 + max(min(n, len(p)) for p in probs)  # padded width of the forward
         gain = sum(1.0 + c[min(n, len(c) - 1)] for c in cum)
-        score = gain / cost(B * T)
+        score = gain / cost.step(B, T)
         if score > best:
             best_n, best = n, score
     return best_n

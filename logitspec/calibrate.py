@@ -20,6 +20,8 @@ from .budget import CostCurve
 
 log = logging.getLogger("logitspec.calibrate")
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+BATCH_ROWS = (4, 8)  # batch sizes with a curve of their own (tokens per row)
+BATCH_TOKENS = (1, 2, 3, 4, 6, 8)
 
 
 def machine_fingerprint(device) -> str:
@@ -60,26 +62,41 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 
 
 @torch.inference_mode()
-def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1) -> CostCurve:
+def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1,
+            batch_rows=BATCH_ROWS, batch_tokens=BATCH_TOKENS) -> CostCurve:
     """Median time of one engine forward (decoder + greedy output layer for every node) adding n
-    tokens to a ``context``-token cache, for each n; the cache is rolled back after each forward."""
+    tokens to a ``context``-token cache, for each n; then, for each b in ``batch_rows``, b rows
+    (caches of different lengths around ``context``) adding n tokens each, for n in ``batch_tokens``.
+    Caches are rolled back after each forward."""
+    batches = {}
+    one = _measure_rows(engine, 1, tokens, context, reps, warmup)
+    for b in batch_rows:
+        batches[b] = _measure_rows(engine, b, [n for n in batch_tokens if b * n <= 64], context, reps, warmup)
+    return CostCurve(one.tokens, one.seconds, batches)
+
+
+def _measure_rows(engine, rows: int, tokens, context: int, reps: int, warmup: int) -> CostCurve:
     from .cache import BatchKV
     from .masks import StepRow
 
     vocab = engine.model.config.get_text_config(decoder=True).vocab_size
-    ctx = [(7 * i + 3) % vocab for i in range(min(context, engine.max_context - max(tokens) - 1))]
     kv = BatchKV()
-    kv.lengths = [0]
-    engine._forward([StepRow.chain(0, ctx)], kv, all_logits=False)
-    kv.commit([list(range(len(ctx)))])
+    for r in range(rows):
+        n_ctx = min(context + 16 * r, engine.max_context - max(tokens) - 1)
+        ctx = [(7 * i + 3 + r) % vocab for i in range(n_ctx)]
+        row = BatchKV()
+        row.lengths = [0]
+        engine._forward([StepRow.chain(0, ctx)], row, all_logits=False)
+        row.commit([list(range(len(ctx)))])
+        kv.add_row(row)
     times = {n: [] for n in tokens}
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
-            row = StepRow.chain(len(ctx), [(5 * i + 1) % vocab for i in range(n)])
+            step = [StepRow.chain(kv.lengths[r], [(5 * i + 1 + r) % vocab for i in range(n)]) for r in range(rows)]
             t0 = time.perf_counter()
-            engine._forward([row], kv, all_logits=True, exact=False)
+            engine._forward(step, kv, all_logits=True, exact=False)
             dt = time.perf_counter() - t0
-            kv.commit([[]])  # drop the n new columns
+            kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
                 times[n].append(dt)
     return CostCurve(list(tokens), [statistics.median(times[n]) for n in tokens])
@@ -90,11 +107,13 @@ def load_or_measure(engine, quick: bool = True) -> CostCurve:
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
-            return CostCurve(d["tokens"], d["seconds"])
+            if d.get("batches") or engine.config.max_batch_size == 1:
+                return CostCurve(d["tokens"], d["seconds"], d.get("batches"))
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5)
+    curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5,
+                    batch_tokens=(1, 2, 4) if quick else BATCH_TOKENS)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
         save(curve, path, engine)
@@ -140,6 +159,10 @@ def _calibrate(args) -> int:
     print("| new tokens | forward ms | x one token |\n|---|---|---|")
     for n, s in zip(curve.tokens, curve.seconds):
         print(f"| {n} | {s * 1000:.1f} | {s / curve.seconds[0]:.2f} |")
+    for b, c in curve.batches.items():
+        print(f"\n{b} rows:\n| new tokens per row | forward ms | x one token per row |\n|---|---|---|")
+        for n, s in zip(c.tokens, c.seconds):
+            print(f"| {n} | {s * 1000:.1f} | {s / c.seconds[0]:.2f} |")
     if path is not None:
         print(f"stored: {path}")
     if args.plot:

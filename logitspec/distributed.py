@@ -191,7 +191,7 @@ def group_cost_curve(engine):
     if dist.get_rank() == 0 and path is not None and path.exists():
         with contextlib.suppress(OSError, ValueError, KeyError):
             d = json.loads(path.read_text())
-            doc[0] = {"tokens": d["tokens"], "seconds": d["seconds"]}
+            doc[0] = {"tokens": d["tokens"], "seconds": d["seconds"], "batches": d.get("batches")}
     dist.broadcast_object_list(doc, src=0)
     if doc[0] is None:
         t0 = time.perf_counter()

@@ -57,3 +57,21 @@ def test_states_learn_separately():
         st.update(TREE, [0], state=0)  # after a miss: nothing accepted
     assert st.node_probs(TREE, state=1)[3] > 0.7
     assert st.node_probs(TREE, state=0)[1] < 0.1
+
+
+def test_batch_curves_interpolate_in_rows():
+    c = CostCurve([1, 8, 16], [1.0, 1.2, 1.6], batches={4: {"tokens": [1, 2], "seconds": [1.5, 2.0]},
+                                                        "8": {"tokens": [1, 2], "seconds": [2.0, 3.0]}})
+    assert c.step(1, 8) == c(8) and c.step(4, 2) == 2.0 and c.step(8, 1) == 2.0
+    assert np.isclose(c.step(6, 1), 1.75) and np.isclose(c.step(2, 1), 1.0 + (1.5 - 1.0) / 3)
+    assert np.isclose(c.step(16, 2), 6.0)  # beyond the largest batch: proportional
+    assert CostCurve(**c.to_dict()).step(6, 2) == c.step(6, 2)
+    assert CostCurve([1, 16], [1.0, 1.6]).step(8, 2) == CostCurve([1, 16], [1.0, 1.6])(16)
+
+
+def test_choose_size_uses_the_batch_curve():
+    probs = [np.array([0.5, 0.2])] * 8
+    tokens_only = CostCurve([1, 8, 16, 24], [1.0, 1.2, 1.4, 1.6])
+    assert choose_size(probs, tokens_only, 2) >= 1  # 16 tokens of one row look cheap
+    batched = CostCurve(tokens_only.tokens, tokens_only.seconds, batches={8: {"tokens": [1, 2, 3], "seconds": [1.2, 1.9, 2.6]}})
+    assert choose_size(probs, batched, 2) == 0  # 8 rows x 2 tokens measured 1.58x 8 x 1: drafts do not pay
