@@ -20,6 +20,7 @@ TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "ra
 TASK_LABELS = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization",
                "qa": "QA", "math_reasoning": "Math", "rag": "RAG", "overall": "Overall"}
 TIME_PARTS = ("prefill_s", "draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
+SPLIT_COLUMNS = tuple(p[:-2] for p in TIME_PARTS) + ("other",)
 HIST_CAP = 12  # accepted lengths >= this share one histogram bin in the report
 
 
@@ -225,7 +226,7 @@ def render_report(summary: dict) -> str:
               "`speed.py` (mean speed / reference mean speed). Lossless = share of question-turns whose "
               "tokens equal the reference's. Time split = share of wall time (engine methods only).", "",
               "| Method | speedup (totals) | speedup (Spec-Bench) | retrieval success | mean tree size | lossless "
-              "| prefill | draft | forward | verify | commit | other |", "|---" * 12 + "|"]
+              "| " + " | ".join(SPLIT_COLUMNS) + " |", "|---" * (6 + len(SPLIT_COLUMNS)) + "|"]
     for m, v in ms.items():
         ts = v.get("time_split") or {}
         lines.append(
@@ -233,7 +234,7 @@ def render_report(summary: dict) -> str:
             f"{_f(v['speedup_specbench'].get('overall'), '{:.2f}x')} | "
             f"{_f(v['retrieval_success'], '{:.1%}')} | {_f(v['mean_tree_size'], '{:.1f}')} | "
             f"{_f(v['lossless'], '{:.0%}')} | "
-            + " | ".join(_f(ts.get(p), "{:.1%}") for p in ("prefill", "draft", "forward", "verify", "commit", "other"))
+            + " | ".join(_f(ts.get(p), "{:.1%}") for p in SPLIT_COLUMNS)
             + " |")
     hists = {m: v["accept_hist"] for m, v in ms.items() if v.get("accept_hist")}
     if hists:
