@@ -51,8 +51,15 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     assert model.config._attn_implementation == "sdpa"
     assert model.dtype == torch.float32
     ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():  # skinny linears (when they build here) sum in another order
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    from logitspec.skinny import SkinnyLinear, available
+
+    assert isinstance(model.model.layers[0].mlp.up_proj, SkinnyLinear) == available()
+    plain, _ = load_model(str(tmp_path / "tiny"), cpu_kernels=False)
+    assert type(plain.model.layers[0].mlp.up_proj) is torch.nn.Linear
     with torch.inference_mode():
-        assert torch.equal(model(ids).logits, ref(ids).logits)
+        assert torch.equal(plain(ids).logits, ref(ids).logits)
     assert torch.is_grad_enabled()  # load_model leaves grad mode alone
     assert not cache.exists() or not any((cache / "models").glob("*"))  # nothing converted or cached
 
@@ -152,7 +159,7 @@ def test_hf_cache_id_loads_offline(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a network attempt would fail loudly
 
-    model, tok = load_model("someorg/tiny-llama")
+    model, tok = load_model("someorg/tiny-llama", cpu_kernels=False)
     assert tok is None
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
