@@ -20,9 +20,11 @@ The build goes to ``$LOGITSPEC_CACHE/torch_extensions`` (default ``~/.cache/logi
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
+import sys
 import threading
 
 import torch
@@ -63,6 +65,24 @@ def build_dir() -> pathlib.Path:
     return default_cache_dir() / "torch_extensions" / _EXT_NAME
 
 
+@contextlib.contextmanager
+def _venv_ninja_first():
+    """Run the build with this interpreter's ``ninja`` (the pip one in a venv) ahead of the system's.
+
+    Two ninja versions keep incompatible build logs: a process with the venv on PATH (``make setup``)
+    and one without (a Ray worker) would each see the other's build as stale and recompile (a minute)."""
+    bindir = os.path.dirname(sys.executable)
+    old = os.environ.get("PATH", "")
+    if not os.path.exists(os.path.join(bindir, "ninja")):
+        yield
+        return
+    os.environ["PATH"] = bindir + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def _load():
     """The compiled extension, building it on first call; None (and one warning) if it cannot be."""
     global _ext, _failed
@@ -78,8 +98,9 @@ def _load():
 
                 d = build_dir()
                 d.mkdir(parents=True, exist_ok=True)
-                _ext = load(name=_EXT_NAME, sources=[str(_SOURCE)], build_directory=str(d),
-                            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
+                with _venv_ninja_first():
+                    _ext = load(name=_EXT_NAME, sources=[str(_SOURCE)], build_directory=str(d),
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
             except Exception as e:  # compiler missing, headers missing, build error, ...
                 reason = f"build failed: {type(e).__name__}: {str(e).strip()[-800:]}"
         if _ext is None:
