@@ -112,7 +112,9 @@ def load_or_measure(engine, quick: bool = True) -> CostCurve:
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
+    # batch curves only for an engine that batches (a later batching engine measures them then)
     curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5,
+                    batch_rows=BATCH_ROWS if engine.config.max_batch_size > 1 else (),
                     batch_tokens=(1, 2, 4) if quick else BATCH_TOKENS)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:

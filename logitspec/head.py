@@ -32,12 +32,19 @@ ROUNDING_SLACK = 1e-4
 class NodeLogits:
     """Output-layer results for the N selected nodes of one forward."""
 
-    argmax: torch.Tensor  # [N] int64: the float32 argmax token of each node (the greedy choice)
     scores: torch.Tensor  # [N, V]: float32 logits if ``exact``, else approximations for ranking only
     exact: bool
+    screened_argmax: torch.Tensor | None = None  # [N] int64, given when ``scores`` are approximate
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        """[N] int64: the float32 argmax token of each node (the greedy choice); computed from
+        ``scores`` only when asked (sampling never asks)."""
+        return self.screened_argmax if self.screened_argmax is not None else self.scores.argmax(dim=-1)
 
     def __getitem__(self, rows: slice) -> "NodeLogits":
-        return NodeLogits(self.argmax[rows], self.scores[rows], self.exact)
+        arg = self.screened_argmax[rows] if self.screened_argmax is not None else None
+        return NodeLogits(self.scores[rows], self.exact, arg)
 
 
 class ScreenedArgmax:
@@ -82,12 +89,12 @@ class ScreenedArgmax:
         lost = torch.nonzero(arg == vocab).squeeze(1)  # rows without a candidate (non-finite input)
         if len(lost):
             arg[lost] = torch.mm(self.weight, x[lost].T).argmax(dim=0)
-        return NodeLogits(arg, approx, exact=False)
+        return NodeLogits(approx, exact=False, screened_argmax=arg)
 
 
 class Head:
-    def __init__(self, model, fast: bool = True, screen: bool = True):
-        """``screen``: use :class:`ScreenedArgmax` for greedy steps where the weights allow it."""
+    def __init__(self, model, fast: bool = True):
+        """Greedy steps use :class:`ScreenedArgmax` where the output weights allow it."""
         self.model = model
         emb = model.get_output_embeddings()
         cfg = model.config.get_text_config(decoder=True)
@@ -100,7 +107,7 @@ class Head:
             self.decoder = model.get_decoder()
             self.weight = emb.weight  # [V, H]
             # soft-capped logits can tie after tanh where the raw ones do not: screen raw logits only
-            if screen and not self.softcap and ScreenedArgmax.supported(self.weight):
+            if not self.softcap and ScreenedArgmax.supported(self.weight):
                 self.screen = ScreenedArgmax(self.weight)
 
     def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True) -> NodeLogits:
@@ -117,4 +124,4 @@ class Head:
         else:
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
             logits = out.logits.reshape(-1, out.logits.shape[-1])[select]
-        return NodeLogits(logits.argmax(dim=-1), logits, exact=True)
+        return NodeLogits(logits, exact=True)

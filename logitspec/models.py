@@ -702,9 +702,9 @@ def load_model(
     model.eval()
     swapped = 0
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
-        from .skinny import available, use_skinny_linears
+        from .skinny import use_skinny_linears
 
-        swapped = use_skinny_linears(model) if available() else 0
+        swapped = use_skinny_linears(model)  # 0 where the kernel cannot be built
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
