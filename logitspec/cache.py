@@ -1,22 +1,75 @@
 """Batched KV cache: one row per active sequence, rows left-aligned (column = position).
 
-The only module that touches cache tensors. It wraps a ``transformers.DynamicCache`` built without a
-config, so every layer (sliding-window ones too) is a plain ``DynamicLayer`` that keeps all columns:
-sliding windows are enforced by the masks (``masks.py``), never by eviction, which makes rolling back
-rejected draft nodes safe after the window has wrapped (shared/FINDINGS.md).
+The only module that touches cache tensors. It is a ``transformers.Cache`` of :class:`GrowingLayer`
+(a ``DynamicLayer`` that keeps all columns): sliding windows are enforced by the masks
+(``masks.py``), never by eviction, which makes rolling back rejected draft nodes safe after the
+window has wrapped (shared/FINDINGS.md).
 """
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose columns live in a buffer with spare room: a step writes its new
+    columns in place instead of concatenating the whole cache (``DynamicLayer.update`` copies every
+    cached column on every step: 3 ms a step for Gemma 3 270M at 256 tokens on the CPU target,
+    growing with the context). ``keys``/``values`` are views of the first ``n`` columns."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.set(key_states[:, :, :0], value_states[:, :, :0])
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor, room: int = 0) -> None:
+        """Hold copies of ``keys``/``values`` [rows, heads, n, dim], with ``room`` spare columns."""
+        self.is_initialized = True
+        self.n = keys.shape[2]
+        self._k = keys.new_empty(*keys.shape[:2], self.n + room, keys.shape[3])
+        self._v = values.new_empty(*values.shape[:2], self.n + room, values.shape[3])
+        self._k[:, :, :self.n] = keys
+        self._v[:, :, :self.n] = values
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[:, :, :self.n], self._v[:, :, :self.n]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``key_states``/``value_states`` [rows, heads, T, dim]; the cached columns
+        [rows, heads, n + T, dim] are returned (views)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[2]
+        if self.n + T > self._k.shape[2]:  # grow by half, at least 64 columns: amortised O(T) per step
+            self.set(self.keys, self.values, room=T + max(64, self.n // 2))
+        self._k[:, :, self.n:self.n + T] = key_states
+        self._v[:, :, self.n:self.n + T] = value_states
+        self.n += T
+        self._views()
+        return self.keys, self.values
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` columns (the buffer stays)."""
+        self.n = min(self.n, n)
+        self._views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.is_initialized:
+            self.truncate(self.n + tokens_to_remove)
+        else:
+            super().crop(tokens_to_remove)
+
+
+def new_cache() -> Cache:
+    """An empty cache whose layers are :class:`GrowingLayer`, created as the model first writes them."""
+    return Cache(layer_class_to_replicate=GrowingLayer)
 
 
 class BatchKV:
     """Rows of committed KV entries; ``lengths[b]`` columns of row b are valid."""
 
     def __init__(self) -> None:
-        self.hf = DynamicCache()
+        self.hf = new_cache()
         self.lengths: list[int] = []
 
     @property
@@ -32,8 +85,8 @@ class BatchKV:
 
     def _layers(self):
         for layer in self.hf.layers:
-            if type(layer) is not DynamicLayer:
-                raise TypeError(f"unsupported cache layer {type(layer).__name__}; BatchKV needs DynamicLayer")
+            if type(layer) is not GrowingLayer:
+                raise TypeError(f"unsupported cache layer {type(layer).__name__}; BatchKV needs GrowingLayer")
             if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:  # [rows, heads, cols, dim]
                 yield layer
 
@@ -54,11 +107,10 @@ class BatchKV:
         if b_idx:
             bi, s, d = (torch.tensor(x) for x in (b_idx, src, dst))
         for layer in self._layers():
-            for name in ("keys", "values"):
-                t = getattr(layer, name)  # [rows, heads, columns, head_dim]
-                if b_idx:
+            if b_idx:
+                for t in (layer.keys, layer.values):  # [rows, heads, columns, head_dim], views of the buffer
                     t[bi, :, d] = t[bi, :, s]
-                setattr(layer, name, t[:, :, :keep])
+            layer.truncate(keep)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Release every row not in ``rows`` (finished sequences)."""
@@ -66,13 +118,12 @@ class BatchKV:
             return
         self.lengths = [self.lengths[r] for r in rows]
         if not rows:
-            self.hf = DynamicCache()
+            self.hf = new_cache()
             return
         idx = torch.tensor(rows)
         keep = max(self.lengths)
         for layer in self._layers():
-            layer.keys = layer.keys[idx, :, :keep].contiguous()
-            layer.values = layer.values[idx, :, :keep].contiguous()
+            layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)
 
     def add_row(self, other: "BatchKV") -> None:
         """Append the single row of ``other`` (a freshly prefilled sequence) as the last row."""
@@ -82,11 +133,8 @@ class BatchKV:
             return
         width = max(self.columns, other.columns)
         for mine, theirs in zip(self._layers(), other._layers()):
-            for name in ("keys", "values"):
-                a, b = getattr(mine, name), getattr(theirs, name)
-                a = _pad_columns(a, width)
-                b = _pad_columns(b, width)
-                setattr(mine, name, torch.cat([a, b], dim=0))
+            k, v = ([_pad_columns(getattr(x, name), width) for x in (mine, theirs)] for name in ("keys", "values"))
+            mine.set(torch.cat(k, dim=0), torch.cat(v, dim=0), room=64)
         self.lengths.append(other.lengths[0])
 
 

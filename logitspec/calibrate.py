@@ -39,11 +39,14 @@ def machine_fingerprint(device) -> str:
 
 
 def kernel_fingerprint(model, head=None) -> str:
-    """What the cost depends on in the code: attention kernel, linear modules, output-layer screen."""
+    """What the cost depends on in the code: attention kernel, linear modules, output-layer screen,
+    KV-cache layer."""
+    from .cache import GrowingLayer
+
     attn = getattr(model.config, "_attn_implementation", None)
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    screen = head is not None and getattr(head, "screen", None) is not None
-    return f"attn={attn}|linears={','.join(linears)}|screen={screen}"
+    screen = getattr(getattr(head, "screen", None), "kind", None)
+    return f"attn={attn}|linears={','.join(linears)}|screen={screen}|cache={GrowingLayer.__name__}"
 
 
 def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:

@@ -6,7 +6,8 @@ whole decoder at one token and grows with every verified node. Two things make i
 
 * logits only for real tree nodes (padding skipped; prefill: last position only);
 * for greedy decoding, an exact argmax screened at half precision (:class:`ScreenedArgmax`): one
-  pass over a float16 copy of the weight (fbgemm's fp16 GEMM, float32 accumulation) gives
+  pass over a float16 copy of the weight (our F16C skinny kernel, or fbgemm's fp16 GEMM where it
+  cannot build; float32 products and sums) gives
   approximate logits with a proven error bound; only the tokens that can still be the float32
   argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
   approximate logits serve ranking only (LogitSpec's next-next guesses).
@@ -56,18 +57,44 @@ class ScreenedArgmax:
     the best approximate logit is a candidate; the float32 argmax is always among them.
     """
 
-    def __init__(self, weight: torch.Tensor):
+    KINDS = ("f16c", "fbgemm")
+
+    def __init__(self, weight: torch.Tensor, kind: str | None = None):
+        """``kind``: the float16 pass, "f16c" (the skinny kernel; the default where it builds) or
+        "fbgemm"."""
+        from . import skinny
+
         w = weight.detach()  # [V, H] float32
         self.weight = w
-        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
-        w16 = w.half().float()
-        err = (w - w16).norm(dim=1).max().item()
+        w16 = w.half()  # [V, H]
+        # the skinny F16C kernel reads the float16 copy once for up to 64 rows (the fbgemm GEMM
+        # costs 2.5x at 8 rows); fbgemm where the kernel cannot build
+        self.kind = kind or ("f16c" if skinny.available() else "fbgemm")
+        if self.kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        if self.kind == "f16c":
+            self.w16, self.packed = w16.contiguous(), None
+        else:
+            self.w16, self.packed = None, torch.ops.quantized.linear_prepack_fp16(w, None)
+        err = (w - w16.float()).norm(dim=1).max().item()
         self.bound_per_norm = err + ROUNDING_SLACK * w.norm(dim=1).max().item()  # B(x) / ||x||
+
+    def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, V] float32 logits of ``x`` [N, H] against the float16 weight (error <= the bound)."""
+        if self.packed is not None:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+        from .skinny import MAX_ROWS, skinny_linear_f16
+
+        return torch.cat([skinny_linear_f16(x[i:i + MAX_ROWS], self.w16) for i in range(0, len(x), MAX_ROWS)])
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
+        from . import skinny
+
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
+        if skinny.available():
+            return True
         try:
             return "fbgemm" in torch.backends.quantized.supported_engines and \
                 hasattr(torch.ops.quantized, "linear_dynamic_fp16")
@@ -76,7 +103,7 @@ class ScreenedArgmax:
 
     def __call__(self, x: torch.Tensor) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
-        approx = torch.ops.quantized.linear_dynamic_fp16(x, self.packed)  # [N, V]
+        approx = self.approx_logits(x)  # [N, V]
         best = approx.max(dim=1).values  # [N]
         margin = 2 * self.bound_per_norm * x.norm(dim=1)  # [N]
         rows, toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)  # [K] each

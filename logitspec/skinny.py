@@ -51,7 +51,7 @@ def _cpu_lacks_avx2_fma() -> str | None:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    missing = [f for f in ("avx2", "fma") if f not in flags]
+                    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
                     return f"CPU lacks {', '.join(missing)}" if missing else None
     except OSError:
         pass
@@ -100,7 +100,8 @@ def _load():
                 d.mkdir(parents=True, exist_ok=True)
                 with _venv_ninja_first():
                     _ext = load(name=_EXT_NAME, sources=[str(_SOURCE)], build_directory=str(d),
-                                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # compiler missing, headers missing, build error, ...
                 reason = f"build failed: {type(e).__name__}: {str(e).strip()[-800:]}"
         if _ext is None:
@@ -142,6 +143,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if bias is not None:
         y.add_(bias)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_linear_f16(x: torch.Tensor, weight16: torch.Tensor) -> torch.Tensor | None:
+    """``x[n, I] @ float32(weight16[O, I])^T`` with float16 weights read once and float32 math
+    (half the bytes of the float32 kernel; batch-invariant like it); None when the kernel is
+    unavailable or does not apply (the caller picks another path)."""
+    if not (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight16.dtype == torch.float16 and weight16.device.type == "cpu" and weight16.dim() == 2
+            and weight16.is_contiguous() and x.shape[1] == weight16.shape[1]):
+        return None
+    if _load() is None:
+        return None
+    return _ext.skinny_linear_f16(x.contiguous(), weight16)
 
 
 class SkinnyLinear(nn.Linear):

@@ -31,7 +31,7 @@ def main() -> None:
         row = StepRow.chain(len(ctx), list(range(5, 5 + args.new_tokens)))
 
         def step():
-            eng._forward([row], kv, all_logits=True)
+            eng._forward([row], kv, all_logits=True, exact=False)  # greedy: the screened output layer
             kv.commit([[]])
 
         step()

@@ -2,16 +2,33 @@
 import pytest
 import torch
 
-from logitspec.head import ScreenedArgmax
+from logitspec import skinny
+from logitspec.head import ScreenedArgmax as _Screen
 
-pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no fbgemm fp16 kernels")
+pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason="no float16 kernels")
+
+
+def _kinds():
+    kinds = ["f16c"] if skinny.available() else []
+    try:
+        if "fbgemm" in torch.backends.quantized.supported_engines:
+            kinds.append("fbgemm")
+    except RuntimeError:
+        pass
+    return kinds
+
+
+@pytest.fixture(params=_kinds())
+def ScreenedArgmax(request):
+    """The screen with each float16 pass this machine has (the F16C kernel and fbgemm)."""
+    return lambda weight: _Screen(weight, kind=request.param)
 
 
 def _reference(weight, x):
     return torch.nn.functional.linear(x, weight).argmax(dim=1)
 
 
-def test_argmax_equals_float32_argmax_on_random_states():
+def test_argmax_equals_float32_argmax_on_random_states(ScreenedArgmax):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(5000, 64, generator=g) * 0.05
     x = torch.randn(200, 64, generator=g) * 20
@@ -20,7 +37,7 @@ def test_argmax_equals_float32_argmax_on_random_states():
         assert torch.equal(screen(x[rows]).argmax, _reference(weight, x[rows]))
 
 
-def test_near_ties_below_half_precision_resolved_in_float32():
+def test_near_ties_below_half_precision_resolved_in_float32(ScreenedArgmax):
     """Pairs of rows whose logits differ by less than float16 resolves (but far more than float32
     rounding): the half-precision pass ranks some of them wrongly; the screen must still return
     the float32 winner."""
@@ -36,14 +53,14 @@ def test_near_ties_below_half_precision_resolved_in_float32():
     assert torch.equal(out.argmax, ref)
 
 
-def test_exact_ties_go_to_the_lowest_token_id():
+def test_exact_ties_go_to_the_lowest_token_id(ScreenedArgmax):
     weight = torch.randn(100, 16)
     weight[70] = weight[10] = torch.ones(16) * 5
     x = torch.ones(3, 16)
-    assert screen_argmax(weight, x) == [10, 10, 10]
+    assert ScreenedArgmax(weight)(x).argmax.tolist() == [10, 10, 10]
 
 
-def test_scores_approximate_the_logits():
+def test_scores_approximate_the_logits(ScreenedArgmax):
     weight = torch.randn(1000, 48)
     x = torch.randn(5, 48)
     out = ScreenedArgmax(weight)(x)
@@ -51,7 +68,7 @@ def test_scores_approximate_the_logits():
     torch.testing.assert_close(out.scores, x @ weight.T, rtol=0, atol=1e-2)
 
 
-def test_non_finite_rows_fall_back_to_float32():
+def test_non_finite_rows_fall_back_to_float32(ScreenedArgmax):
     weight = torch.randn(100, 16)
     x = torch.randn(2, 16)
     x[1, 3] = float("nan")
@@ -60,5 +77,15 @@ def test_non_finite_rows_fall_back_to_float32():
     assert 0 <= int(got[1]) < 100
 
 
-def screen_argmax(weight, x):
-    return ScreenedArgmax(weight)(x).argmax.tolist()
+def test_more_rows_than_the_kernel_takes_at_once(ScreenedArgmax):
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(700, 40, generator=g)
+    x = torch.randn(150, 40, generator=g)  # > skinny.MAX_ROWS: the F16C pass goes in chunks
+    out = ScreenedArgmax(weight)(x)
+    assert out.scores.shape == (150, 700)
+    assert torch.equal(out.argmax, _reference(weight, x))
+
+
+def test_unknown_kind_is_rejected():
+    with pytest.raises(ValueError, match="kind"):
+        _Screen(torch.randn(4, 8), kind="int8")

@@ -211,3 +211,23 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path, caplog):
     assert len(caplog.records) == 1
     W, x = torch.randn(5, 9), torch.randn(3, 9)
     torch.testing.assert_close(skinny.skinny_linear(x, W), F.linear(x, W), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("O,I", SHAPES)
+def test_f16_weights_match_float32_of_the_same_values(kernel, O, I):
+    """The float16-weight kernel computes x @ float32(W16)^T (the conversion is exact), batch-invariantly."""
+    g = torch.Generator().manual_seed(O * 7 + I)
+    W16 = torch.randn(O, I, generator=g).half()
+    xb = torch.randn(12, I, generator=g)
+    yb = skinny.skinny_linear_f16(xb, W16)
+    _check_close(yb, xb, W16.float())
+    assert torch.equal(yb, kernel.skinny_linear(xb, W16.float()))  # same arithmetic as the float32 kernel
+    for n in (1, 2, 3, 5, 11):
+        assert torch.equal(skinny.skinny_linear_f16(xb[:n].contiguous(), W16), yb[:n]), n
+
+
+def test_f16_kernel_declines_what_it_cannot_do(kernel):
+    W16 = torch.randn(8, 4).half()
+    assert skinny.skinny_linear_f16(torch.randn(2, 4), W16.float()) is None  # not float16
+    assert skinny.skinny_linear_f16(torch.randn(skinny.MAX_ROWS + 1, 4), W16) is None  # too many rows
+    assert skinny.skinny_linear_f16(torch.randn(2, 5), W16) is None  # shape mismatch
