@@ -75,3 +75,27 @@ def test_keep_rows_releases_memory():
         kv.keep_rows([1])
     assert kv.lengths == [5] and kv.columns == 5
     assert kv.hf.layers[0].keys.shape[0] == 1
+
+
+def test_growing_layer_appends_in_place_and_matches_concatenation():
+    from logitspec.cache import GrowingLayer
+
+    g = torch.Generator().manual_seed(0)
+    layer, ref_k, ref_v = GrowingLayer(), [], []
+    for step, T in enumerate([5, 1, 3, 70, 1, 2, 130]):  # crosses the spare room several times
+        k, v = torch.randn(2, 1, T, 4, generator=g), torch.randn(2, 1, T, 4, generator=g)
+        ref_k.append(k)
+        ref_v.append(v)
+        keys, values = layer.update(k, v, 0)
+        assert torch.equal(keys, torch.cat(ref_k, dim=2)) and torch.equal(values, torch.cat(ref_v, dim=2))
+        if step == 1:
+            buffer = layer._k
+        if step == 2:
+            assert layer._k is buffer  # small steps write into the spare room, no new buffer
+    assert layer.get_seq_length() == 212
+    layer.truncate(7)
+    k, v = torch.randn(2, 1, 2, 4, generator=g), torch.randn(2, 1, 2, 4, generator=g)
+    keys, _ = layer.update(k, v, 0)
+    assert torch.equal(keys, torch.cat([torch.cat(ref_k, dim=2)[:, :, :7], k], dim=2))
+    layer.crop(-3)
+    assert layer.get_seq_length() == 6
