@@ -1,5 +1,5 @@
 """Time the skinny-linear kernel (logitspec/skinny.py) against F.linear, and the real model's decoder
-forward with and without ``use_skinny_linears``. One thread (``torch.set_num_threads(1)``).
+forward with and without ``use_skinny_linears``. One thread unless ``--threads N``.
 
     .venv/bin/python scripts/skinny_bench.py                 # both parts
     .venv/bin/python scripts/skinny_bench.py --part kernel   # (a) only
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5, help="(a): timed passes over the weight copies")
     p.add_argument("--forward-reps", type=int, default=7, help="(b): timed forwards per n and mode")
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (both kernels use them)")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
     if not skinny.available():
         print(f"kernel unavailable: {skinny.unavailable_reason()}", file=sys.stderr)
