@@ -6,8 +6,8 @@ whole decoder at one token and grows with every verified node. Two things make i
 
 * logits only for real tree nodes (padding skipped; prefill: last position only);
 * for greedy decoding, an exact argmax screened at half precision (:class:`ScreenedArgmax`): one
-  pass over a float16 copy of the weight (our F16C skinny kernel, or fbgemm's fp16 GEMM where it
-  cannot build; float32 products and sums) gives
+  pass over a float16 copy of the weight (fbgemm's fp16 GEMM for up to 4 nodes, our F16C skinny
+  kernel for more; float32 products and sums) gives
   approximate logits with a proven error bound; only the tokens that can still be the float32
   argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
   approximate logits serve ranking only (LogitSpec's next-next guesses).
@@ -57,31 +57,32 @@ class ScreenedArgmax:
     the best approximate logit is a candidate; the float32 argmax is always among them.
     """
 
-    KINDS = ("f16c", "fbgemm")
+    KINDS = ("both", "f16c", "fbgemm")
+    FBGEMM_MAX_ROWS = 4  # "both": fbgemm up to this many rows, the F16C kernel above
 
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
-        """``kind``: the float16 pass, "f16c" (the skinny kernel; the default where it builds) or
-        "fbgemm"."""
+        """``kind``: the float16 pass. "f16c": the skinny kernel (reads the float16 weight once for up
+        to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "both" (the default where both exist): fbgemm for
+        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 22 ms
+        against 28), the F16C kernel above (8 rows: 47 ms against 54; ``scripts/head_bench.py``), at
+        the price of a second float16 copy of the weight."""
         from . import skinny
 
         w = weight.detach()  # [V, H] float32
         self.weight = w
         w16 = w.half()  # [V, H]
-        # the skinny F16C kernel reads the float16 copy once for up to 64 rows (the fbgemm GEMM
-        # costs 2.5x at 8 rows); fbgemm where the kernel cannot build
-        self.kind = kind or ("f16c" if skinny.available() else "fbgemm")
+        fbgemm = _has_fbgemm()
+        self.kind = kind or ("both" if skinny.available() and fbgemm else "f16c" if skinny.available() else "fbgemm")
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
-        if self.kind == "f16c":
-            self.w16, self.packed = w16.contiguous(), None
-        else:
-            self.w16, self.packed = None, torch.ops.quantized.linear_prepack_fp16(w, None)
+        self.w16 = w16.contiguous() if self.kind in ("both", "f16c") else None
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None) if self.kind in ("both", "fbgemm") else None
         err = (w - w16.float()).norm(dim=1).max().item()
         self.bound_per_norm = err + ROUNDING_SLACK * w.norm(dim=1).max().item()  # B(x) / ||x||
 
     def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[N, V] float32 logits of ``x`` [N, H] against the float16 weight (error <= the bound)."""
-        if self.packed is not None:
+        if self.packed is not None and (self.w16 is None or len(x) <= self.FBGEMM_MAX_ROWS):
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         from .skinny import MAX_ROWS, skinny_linear_f16
 
@@ -91,15 +92,7 @@ class ScreenedArgmax:
     def supported(weight: torch.Tensor) -> bool:
         from . import skinny
 
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return False
-        if skinny.available():
-            return True
-        try:
-            return "fbgemm" in torch.backends.quantized.supported_engines and \
-                hasattr(torch.ops.quantized, "linear_dynamic_fp16")
-        except RuntimeError:
-            return False
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or _has_fbgemm())
 
     def __call__(self, x: torch.Tensor) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
@@ -117,6 +110,14 @@ class ScreenedArgmax:
         if len(lost):
             arg[lost] = torch.mm(self.weight, x[lost].T).argmax(dim=0)
         return NodeLogits(approx, exact=False, screened_argmax=arg)
+
+
+def _has_fbgemm() -> bool:
+    try:
+        return "fbgemm" in torch.backends.quantized.supported_engines and \
+            hasattr(torch.ops.quantized, "linear_dynamic_fp16")
+    except RuntimeError:
+        return False
 
 
 class Head:

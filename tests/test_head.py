@@ -9,18 +9,16 @@ pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason
 
 
 def _kinds():
+    from logitspec.head import _has_fbgemm
+
     kinds = ["f16c"] if skinny.available() else []
-    try:
-        if "fbgemm" in torch.backends.quantized.supported_engines:
-            kinds.append("fbgemm")
-    except RuntimeError:
-        pass
-    return kinds
+    kinds += ["fbgemm"] if _has_fbgemm() else []
+    return kinds + (["both"] if len(kinds) == 2 else [])
 
 
 @pytest.fixture(params=_kinds())
 def ScreenedArgmax(request):
-    """The screen with each float16 pass this machine has (the F16C kernel and fbgemm)."""
+    """The screen with each float16 pass this machine has (the F16C kernel, fbgemm, both by row count)."""
     return lambda weight: _Screen(weight, kind=request.param)
 
 
