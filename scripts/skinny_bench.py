@@ -63,7 +63,7 @@ def bench_decoder(rows, context: int, reps: int) -> None:
 
     from logitspec import load_model
 
-    model, tok = load_model("default", attn_implementation="eager")
+    model, tok = load_model("default", attn_implementation="eager", cpu_kernels=False)  # stock nn.Linear first
     decoder = model.get_decoder()
     vocab = model.config.get_text_config(decoder=True).vocab_size
     plain = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
@@ -98,7 +98,7 @@ def bench_decoder(rows, context: int, reps: int) -> None:
                     outs[mode, n] = h
     use(plain)
     print(f"\n(b) decoder forward (embedded model, eager attention, {context}-token context, "
-          f"{swapped} linears swapped), ms, median of {reps}, 1 thread")
+          f"{swapped} linears swapped), ms, median of {reps}, {torch.get_num_threads()} threads")
     print(f"{'n':>3} {'F.linear':>9} {'skinny':>8} {'speedup':>7} {'max |dh| / max |h|':>18}")
     for n in rows:
         tf, ts = (statistics.median(times[m, n]) * 1e3 for m in modes)
