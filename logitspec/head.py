@@ -63,9 +63,9 @@ class ScreenedArgmax:
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
         """``kind``: the float16 pass. "f16c": the skinny kernel (reads the float16 weight once for up
         to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "both" (the default where both exist): fbgemm for
-        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 22 ms
-        against 28), the F16C kernel above (8 rows: 47 ms against 54; ``scripts/head_bench.py``), at
-        the price of a second float16 copy of the weight."""
+        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 23 ms
+        against 31), the F16C kernel above (8 rows: 44 ms against 55; ``scripts/head_bench.py``), at
+        the price of a second float16 copy of the weight. ValueError for a pass this machine lacks."""
         from . import skinny
 
         w = weight.detach()  # [V, H] float32
@@ -75,6 +75,9 @@ class ScreenedArgmax:
         self.kind = kind or ("both" if skinny.available() and fbgemm else "f16c" if skinny.available() else "fbgemm")
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
+        if (self.kind != "fbgemm" and not skinny.available()) or (self.kind != "f16c" and not fbgemm):
+            raise ValueError(f"screen {self.kind!r} is not available here (skinny kernel: {skinny.available()}, "
+                             f"fbgemm: {fbgemm})")
         self.w16 = w16.contiguous() if self.kind in ("both", "f16c") else None
         self.packed = torch.ops.quantized.linear_prepack_fp16(w, None) if self.kind in ("both", "fbgemm") else None
         err = (w - w16.float()).norm(dim=1).max().item()

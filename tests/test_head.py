@@ -87,3 +87,9 @@ def test_more_rows_than_the_kernel_takes_at_once(ScreenedArgmax):
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="kind"):
         _Screen(torch.randn(4, 8), kind="int8")
+
+
+def test_a_pass_this_machine_lacks_is_rejected(monkeypatch):
+    monkeypatch.setattr(skinny, "available", lambda: False)
+    with pytest.raises(ValueError, match="not available"):
+        _Screen(torch.randn(4, 8), kind="f16c")
