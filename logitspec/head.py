@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import skinny
+
 log = logging.getLogger("logitspec.head")
 
 # |fp32 dot - exact dot| <= gamma_n * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
@@ -66,8 +68,6 @@ class ScreenedArgmax:
         up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 23 ms
         against 31), the F16C kernel above (8 rows: 44 ms against 55; ``scripts/head_bench.py``), at
         the price of a second float16 copy of the weight. ValueError for a pass this machine lacks."""
-        from . import skinny
-
         w = weight.detach()  # [V, H] float32
         self.weight = w
         w16 = w.half()  # [V, H]
@@ -87,14 +87,13 @@ class ScreenedArgmax:
         """[N, V] float32 logits of ``x`` [N, H] against the float16 weight (error <= the bound)."""
         if self.packed is not None and (self.w16 is None or len(x) <= self.FBGEMM_MAX_ROWS):
             return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        from .skinny import MAX_ROWS, skinny_linear_f16
-
-        return torch.cat([skinny_linear_f16(x[i:i + MAX_ROWS], self.w16) for i in range(0, len(x), MAX_ROWS)])
+        if len(x) <= skinny.MAX_ROWS:  # the usual step: no [N, V] copy through torch.cat
+            return skinny.skinny_linear_f16(x, self.w16)
+        chunks = range(0, len(x), skinny.MAX_ROWS)
+        return torch.cat([skinny.skinny_linear_f16(x[i:i + skinny.MAX_ROWS], self.w16) for i in chunks])
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        from . import skinny
-
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or _has_fbgemm())
 
     def __call__(self, x: torch.Tensor) -> NodeLogits:
