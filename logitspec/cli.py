@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    from .bench import add_bench_command
-    from .calibrate import add_calibrate_command
-    from .throughput import add_throughput_command
+    from .bench.calibrate_cli import add_calibrate_command
+    from .bench.cli import add_bench_command
+    from .bench.throughput import add_throughput_command
 
     add_bench_command(sub)
     add_calibrate_command(sub)

@@ -6,9 +6,11 @@ import random
 
 import pytest
 
-from logitspec import bench_report as br
-from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, _accept_lengths, _split_top, bench,
-                             load_questions, parse_methods, rerender, select_questions)
+from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, bench, load_questions, parse_methods,
+                             rerender, select_questions)
+from logitspec.bench import report as br
+from logitspec.bench.methods import _accept_lengths, split_top
+from logitspec.bench.questions import TASKS, first_turns
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -135,6 +137,14 @@ def test_load_questions_groups_tasks_and_takes_first_n(tmp_path):
         load_questions(tmp_path / "missing.jsonl")
 
 
+def test_first_turns_are_the_first_questions_of_each_task_cut_to_length(tmp_path):
+    rows = [{"question_id": i, "category": c, "turns": [f"question {i}", "again"]}
+            for i, c in enumerate(["qa", "writing", "qa", "rag"])]
+    p = _write_questions(tmp_path / "q.jsonl", rows)
+    assert first_turns(p, per_task=1) == ["question 1", "question 0", "question 3"]
+    assert first_turns(p, per_task=2, max_chars=5) == ["quest"] * 4
+
+
 @pytest.mark.skipif(not DEFAULT_QUESTIONS.is_file(), reason="Spec-Bench data not beside the repository")
 def test_spec_bench_file_has_six_tasks_of_eighty():
     qs = load_questions()
@@ -142,7 +152,7 @@ def test_spec_bench_file_has_six_tasks_of_eighty():
     counts = {}
     for q in qs:
         counts[q.task] = counts.get(q.task, 0) + 1
-    assert counts == {t: 80 for t in br.TASKS}
+    assert counts == {t: 80 for t in TASKS}
     assert all(len(q.turns) == 2 for q in qs if q.task == "mt_bench")
     assert len(select_questions(qs, per_task=3)) == 18
 
@@ -153,7 +163,7 @@ def test_parse_methods_variants_and_reference():
                                        "hf-pld@prompt_lookup_num_tokens=4"]
     assert specs[2].base == "logitspec" and specs[2].overrides == {"capacity": 8, "rank_limits": (4, 16)}
     assert specs[3].is_hf and specs[3].overrides == {"prompt_lookup_num_tokens": 4}
-    assert _split_top("a,b@x=(1,2),c", ",") == ["a", "b@x=(1,2)", "c"]
+    assert split_top("a,b@x=(1,2),c", ",") == ["a", "b@x=(1,2)", "c"]
     for bad, msg in [("nope", "unknown method"), ("logitspec@capcity=8", "not a SpecConfig field"),
                      ("logitspec@8", "key=value"), ("ar,pld,pld", "twice")]:
         with pytest.raises(ValueError, match=msg):

@@ -11,26 +11,15 @@ import pathlib
 import statistics
 import time
 
-from .config import SpecConfig
-
-
-def spec_bench_prompts(path, per_task: int, max_chars: int = 1500) -> list[str]:
-    """The first ``per_task`` first turns of each Spec-Bench task (MT-bench categories as one)."""
-    rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
-    mt = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-    taken: dict[str, int] = {}
-    out = []
-    for r in rows:
-        task = "mt_bench" if r["category"] in mt else r["category"]
-        if taken.get(task, 0) < per_task:
-            taken[task] = taken.get(task, 0) + 1
-            out.append(r["turns"][0][:max_chars])
-    return out
+from ..config import SpecConfig
+from .questions import DEFAULT_QUESTIONS, first_turns
 
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
         configs: dict[str, SpecConfig] | None = None) -> dict:
-    from .engine import Engine
+    """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
+    batch size, MAT of the last round and whether the outputs equal ``ar``'s."""
+    from ..engine import Engine
 
     configs = configs or {}
     engines = {(m, b): Engine(model, tokenizer, configs.get(m, SpecConfig(method=m)).with_(max_batch_size=b))
@@ -38,7 +27,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
     for e in engines.values():  # warm-up (and the auto budget's first calibration)
         e.generate(prompts[:1], max_new_tokens=8)
     tps = {k: [] for k in engines}
-    outputs = {}
+    outputs, mats = {}, {}
     for r in range(rounds):
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
@@ -46,8 +35,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
             res = engines[k].generate(prompts, max_new_tokens=max_new_tokens)
             tps[k].append(engines[k].last_run_stats["tokens_per_s"])
             outputs[k] = [x.token_ids for x in res]
-            mat = statistics.mean(x.stats["mean_accepted"] for x in res)
-            engines[k].last_mat = mat
+            mats[k] = statistics.mean(x.stats["mean_accepted"] for x in res)
     table = {}
     for b in batch_sizes:
         base = statistics.median(tps[("ar", b)]) if ("ar", b) in tps else None
@@ -55,7 +43,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
             t = statistics.median(tps[(m, b)])
             table[f"{m}@{b}"] = {
                 "method": m, "batch_size": b, "tokens_per_s": t, "vs_ar": t / base if base else None,
-                "mat": engines[(m, b)].last_mat,
+                "mat": mats[(m, b)],
                 "same_as_ar": outputs[(m, b)] == outputs[("ar", b)] if ("ar", b) in outputs else None,
                 "rounds": tps[(m, b)],
             }
@@ -76,7 +64,7 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--methods", default="ar,logitspec")
     p.add_argument("--batch-sizes", default="1,4,8")
-    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: ../shared/...)")
+    p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     p.add_argument("--per-task", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
@@ -85,17 +73,14 @@ def add_throughput_command(sub) -> None:
 
 
 def _main(args) -> int:
-    from .models import load_model
+    from ..models import load_model
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         SpecConfig(method=m)  # fail fast on a typo
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    q = pathlib.Path(args.questions) if args.questions else \
-        pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-    if not q.exists():
-        raise ValueError(f"questions file not found: {q} (pass --questions)")
-    prompts = spec_bench_prompts(q, args.per_task)
+    # the first turn of the first N questions of each task; long turns cut to 1500 characters
+    prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds)

@@ -1,6 +1,6 @@
 """Benchmark aggregation, report and plots: pure functions of the records ``logitspec bench`` writes.
 
-One record per method x question x turn (see :mod:`logitspec.bench`). A *unit* is one ``generate``
+One record per method x question x turn (see :mod:`logitspec.bench.run`). A *unit* is one ``generate``
 call's worth of prompts (one question-turn at batch size 1); every method runs every unit, so
 speedups are ratios measured on the same prompts, side by side.
 
@@ -15,8 +15,8 @@ import math
 from collections import Counter, defaultdict
 from typing import Iterable, Sequence
 
-# Spec-Bench's task order; the eight MT-bench categories form one task.
-TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+from .questions import TASKS, task_order
+
 TASK_LABELS = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization",
                "qa": "QA", "math_reasoning": "Math", "rag": "RAG", "overall": "Overall"}
 TIME_PARTS = ("prefill_s", "draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
@@ -138,8 +138,7 @@ def summarize(records: Sequence[dict], reference: str = "ar", methods: Sequence[
         methods = list(dict.fromkeys(r["method"] for r in records))
     sp = speedups(records, reference)
     same = lossless(records, reference)
-    tasks = [t for t in TASKS if any(r["task"] == t for r in records)]
-    tasks += sorted({r["task"] for r in records} - set(tasks))
+    tasks = task_order(r["task"] for r in records)
     out = {}
     for m in methods:
         rs = [r for r in records if r["method"] == m]

@@ -1,0 +1,63 @@
+"""``logitspec calibrate``: measure this machine's forward cost curve t(n) of a model, store it where
+engines with ``SpecConfig(budget="auto")`` find it, print it and optionally plot it.
+
+The measuring and the store are :mod:`logitspec.calibrate`'s; this is the command line around them.
+"""
+from __future__ import annotations
+
+from ..calibrate import TOKENS, curve_path, machine_fingerprint, measure, save
+
+
+def add_calibrate_command(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure and store the forward cost curve t(n) of a model here")
+    p.add_argument("--model", default="default")
+    p.add_argument("--context", type=int, default=256, help="cached tokens before the measured forward")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--plot", default=None, help="write the curve as a PNG here")
+    p.set_defaults(func=calibrate_command)
+
+
+def calibrate_command(args) -> int:
+    from ..config import SpecConfig
+    from ..engine import Engine
+    from ..models import load_model
+
+    model, tok = load_model(args.model)
+    engine = Engine(model, tok, SpecConfig(method="ar"))
+    curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
+    path = curve_path(model, head=engine.head)
+    if path is not None:
+        save(curve, path, engine)
+    print(f"machine: {machine_fingerprint(next(model.parameters()).device)}")
+    print(curve_table(curve))
+    if path is not None:
+        print(f"stored: {path}")
+    if args.plot:
+        plot_curve(curve, args.plot, f"forward cost: {args.model}")
+    return 0
+
+
+def curve_table(curve) -> str:
+    """Markdown tables: ms per forward by new tokens (one row), then by new tokens per row per batch size."""
+    lines = ["| new tokens | forward ms | x one token |", "|---|---|---|"]
+    lines += [f"| {n} | {s * 1000:.1f} | {s / curve.seconds[0]:.2f} |" for n, s in zip(curve.tokens, curve.seconds)]
+    for b, c in curve.batches.items():
+        lines += ["", f"{b} rows:", "| new tokens per row | forward ms | x one token per row |", "|---|---|---|"]
+        lines += [f"| {n} | {s * 1000:.1f} | {s / c.seconds[0]:.2f} |" for n, s in zip(c.tokens, c.seconds)]
+    return "\n".join(lines)
+
+
+def plot_curve(curve, path, title: str) -> None:
+    """The one-row curve, ms against new tokens, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(curve.tokens, [s * 1000 for s in curve.seconds], marker="o")
+    ax.set_xlabel("new tokens in the forward")
+    ax.set_ylabel("ms")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

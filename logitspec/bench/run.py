@@ -1,0 +1,243 @@
+"""Running ``logitspec bench``: every method on every unit of Spec-Bench questions, side by side.
+
+Every method runs in one process on the same prompts: after a warm-up (one call per method), each
+unit (a question-turn at batch size 1; up to ``max_batch_size`` questions of one task otherwise) is
+run by all methods back to back, in an order rotated per unit, so machine noise hits them alike.
+Records, summary, report and plots go to one directory (see :func:`run_bench`); the numbers are
+computed by :mod:`logitspec.bench.report` from the records alone.
+
+MT-bench's second turn: the prompt is the conversation with ``ar``'s first-turn answer, for every
+method, so all methods see the same second-turn prompt.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import sys
+from typing import Any, Sequence
+
+from . import report
+from .methods import DEFAULT_METHODS, REFERENCE, EngineRunner, HFRunner, MethodSpec, describe, parse_methods
+from .provenance import code_version, load_average, machine_info
+from .questions import DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order
+from .results import resumable, write_outputs
+
+
+def bench(model="default", questions=None, out_dir="bench_out", methods: str | Sequence[str] = DEFAULT_METHODS,
+          per_task: int | None = None, categories: Sequence[str] | None = None, **kwargs) -> dict:
+    """Python twin of ``logitspec bench``: ``model`` is a spec for :func:`logitspec.models.load_model` or a
+    ``(model, tokenizer)`` pair; ``questions`` a ``question.jsonl`` path (default: Spec-Bench beside the
+    repository) or a list of :class:`Question`; other keywords go to :func:`run_bench`."""
+    parse_methods(methods)  # fail on a typo before loading anything
+    if questions is None or isinstance(questions, (str, os.PathLike)):
+        qs = load_questions(questions, per_task, categories)
+        kwargs.setdefault("settings", {"questions_file": str(questions or DEFAULT_QUESTIONS), "per_task": per_task,
+                                       "categories": list(categories) if categories else None})
+    else:
+        qs = select_questions(list(questions), per_task, categories)
+    if isinstance(model, tuple):
+        model_obj, tok = model
+        kwargs.setdefault("model_name", getattr(model_obj.config, "name_or_path", None) or type(model_obj).__name__)
+    else:
+        from ..models import load_model
+
+        model_obj, tok = load_model(model)
+        kwargs.setdefault("model_name", str(model))
+    return run_bench(model_obj, tok, qs, out_dir, methods, **kwargs)
+
+
+def _units(questions: Sequence[Question], batch: int) -> list[list[Question]]:
+    """Groups of up to ``batch`` questions of one task, in order."""
+    groups: list[list[Question]] = []
+    for q in questions:
+        if groups and len(groups[-1]) < batch and groups[-1][0].task == q.task:
+            groups[-1].append(q)
+        else:
+            groups.append([q])
+    return groups
+
+def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods: str | Sequence[str] = DEFAULT_METHODS,
+              max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
+              top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
+              model_name: str = "?", command: str | None = None, settings: dict | None = None,
+              resume: bool = False) -> dict:
+    """Run every method on every question-turn, write ``results.jsonl``, ``summary.json``, ``report.md``
+    and PNG plots into ``out_dir``, and return the summary.
+
+    ``questions`` may hold token-id turns (then ``tokenizer`` may be None). ``capacity`` / ``top_k`` set
+    those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``resume``
+    keeps the complete units already in ``out_dir/results.jsonl`` (same settings required) and runs
+    the rest, in the same rotation.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    specs = parse_methods(methods)
+    runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k)
+    names = [s.name for s in specs]
+    build = PromptBuilder(tokenizer, runners[REFERENCE].engine.encode)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = _units(list(questions), max_batch_size)
+    summary = _start_summary(model, model_name, command, questions, {
+        "methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
+        "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
+        "temperature": 0.0, "chat_template": build.chat, **(settings or {})})
+    kept = resumable(out, summary, names) if resume else {}
+    if kept:
+        summary["resumed"] = {"at": summary["started"], "kept_question_turns": len(kept)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    n_turns = sum(len(q.turns) for q in questions)
+    bar = _progress(total=len(names) * (n_turns + (1 if warmup else 0)), enabled=progress)
+    warm = {}
+    if warmup:
+        first = [build(q, 0, []) for q in groups[0]]
+        warm = _warm_up(runners, names, first, min(warmup_tokens, max_new_tokens), bar)
+    with open(out / "results.jsonl", "w", encoding="utf-8") as f:
+        records = _run_units(runners, names, build, groups, kept, max_new_tokens, f, bar)
+    bar.close()
+    summary["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    summary["load_average"]["end"] = load_average()
+    summary["warmup_wall_s"] = warm
+    summary["methods"] = report.summarize(records, REFERENCE, names)
+    summary["method_configs"] = {name: describe(r) for name, r in runners.items()}
+    write_outputs(summary, out)
+    return summary
+
+
+def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int, capacity: int | None,
+                  top_k: int | None) -> dict[str, Any]:
+    """One runner per method: the engine methods first (the HF baselines take the reference's EOS ids)."""
+    from ..config import SpecConfig
+
+    base_cfg = {"max_batch_size": max_batch_size}
+    if capacity is not None:
+        base_cfg["capacity"] = capacity
+    if top_k is not None:
+        base_cfg["top_k"] = top_k
+    runners: dict[str, Any] = {}
+    for s in specs:  # build every config first: a bad variant fails before any forward
+        if not s.is_hf:
+            runners[s.name] = EngineRunner(model, tokenizer, SpecConfig(method=s.base, **{**base_cfg, **s.overrides}))
+    eos = runners[REFERENCE].engine.eos_ids
+    for s in specs:
+        if s.is_hf:
+            runners[s.name] = HFRunner(model, tokenizer, eos, s.overrides, s.base)
+    return runners
+
+
+def _start_summary(model, model_name: str, command: str | None, questions: Sequence[Question],
+                   settings: dict) -> dict:
+    """The summary as first written, before any measured run (``finished`` is null until the end)."""
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    code = code_version()  # now: the modules were imported from this tree, whatever changes later
+    load_start = load_average()
+    return {
+        "model": {"name": model_name, "class": type(model).__name__,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "machine": machine_info(model),
+        "command": command,
+        "code": code,
+        "settings": settings,
+        "reference": REFERENCE,
+        "questions": len(questions),
+        "tasks": task_order(q.task for q in questions),
+        "question_turns_per_task": _count_turns(questions),
+        "started": started,
+        "finished": None,  # null in the file while the run is going (or if it died): see rerender()
+        "load_average": {"start": load_start, "end": None},
+        "warmup_wall_s": None,
+        "methods": {},
+    }
+
+
+def _warm_up(runners: dict, names: list[str], prompts: list[list[int]], tokens: int, bar) -> dict[str, float]:
+    """One unmeasured call per method; returns its wall time per method."""
+    warm = {}
+    for name in names:
+        bar.set_postfix_str(f"warm-up {name}", refresh=False)
+        warm[name] = runners[name].run(prompts, tokens)[0]
+        bar.update(1)
+    return warm
+
+
+def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: list[list[Question]], kept: dict,
+               max_new_tokens: int, f, bar) -> list[dict]:
+    """Every unit by every method; a unit's records are written to ``f`` whole, in method order."""
+    records: list[dict] = []
+    unit = 0
+    for group in groups:
+        answers: dict[Any, list] = {q.question_id: [] for q in group}
+        for turn in range(max(len(q.turns) for q in group)):
+            qs = [q for q in group if turn < len(q.turns)]
+            old = [kept.get((q.question_id, turn)) for q in qs]
+            if all(old):  # done before: keep its records (and the reference's answers)
+                unit_records = {name: [rs[name] for rs in old] for name in names}
+                bar.update(len(qs) * len(names))
+            else:
+                prompts = [build(q, turn, answers[q.question_id]) for q in qs]
+                unit_records = _run_unit(runners, names, qs, turn, unit, prompts, max_new_tokens, bar)
+            for q, r in zip(qs, unit_records[REFERENCE]):
+                answers[q.question_id].append(r["token_ids"])
+            for name in names:  # written in method order, whatever order they ran in
+                for r in unit_records[name]:
+                    f.write(json.dumps(r) + "\n")
+                    records.append(r)
+            f.flush()
+            unit += 1
+    return records
+
+
+def _run_unit(runners: dict, names: list[str], qs: list[Question], turn: int, unit: int, prompts: list[list[int]],
+              max_new_tokens: int, bar) -> dict[str, list[dict]]:
+    """One unit by every method back to back, the order rotated by one method per unit."""
+    order = names[unit % len(names):] + names[: unit % len(names)]
+    unit_records = {}
+    for pos, name in enumerate(order):
+        bar.set_postfix_str(f"{qs[0].task} q{qs[0].question_id} t{turn + 1} {name}", refresh=False)
+        wall, outs = runners[name].run(prompts, max_new_tokens)
+        unit_records[name] = [
+            _record(name, q, turn, unit, pos, p, o, wall, len(qs)) for q, p, o in zip(qs, prompts, outs)]
+        bar.update(len(qs))
+    for name in names:
+        for r, a in zip(unit_records[name], unit_records[REFERENCE]):
+            r["same_as_ar"] = r["token_ids"] == a["token_ids"]
+    return unit_records
+
+
+def _count_turns(questions: Sequence[Question]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for q in questions:
+        counts[q.task] = counts.get(q.task, 0) + len(q.turns)
+    return counts
+
+
+def _record(name, q: Question, turn, unit, pos, prompt, o: dict, wall, n) -> dict:
+    r = {"method": name, "question_id": q.question_id, "category": q.category, "task": q.task, "turn": turn,
+         "unit": unit, "order": pos, "prompt_tokens": len(prompt), "new_tokens": len(o["token_ids"]),
+         "wall_time": o.get("wall_time", wall), "unit_wall_time": wall if n > 1 else None, "batch": n}
+    r.update({k: v for k, v in o.items() if k != "wall_time"})
+    r["tokens_per_s"] = r["new_tokens"] / r["wall_time"] if r["wall_time"] > 0 else None
+    return r
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    # off a terminal (nohup, CI logs) a line every 30 s instead of a redraw per run
+    interval = 0.1 if sys.stderr.isatty() else 30.0
+    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True, mininterval=interval)
