@@ -277,6 +277,26 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert "**Partial run: 1 of 4" in (tmp_path / "report.md").read_text()
 
 
+def test_warm_up_runs_on_a_prompt_that_is_never_measured(tmp_path, one_thread, monkeypatch):
+    """The engines carry learned state from call to call: the warm-up must not see a measured prompt."""
+    from logitspec.bench import methods
+    from logitspec.bench.questions import warmup_question
+
+    calls = []
+    for cls in (methods.EngineRunner, methods.HFRunner):
+        def spy(self, prompts, max_new_tokens, _run=cls.run):
+            calls.append([tuple(p) for p in prompts])
+            return _run(self, prompts, max_new_tokens)
+        monkeypatch.setattr(cls, "run", spy)
+    summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods="logitspec,hf", max_new_tokens=6,
+                    warmup_tokens=4, progress=False)
+    assert set(summary["warmup_wall_s"]) == {"ar", "logitspec", "hf"}
+    warm, measured = calls[:3], calls[3:]
+    assert len(measured) == 3 * 4  # 3 methods x 4 question-turns, after the warm-up
+    assert {p for c in warm for p in c} == {warmup_question(None, 64).turns[0]}
+    assert not {p for c in warm for p in c} & {p for c in measured for p in c}
+
+
 def test_resume_keeps_complete_units(tmp_path, one_thread):
     model, qs = _tiny_model(), _tiny_questions()
     kw = dict(methods="ar,pld", max_new_tokens=6, progress=False, warmup=False)

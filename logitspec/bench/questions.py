@@ -116,3 +116,16 @@ class PromptBuilder:
             parts += [t] + ([texts[i]] if i < turn else [])
         return self.encode("\n\n".join(parts))
 
+
+# Never among the measured prompts: the warm-up must not train an engine on a prompt it is then timed
+# on. Repeated phrases, so that the drafting methods draft (and the auto budget calibrates) here too.
+WARMUP_TEXT = ("This is a warm-up request and is never measured. Repeat the list twice, word for word: "
+               "red apples, green pears, yellow lemons, purple plums. "
+               "red apples, green pears, yellow lemons, purple plums.")
+
+
+def warmup_question(tokenizer, vocab_size: int) -> Question:
+    """The warm-up's question: :data:`WARMUP_TEXT`, or (for a model without a tokenizer) its UTF-8
+    bytes as token ids modulo ``vocab_size``."""
+    turn = WARMUP_TEXT if tokenizer is not None else tuple(b % vocab_size for b in WARMUP_TEXT.encode())
+    return Question("warm-up", "warm-up", (turn,))

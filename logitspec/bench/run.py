@@ -1,10 +1,13 @@
 """Running ``logitspec bench``: every method on every unit of Spec-Bench questions, side by side.
 
-Every method runs in one process on the same prompts: after a warm-up (one call per method), each
-unit (a question-turn at batch size 1; up to ``max_batch_size`` questions of one task otherwise) is
-run by all methods back to back, in an order rotated per unit, so machine noise hits them alike.
-Records, summary, report and plots go to one directory (see :func:`run_bench`); the numbers are
-computed by :mod:`logitspec.bench.report` from the records alone.
+Every method runs in one process on the same prompts: after a warm-up (one call per method on a
+built-in prompt that is never measured, :func:`~logitspec.bench.questions.warmup_question`), each unit
+(a question-turn at batch size 1; up to ``max_batch_size`` questions of one task otherwise) is run by
+all methods back to back, in an order rotated per unit, so machine noise hits them alike. One engine
+per method lives for the whole run, as in a long-running job: what an engine keeps between calls (the
+auto budget's learned acceptance rates, its cost curve) carries from unit to unit. Records, summary,
+report and plots go to one directory (see :func:`run_bench`); the numbers are computed by
+:mod:`logitspec.bench.report` from the records alone.
 
 MT-bench's second turn: the prompt is the conversation with ``ar``'s first-turn answer, for every
 method, so all methods see the same second-turn prompt.
@@ -21,7 +24,8 @@ from typing import Any, Sequence
 from . import report
 from .methods import DEFAULT_METHODS, REFERENCE, EngineRunner, HFRunner, MethodSpec, describe, parse_methods
 from .provenance import code_version, load_average, machine_info
-from .questions import DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order
+from .questions import (DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order,
+                        warmup_question)
 from .results import resumable, write_outputs
 
 
@@ -67,7 +71,8 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     and PNG plots into ``out_dir``, and return the summary.
 
     ``questions`` may hold token-id turns (then ``tokenizer`` may be None). ``capacity`` / ``top_k`` set
-    those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``resume``
+    those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``warmup``: one
+    call per method first, ``warmup_tokens`` long, on a built-in prompt that is not measured. ``resume``
     keeps the complete units already in ``out_dir/results.jsonl`` (same settings required) and runs
     the rest, in the same rotation.
     """
@@ -83,6 +88,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     summary = _start_summary(model, model_name, command, questions, {
         "methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
         "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
+        "warmup_prompt": "built-in, not measured" if warmup else None,
         "temperature": 0.0, "chat_template": build.chat, **(settings or {})})
     kept = resumable(out, summary, names) if resume else {}
     if kept:
@@ -92,8 +98,10 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     bar = _progress(total=len(names) * (n_turns + (1 if warmup else 0)), enabled=progress)
     warm = {}
     if warmup:
-        first = [build(q, 0, []) for q in groups[0]]
-        warm = _warm_up(runners, names, first, min(warmup_tokens, max_new_tokens), bar)
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        prompt = build(warmup_question(tokenizer, vocab), 0, [])
+        # as many prompts as the first unit has, so a batching engine warms up its batched path
+        warm = _warm_up(runners, names, [prompt] * len(groups[0]), min(warmup_tokens, max_new_tokens), bar)
     with open(out / "results.jsonl", "w", encoding="utf-8") as f:
         records = _run_units(runners, names, build, groups, kept, max_new_tokens, f, bar)
     bar.close()
