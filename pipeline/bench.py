@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -28,7 +29,7 @@ from .inputs import load_input, row_prompt
 log = logging.getLogger("pipeline.bench")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--input", default="data/sample_prompts.jsonl")
     p.add_argument("--limit", type=int, default=12)
@@ -40,93 +41,44 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import ray
     import torch
 
-    from logitspec import Engine
     from logitspec.models import load_model
-
-    from .job import run_job
-    from .worker import row_seed
 
     gen = GenerationSpec(model=args.model, method=args.method, max_new_tokens=args.max_new_tokens,
                          max_batch_size=args.max_batch_size)
     base = dict(input=args.input, gen=gen, limit=args.limit, threads_per_actor=args.threads, actors=1,
                 batch_rows=args.batch_rows, log_interval=60.0)
     cfg0 = JobConfig(output="unused", **base)
+    # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
     data = load_input(cfg0)
-    ids = list(data.ids)
-    prompts = [row_prompt(data.prompts[i] if data.prompts else None, None, False) for i in range(len(ids))]
-    size = cfg0.rows_per_batch
+    prompts = [row_prompt(data.prompts[i] if data.prompts else None, None, False) for i in range(len(data.ids))]
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-
-    def fresh_engine():
-        """A new engine per measured run, warmed up as the actor's is: no state carried between runs."""
-        e = Engine(model, tok, gen.spec_config())
-        e.generate([e.encode("Hello, world.")], max_new_tokens=2)
-        return e
-
-    engine = fresh_engine()
-    encoded = [engine.encode(x) for x in prompts]
-    seeds = [row_seed(gen.seed, i) for i in ids]
-    kw = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-
-    import os
+    bare = BareRuns(model, tok, gen, list(data.ids), prompts, cfg0.rows_per_batch)
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray (bare runs at nice 0 too)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="WARNING")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            engine = fresh_engine()
-            t = time.perf_counter()
-            res = engine.generate(encoded, seed=seeds, **kw)
-            bare_all = time.perf_counter() - t
-            bare_text = {i: r.text for i, r in zip(ids, res)}
-            engine = fresh_engine()
-            t = time.perf_counter()
-            res_b = []
-            for s in range(0, len(encoded), size):
-                res_b += engine.generate(encoded[s:s + size], seed=seeds[s:s + size], **kw)
-            bare_batches = time.perf_counter() - t
-
-            def mat(rs):
-                return sum(len(r.token_ids) for r in rs) / sum(r.stats["steps"] for r in rs)
-            summary = run_job(JobConfig(output=f"{tmp}/job{rep}", **base))
-            from .output import read_generations
-
-            job_text = {r["id"]: r["generation"] for r in read_generations(f"{tmp}/job{rep}").to_pylist()}
-            n = len(ids)
-            rec = {
-                "rows": n,
-                "tokens": sum(len(r.token_ids) for r in res),
-                "bare_all_rows_per_s": n / bare_all,
-                "bare_batches_rows_per_s": n / bare_batches,
-                "job_rows_per_s": summary["rows_per_s"],
-                "job_over_bare_all": summary["rows_per_s"] / (n / bare_all),
-                "job_over_bare_batches": summary["rows_per_s"] / (n / bare_batches),
-                "job_startup_s": summary["timing"]["startup_s"],
-                "job_ray_init_s": summary["timing"]["ray_init_s"],
-                "job_replica_ready_s": summary["timing"]["replicas_first_ready_s"],
-                "job_model_load_s": summary["replicas"]["startup"][0]["model_load_s"],
-                "job_generation_s": summary["timing"]["generation_s"],
-                "bare_all_mat": mat(res),
-                "bare_batches_mat": mat(res_b),
-                "job_mat": summary["mat"]["now"],
-                "same_text_as_bare": sum(job_text[i] == bare_text[i] for i in ids) / n,
-            }
+            rec = measure_repeat(bare, base, f"{tmp}/job{rep}")
             log.info("repeat %d: %s", rep, json.dumps(rec))
             runs.append(rec)
     ray.shutdown()
     record = {
         "bench": "pipeline_overhead", "model": args.model, "method": args.method, "input": args.input,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "max_batch_size": args.max_batch_size,
-        "batch_rows": size, "threads": args.threads, "repeats": runs,
+        "batch_rows": cfg0.rows_per_batch, "threads": args.threads, "repeats": runs,
         "median_job_over_bare_all": statistics.median(r["job_over_bare_all"] for r in runs),
         "median_job_over_bare_batches": statistics.median(r["job_over_bare_batches"] for r in runs),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -136,6 +88,83 @@ def main(argv=None) -> int:
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=2)
     return 0
+
+
+class BareRuns:
+    """The bare engine on the job's rows: every measured run on a fresh engine, warmed up as the actor's
+    is, so no state carries between runs."""
+
+    def __init__(self, model, tokenizer, gen: GenerationSpec, ids: list, prompts: list, batch_rows: int):
+        from .worker import row_seed
+
+        self.model, self.tokenizer, self.gen = model, tokenizer, gen
+        self.ids = ids
+        encoder = self.fresh_engine()
+        self.encoded = [encoder.encode(x) for x in prompts]
+        self.seeds = [row_seed(gen.seed, i) for i in ids]
+        self.batch_rows = batch_rows
+        self.kw = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
+                       top_k=gen.top_k)
+
+    def fresh_engine(self):
+        from logitspec import Engine
+
+        e = Engine(self.model, self.tokenizer, self.gen.spec_config())
+        e.generate([e.encode("Hello, world.")], max_new_tokens=2)
+        return e
+
+    def all_rows(self) -> tuple[float, list]:
+        """Every row in one ``generate`` call: (seconds, results)."""
+        engine = self.fresh_engine()
+        t = time.perf_counter()
+        res = engine.generate(self.encoded, seed=self.seeds, **self.kw)
+        return time.perf_counter() - t, res
+
+    def job_batches(self) -> tuple[float, list]:
+        """The job's batches, one ``generate`` call after another: (seconds, results)."""
+        engine = self.fresh_engine()
+        size = self.batch_rows
+        t = time.perf_counter()
+        res = []
+        for s in range(0, len(self.encoded), size):
+            res += engine.generate(self.encoded[s:s + size], seed=self.seeds[s:s + size], **self.kw)
+        return time.perf_counter() - t, res
+
+
+def measure_repeat(bare: BareRuns, base: dict, job_output: str) -> dict:
+    """One repeat: bare (all rows), bare (the job's batches), then the job with one actor."""
+    from .job import run_job
+    from .output import read_generations
+
+    bare_all, res = bare.all_rows()
+    bare_text = {i: r.text for i, r in zip(bare.ids, res)}
+    bare_batches, res_b = bare.job_batches()
+    summary = run_job(JobConfig(output=job_output, **base))
+    job_text = {r["id"]: r["generation"] for r in read_generations(job_output).to_pylist()}
+    n = len(bare.ids)
+    return {
+        "rows": n,
+        "tokens": sum(len(r.token_ids) for r in res),
+        "bare_all_rows_per_s": n / bare_all,
+        "bare_batches_rows_per_s": n / bare_batches,
+        "job_rows_per_s": summary["rows_per_s"],
+        "job_over_bare_all": summary["rows_per_s"] / (n / bare_all),
+        "job_over_bare_batches": summary["rows_per_s"] / (n / bare_batches),
+        "job_startup_s": summary["timing"]["startup_s"],
+        "job_ray_init_s": summary["timing"]["ray_init_s"],
+        "job_replica_ready_s": summary["timing"]["replicas_first_ready_s"],
+        "job_model_load_s": summary["replicas"]["startup"][0]["model_load_s"],
+        "job_generation_s": summary["timing"]["generation_s"],
+        "bare_all_mat": _mat(res),
+        "bare_batches_mat": _mat(res_b),
+        "job_mat": summary["mat"]["now"],
+        "same_text_as_bare": sum(job_text[i] == bare_text[i] for i in bare.ids) / n,
+    }
+
+
+def _mat(results) -> float:
+    """Tokens per target forward over a run's results."""
+    return sum(len(r.token_ids) for r in results) / sum(r.stats["steps"] for r in results)
 
 
 if __name__ == "__main__":
