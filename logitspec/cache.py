@@ -3,7 +3,7 @@
 The only module that touches cache tensors. It is a ``transformers.Cache`` of :class:`GrowingLayer`
 (a ``DynamicLayer`` that keeps all columns): sliding windows are enforced by the masks
 (``masks.py``), never by eviction, which makes rolling back rejected draft nodes safe after the
-window has wrapped (shared/FINDINGS.md).
+window has wrapped (docs/engine.md).
 """
 from __future__ import annotations
 
@@ -71,6 +71,13 @@ class BatchKV:
     def __init__(self) -> None:
         self.hf = new_cache()
         self.lengths: list[int] = []
+
+    @classmethod
+    def empty_row(cls) -> "BatchKV":
+        """A cache of one row with no columns yet (a prompt about to be prefilled)."""
+        kv = cls()
+        kv.lengths = [0]
+        return kv
 
     @property
     def rows(self) -> int:

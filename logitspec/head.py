@@ -71,7 +71,7 @@ class ScreenedArgmax:
         w = weight.detach()  # [V, H] float32
         self.weight = w
         w16 = w.half()  # [V, H]
-        fbgemm = _has_fbgemm()
+        fbgemm = has_fbgemm()
         self.kind = kind or ("both" if skinny.available() and fbgemm else "f16c" if skinny.available() else "fbgemm")
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
@@ -94,7 +94,7 @@ class ScreenedArgmax:
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or _has_fbgemm())
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or has_fbgemm())
 
     def __call__(self, x: torch.Tensor) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
@@ -114,7 +114,7 @@ class ScreenedArgmax:
         return NodeLogits(approx, exact=False, screened_argmax=arg)
 
 
-def _has_fbgemm() -> bool:
+def has_fbgemm() -> bool:
     try:
         return "fbgemm" in torch.backends.quantized.supported_engines and \
             hasattr(torch.ops.quantized, "linear_dynamic_fp16")
