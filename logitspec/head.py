@@ -65,9 +65,9 @@ class ScreenedArgmax:
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
         """``kind``: the float16 pass. "f16c": the skinny kernel (reads the float16 weight once for up
         to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "both" (the default where both exist): fbgemm for
-        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 23 ms
-        against 31), the F16C kernel above (8 rows: 44 ms against 55; ``scripts/head_bench.py``), at
-        the price of a second float16 copy of the weight. ValueError for a pass this machine lacks."""
+        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster, the F16C kernel above (timings in
+        docs/performance.md, ``scripts/head_bench.py``), at the price of a second float16 copy of the
+        weight. ValueError for a pass this machine lacks."""
         w = weight.detach()  # [V, H] float32
         self.weight = w
         w16 = w.half()  # [V, H]
