@@ -93,7 +93,7 @@ class TPRank:
         t_group = time.perf_counter()
         dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
                  "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
-        model, tokenizer = load_tp_model(spec.model, world, dtype=dtype, device=device)
+        model, tokenizer, _ = load_tp_model(spec.model, world, dtype=dtype, device=device)
         t_load = time.perf_counter()
         references = {}
         for name, (ref,) in reference_refs.items():  # 1-tuples: Ray must not resolve them for us

@@ -18,16 +18,15 @@ def add_calibrate_command(sub) -> None:
 
 
 def calibrate_command(args) -> int:
-    from ..config import SpecConfig
-    from ..engine import Engine
     from ..models import load_model
+    from ..target import TargetForward
 
-    model, tok = load_model(args.model)
-    engine = Engine(model, tok, SpecConfig(method="ar"))
-    curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
-    path = curve_path(model, head=engine.head)
+    model, _ = load_model(args.model)
+    target = TargetForward(model)
+    curve = measure(target, TOKENS, context=args.context, reps=args.reps)
+    path = curve_path(model, head=target.head)
     if path is not None:
-        save(curve, path, engine)
+        save(curve, path, target)
     print(f"machine: {machine_fingerprint(next(model.parameters()).device)}")
     print(curve_table(curve))
     if path is not None:

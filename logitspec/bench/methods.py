@@ -61,7 +61,7 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
     from ..config import METHODS, SpecConfig
 
     items = split_top(text, ",") if isinstance(text, str) else list(text)
-    spec_fields = {f.name for f in fields(SpecConfig)} - {"method", "extra"}
+    spec_fields = {f.name for f in fields(SpecConfig)} - {"method"}
     specs: list[MethodSpec] = []
     for item in items:
         base, *kvs = split_top(item, "@")
@@ -101,7 +101,7 @@ class EngineRunner:
         self.engine = Engine(model, tokenizer, config)
 
     def run(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[dict]]:
-        dev = self.engine.device
+        dev = self.engine.target.device
         _sync(dev)
         t0 = time.perf_counter()
         results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
@@ -194,8 +194,7 @@ def describe(runner) -> dict:
     if isinstance(runner, HFRunner):
         return {"generate": {k: v for k, v in runner.kwargs.items() if v is not None}}
     eng = runner.engine
-    cfg = {k: v for k, v in dataclasses.asdict(eng.config).items() if k != "extra"}
-    out = {"config": cfg}
+    out = {"config": dataclasses.asdict(eng.config)}
     curve = getattr(eng, "cost_curve", None)
     if curve is not None and hasattr(curve, "to_dict"):
         out["cost_curve"] = curve.to_dict()

@@ -1,7 +1,7 @@
 """Batched throughput: tokens/s of methods at several batch sizes, side by side in one process.
 
 ``logitspec throughput --batch-sizes 1,4,8 --methods ar,logitspec`` runs the same prompts through
-``Engine.generate`` for every (batch size, method), rounds interleaved so machine noise hits all
+``Engine.run`` for every (batch size, method), rounds interleaved so machine noise hits all
 alike, after a warm-up, and prints a table of median tokens/s and the ratio to ``ar``.
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
         for k in keys:
-            res = engines[k].generate(prompts, max_new_tokens=max_new_tokens)
-            tps[k].append(engines[k].last_run_stats["tokens_per_s"])
-            outputs[k] = [x.token_ids for x in res]
-            mats[k] = statistics.mean(x.stats["mean_accepted"] for x in res)
+            done = engines[k].run(prompts, max_new_tokens=max_new_tokens)
+            tps[k].append(done.stats["tokens_per_s"])
+            outputs[k] = [x.token_ids for x in done.results]
+            mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
     table = {}
     for b in batch_sizes:
         base = statistics.median(tps[("ar", b)]) if ("ar", b) in tps else None
