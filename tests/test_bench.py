@@ -337,6 +337,37 @@ def test_batched_run_and_cli(tmp_path, one_thread):
                  "--out", str(out)]) == 2  # a clear error, not a traceback
 
 
+def test_throughput_table_from_engine_runs(one_thread):
+    from logitspec.bench import throughput
+
+    prompts = [list(q.turns[0]) for q in _tiny_questions()]
+    table = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [1, 2], max_new_tokens=6, rounds=2)
+    assert list(table) == ["ar@1", "pld@1", "ar@2", "pld@2"]
+    for key, row in table.items():
+        assert len(row["rounds"]) == 2 and row["tokens_per_s"] > 0, key
+        assert row["same_as_ar"] is True, key  # lossless at every batch size
+    assert table["ar@1"]["vs_ar"] == 1.0 and table["ar@2"]["mat"] == 1.0
+    assert table["pld@2"]["vs_ar"] == pytest.approx(table["pld@2"]["tokens_per_s"] / table["ar@2"]["tokens_per_s"])
+    assert "| 2 | pld |" in throughput.render(table)
+
+
+def test_calibrate_cli_stores_prints_and_plots_the_curve(tmp_path, one_thread, monkeypatch, capsys):
+    from logitspec.cli import main
+
+    monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path / "cache"))
+    model_dir = tmp_path / "tiny"
+    _tiny_model().save_pretrained(model_dir)
+    rc = main(["calibrate", "--model", str(model_dir), "--context", "16", "--reps", "1",
+               "--plot", str(tmp_path / "cost.png")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| new tokens | forward ms | x one token |" in out and "\n4 rows:\n" in out
+    stored = list((tmp_path / "cache" / "calibration").glob("*.json"))
+    assert len(stored) == 1 and f"stored: {stored[0]}" in out
+    assert json.loads(stored[0].read_text())["tokens"][0] == 1
+    assert (tmp_path / "cost.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ------------------------------------------------------------------------------ the embedded model
 @pytest.mark.slow
 def test_quick_run_on_the_embedded_model(tmp_path):
