@@ -337,11 +337,22 @@ def test_batched_run_and_cli(tmp_path, one_thread):
                  "--out", str(out)]) == 2  # a clear error, not a traceback
 
 
-def test_throughput_table_from_engine_runs(one_thread):
+def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     from logitspec.bench import throughput
+    from logitspec.engine import Engine
 
+    seen = []
+
+    def spy(self, prompts, _run=Engine.run, **kw):
+        seen.append([tuple(p) for p in prompts])
+        return _run(self, prompts, **kw)
+
+    monkeypatch.setattr(Engine, "run", spy)
     prompts = [list(q.turns[0]) for q in _tiny_questions()]
     table = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [1, 2], max_new_tokens=6, rounds=2)
+    # 4 engines warm up on a prompt that is not measured, then 2 rounds of all prompts each
+    assert len(seen) == 4 + 8 and all(c == seen[0] and not set(c) & set(map(tuple, prompts)) for c in seen[:4])
+    assert all(c == [tuple(p) for p in prompts] for c in seen[4:])
     assert list(table) == ["ar@1", "pld@1", "ar@2", "pld@2"]
     for key, row in table.items():
         assert len(row["rounds"]) == 2 and row["tokens_per_s"] > 0, key

@@ -62,6 +62,7 @@ def _units(questions: Sequence[Question], batch: int) -> list[list[Question]]:
             groups.append([q])
     return groups
 
+
 def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods: str | Sequence[str] = DEFAULT_METHODS,
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
               top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
