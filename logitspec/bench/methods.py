@@ -8,9 +8,8 @@ overrides fields: ``logitspec@capacity=8@top_k=8`` (SpecConfig fields) or
 from __future__ import annotations
 
 import ast
-import dataclasses
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 from .report import TIME_PARTS
@@ -194,7 +193,7 @@ def describe(runner) -> dict:
     if isinstance(runner, HFRunner):
         return {"generate": {k: v for k, v in runner.kwargs.items() if v is not None}}
     eng = runner.engine
-    out = {"config": dataclasses.asdict(eng.config)}
+    out = {"config": asdict(eng.config)}
     curve = getattr(eng, "cost_curve", None)
     if curve is not None and hasattr(curve, "to_dict"):
         out["cost_curve"] = curve.to_dict()
