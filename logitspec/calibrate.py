@@ -141,7 +141,6 @@ def add_calibrate_command(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before the measured forward")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None, help="write the curve as a PNG here")
-    p.add_argument("--mm-linears", action="store_true", help="measure with logitspec.kernels.MMLinear")
     p.set_defaults(func=_calibrate)
 
 
@@ -151,10 +150,6 @@ def _calibrate(args) -> int:
     from .models import load_model
 
     model, tok = load_model(args.model)
-    if args.mm_linears:
-        from .kernels import use_mm_linears
-
-        use_mm_linears(model)
     engine = Engine(model, tok, SpecConfig(method="ar"))
     curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
     path = curve_path(model, head=engine.head)

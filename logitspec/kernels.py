@@ -1,32 +1,11 @@
-"""Optional CPU kernels for skinny matmuls (a few new tokens per step).
+"""Swapping a model's ``nn.Linear`` modules for a subclass that computes the same product another way.
 
-On this project's CPU target, ``F.linear(x, W)`` with a handful of rows ran several times slower
-than the same product computed as ``W @ x.T`` (docs/performance.md). ``use_mm_linears`` swaps a
-model's ``nn.Linear`` modules for :class:`MMLinear`, which shares the same weight tensors and only
-changes how the product is computed (results equal up to float rounding). Opt-in: ``ar`` and the
-speculative methods then run the same kernels, so comparisons stay fair.
-``logitspec.skinny`` (``use_skinny_linears``) is the compiled AVX2 alternative; both swap modules
-with :func:`swap_linears`.
+``logitspec.skinny.use_skinny_linears`` uses :func:`swap_linears` to put its compiled few-row kernel
+in a model's decoder.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
-
-
-class MMLinear(nn.Linear):
-    """``nn.Linear`` computing ``(W @ x.T).T`` for up to ``max_rows`` rows, ``F.linear`` beyond."""
-
-    max_rows: int = 64
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if rows > self.max_rows:
-            return super().forward(x)
-        y = torch.mm(self.weight, x.reshape(rows, x.shape[-1]).T).T  # [rows, out]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.contiguous().reshape(*x.shape[:-1], self.out_features)
 
 
 def swap_linears(model: nn.Module, cls: type[nn.Linear], max_rows: int, skip_weights=()) -> int:
@@ -47,8 +26,3 @@ def swap_linears(model: nn.Module, cls: type[nn.Linear], max_rows: int, skip_wei
         new.max_rows = max_rows
         setattr(parent, child_name, new)
     return len(swaps)
-
-
-def use_mm_linears(model: nn.Module, max_rows: int = 64) -> int:
-    """Replace every plain ``nn.Linear`` in ``model`` (weights shared, not copied); returns the count."""
-    return swap_linears(model, MMLinear, max_rows)
