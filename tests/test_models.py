@@ -56,7 +56,7 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # skinny linears (when they build here) sum in another order
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
-    from logitspec.skinny import SkinnyLinear, available
+    from logitspec.kernels.skinny import SkinnyLinear, available
 
     assert isinstance(model.model.layers[0].mlp.up_proj, SkinnyLinear) == available()
     plain, _ = load_model(str(tmp_path / "tiny"), cpu_kernels=False)

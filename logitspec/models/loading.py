@@ -140,7 +140,7 @@ def load_model(
     """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
 
     The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
-    CPU in float32, compute the decoder's linears with :mod:`logitspec.skinny` (exact float32,
+    CPU in float32, compute the decoder's linears with :mod:`logitspec.kernels.skinny` (exact float32,
     same weights; a few rows cost about one row) when the kernel builds here.
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
@@ -157,7 +157,7 @@ def load_model(
     model.eval()
     swapped = 0
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
-        from ..skinny import use_skinny_linears
+        from ..kernels.skinny import use_skinny_linears
 
         swapped = use_skinny_linears(model)  # 0 where the kernel cannot be built
     tokenizer = None

@@ -1,7 +1,7 @@
 """Swapping a model's ``nn.Linear`` modules for a subclass that computes the same product another way.
 
-``logitspec.skinny.use_skinny_linears`` uses :func:`swap_linears` to put its compiled few-row kernel
-in a model's decoder.
+``logitspec.kernels.skinny.use_skinny_linears`` uses :func:`swap_linears` to put its compiled few-row
+kernel in a model's decoder.
 """
 from __future__ import annotations
 
