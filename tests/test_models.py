@@ -337,7 +337,8 @@ def test_builtin_gguf_with_another_sha256_is_rejected(tmp_path, cache):
     good = tmp_path / "good.gguf"
     _write_tiny_gguf(good, _tiny_llama(vocab_size=260, tie_word_embeddings=False))
     other = builtin.Builtin(
-        name="fake", gguf_name="fake.gguf", description="", pip_install="pip install fake", expected_arch="llama",
+        name="fake", gguf_name="fake.gguf", description="", pip_install="pip install fake",
+        expected_arch="llama",
         write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256="0" * 64,
     )
     with pytest.raises(models.ModelConversionError, match="sha256"):

@@ -212,7 +212,9 @@ def _load_dequantized(gguf_path: pathlib.Path):
         gguf_kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # pragma: no cover - older transformers always dequantize
         pass
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True
+    )
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_path.parent),
         gguf_file=gguf_path.name,
@@ -223,7 +225,9 @@ def _load_dequantized(gguf_path: pathlib.Path):
     return model.eval(), tokenizer
 
 
-def _reloaded_logit_diff(saved: pathlib.Path, probe: torch.Tensor, ref: torch.Tensor, source: pathlib.Path) -> float:
+def _reloaded_logit_diff(
+    saved: pathlib.Path, probe: torch.Tensor, ref: torch.Tensor, source: pathlib.Path
+) -> float:
     """Max |logit difference| of the written copy against ``ref`` (catches tying/saving mistakes)."""
     from transformers import AutoModelForCausalLM
 

@@ -7,7 +7,8 @@ transformers unpacks the GGUF blocks on the CPU) and cached as a float safetenso
 
 Accepted ``spec`` forms (see :func:`resolve_model_path`):
 
-* ``"default"`` (alias ``"gemma3-270m"``) and ``"qwen2.5-coder-0.5b"`` (alias ``"qwen"``): the built-in models.
+* ``"default"`` (alias ``"gemma3-270m"``) and ``"qwen2.5-coder-0.5b"`` (alias ``"qwen"``): the
+  built-in models.
 * a local HF model directory (holding ``config.json``).
 * a local ``.gguf`` file (converted once, cached under a name keyed by path, size and mtime).
 * a model id already in the local Hugging Face cache, e.g. ``"org/name"`` (never fetched).
