@@ -56,7 +56,7 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None
-    from .models import default_cache_dir
+    from .models.paths import default_cache_dir
 
     p = next(model.parameters())
     key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"
@@ -136,7 +136,6 @@ def add_calibrate_command(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before the measured forward")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None, help="write the curve as a PNG here")
-    p.add_argument("--mm-linears", action="store_true", help="measure with logitspec.kernels.MMLinear")
     p.set_defaults(func=_calibrate)
 
 
@@ -144,10 +143,6 @@ def _calibrate(args) -> int:
     from .models import load_model
 
     model, tok = load_model(args.model)
-    if args.mm_linears:
-        from .kernels import use_mm_linears
-
-        use_mm_linears(model)
     target = TargetForward(model)
     curve = measure(target, TOKENS, context=args.context, reps=args.reps)
     path = curve_path(model, head=target.head)
