@@ -26,6 +26,7 @@ from .worker import error_row
 log = logging.getLogger("pipeline.job")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+FINAL_INFO_TIMEOUT_S = 30.0  # how long the end of a job waits for the replicas' last memory report
 
 
 # ---------------------------------------------------------------------------------------------- Ray
@@ -214,10 +215,32 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, progress: Progress, record: RunR
         timing["scheduler_s"] = time.perf_counter() - t_sched
 
 
-def final_infos(slots: dict) -> list[dict]:
-    """The info (memory now) of every replica that is ready."""
+def final_infos(slots: dict, timeout_s: float = FINAL_INFO_TIMEOUT_S) -> list[dict]:
+    """The info (memory now) of every replica that is ready, asked after the last row was written.
+
+    Best effort: it describes the run, it decides nothing. A replica that died after its last batch,
+    or that does not answer within ``timeout_s``, is reported as ``{"name", "pid", "node_id", "missing":
+    why}`` instead of failing a job whose rows are all written."""
     import ray
 
-    alive = [(name, slot) for name, slot in slots.items() if slot.ready]
-    infos = ray.get([slot.replica.info() for _, slot in alive], timeout=60) if alive else []
-    return [{**info, "name": name} for (name, _), info in zip(alive, infos)]
+    asked = []
+    for name, slot in slots.items():
+        if slot.ready:
+            try:
+                asked.append((name, slot, slot.replica.info()))
+            except Exception as e:  # noqa: BLE001 - a replica whose handle is gone
+                asked.append((name, slot, e))
+    pending = [ref for _, _, ref in asked if not isinstance(ref, BaseException)]
+    if pending:
+        ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    out = []
+    for name, slot, ref in asked:
+        try:
+            if isinstance(ref, BaseException):
+                raise ref
+            out.append({**ray.get(ref, timeout=0), "name": name})
+        except Exception as e:  # noqa: BLE001 - dead (RayActorError), or no answer in time (GetTimeoutError)
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.warning("%s: no memory report at the end (%s); the summary lists it as not measured", name, why)
+            out.append({"name": name, "pid": slot.info.get("pid"), "node_id": slot.info.get("node_id"), "missing": why})
+    return out

@@ -415,6 +415,41 @@ def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_se
     _check_exactly_once(tmp_path / "out", [r["id"] for r in rows])
 
 
+def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, ray_session, monkeypatch, capsys):
+    """SIGKILL the only replica right after its last batch, before the job asks the replicas for their
+    memory at the end: every row is written, so the job exits 0 with ``complete: true``, each row once,
+    and the dead replica is listed as not measured."""
+    import functools
+
+    import pipeline.job as job
+    from pipeline.cli import main
+
+    rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(6)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    batches, killed = [], []
+
+    def on_event(kind, **info):
+        if kind == "batch":
+            batches.append(info["batch"])
+            if len(batches) == 3:  # the last of 3 two-row batches: its rows are written
+                os.kill(info["pid"], signal.SIGKILL)
+                killed.append(info["name"])
+
+    monkeypatch.setattr(job, "run_job", functools.partial(job.run_job, on_event=on_event))
+    out = tmp_path / "out"
+    code = main(["--input", str(inp), "--output", str(out), "--model", tiny, "--address", ray_session, "-q",
+                 "--batch-rows", "2", "--max-batch-size", "2", "--max-new-tokens", "6", "--no-warmup"])
+    assert killed == ["replica-0"] and sorted(batches) == [0, 1, 2]
+    assert code == 0, capsys.readouterr().err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is True and summary["error"] is None
+    assert summary["rows"]["done_now"] == 6 and summary["rows"]["missing"] == 0
+    assert summary["replicas"]["deaths"] == 0  # it died after the scheduler was done with it
+    assert [m["name"] for m in summary["memory"]["replicas_not_measured"]] == ["replica-0"]
+    assert summary["memory"]["replicas"] == [] and summary["memory"]["model_copies"] == 0
+    _check_exactly_once(out, list(range(6)))
+
+
 def _reference_job(tmp_path, tiny):
     """Rows whose continuations live in a shared corpus: the corpus holds the model's own greedy
     output for each prompt, so retrieval from the index must find it."""
