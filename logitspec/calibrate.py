@@ -17,6 +17,9 @@ import time
 import torch
 
 from .budget import CostCurve
+from .cache import BatchKV, GrowingLayer
+from .masks import StepRow
+from .target import TargetForward
 
 log = logging.getLogger("logitspec.calibrate")
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -41,8 +44,6 @@ def machine_fingerprint(device) -> str:
 def kernel_fingerprint(model, head=None) -> str:
     """What the cost depends on in the code: attention kernel, linear modules, output-layer screen,
     KV-cache layer."""
-    from .cache import GrowingLayer
-
     attn = getattr(model.config, "_attn_implementation", None)
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
     screen = getattr(getattr(head, "screen", None), "kind", None)
@@ -65,39 +66,32 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 
 
 @torch.inference_mode()
-def measure(engine, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1,
+def measure(target: TargetForward, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1,
             batch_rows=BATCH_ROWS, batch_tokens=BATCH_TOKENS) -> CostCurve:
-    """Median time of one engine forward (decoder + greedy output layer for every node) adding n
+    """Median time of one target forward (decoder + greedy output layer for every node) adding n
     tokens to a ``context``-token cache, for each n; then, for each b in ``batch_rows``, b rows
     (caches of different lengths around ``context``) adding n tokens each, for n in ``batch_tokens``.
     Caches are rolled back after each forward."""
     batches = {}
-    one = _measure_rows(engine, 1, tokens, context, reps, warmup)
+    one = _measure_rows(target, 1, tokens, context, reps, warmup)
     for b in batch_rows:
-        batches[b] = _measure_rows(engine, b, [n for n in batch_tokens if b * n <= 64], context, reps, warmup)
+        batches[b] = _measure_rows(target, b, [n for n in batch_tokens if b * n <= 64], context, reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches)
 
 
-def _measure_rows(engine, rows: int, tokens, context: int, reps: int, warmup: int) -> CostCurve:
-    from .cache import BatchKV
-    from .masks import StepRow
-
-    vocab = engine.model.config.get_text_config(decoder=True).vocab_size
+def _measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: int, warmup: int) -> CostCurve:
+    vocab = target.vocab_size
     kv = BatchKV()
     for r in range(rows):
-        n_ctx = min(context + 16 * r, engine.max_context - max(tokens) - 1)
-        ctx = [(7 * i + 3 + r) % vocab for i in range(n_ctx)]
-        row = BatchKV()
-        row.lengths = [0]
-        engine._forward([StepRow.chain(0, ctx)], row, all_logits=False)
-        row.commit([list(range(len(ctx)))])
+        n_ctx = min(context + 16 * r, target.max_context - max(tokens) - 1)
+        row, _ = target.prefill([(7 * i + 3 + r) % vocab for i in range(n_ctx)], chunk=n_ctx)
         kv.add_row(row)
     times = {n: [] for n in tokens}
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
             step = [StepRow.chain(kv.lengths[r], [(5 * i + 1 + r) % vocab for i in range(n)]) for r in range(rows)]
             t0 = time.perf_counter()
-            engine._forward(step, kv, all_logits=True, exact=False)
+            target(step, kv, all_logits=True, exact=False)
             dt = time.perf_counter() - t0
             kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
@@ -105,31 +99,32 @@ def _measure_rows(engine, rows: int, tokens, context: int, reps: int, warmup: in
     return CostCurve(list(tokens), [statistics.median(times[n]) for n in tokens])
 
 
-def load_or_measure(engine, quick: bool = True) -> CostCurve:
-    path = curve_path(engine.model, head=engine.head)
+def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool = True) -> CostCurve:
+    """The stored curve of this model, machine and kernels, or a quick measurement (stored). Batch
+    curves are measured only for an engine that batches (a later batching engine measures them then)."""
+    path = curve_path(target.model, head=target.head)
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
-            if d.get("batches") or engine.config.max_batch_size == 1:
+            if d.get("batches") or max_batch_size == 1:
                 return CostCurve(d["tokens"], d["seconds"], d.get("batches"))
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    # batch curves only for an engine that batches (a later batching engine measures them then)
-    curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5,
-                    batch_rows=BATCH_ROWS if engine.config.max_batch_size > 1 else (),
+    curve = measure(target, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5,
+                    batch_rows=BATCH_ROWS if max_batch_size > 1 else (),
                     batch_tokens=(1, 2, 4) if quick else BATCH_TOKENS)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
-        save(curve, path, engine)
+        save(curve, path, target)
     return curve
 
 
-def save(curve: CostCurve, path: pathlib.Path, engine) -> None:
+def save(curve: CostCurve, path: pathlib.Path, target: TargetForward) -> None:
+    """Write ``curve`` with what it was measured on (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    p = next(engine.model.parameters())
-    doc = {**curve.to_dict(), "model": engine.model.config._name_or_path, "dtype": str(p.dtype),
-           "machine": machine_fingerprint(p.device), "kernels": kernel_fingerprint(engine.model, engine.head)}
+    doc = {**curve.to_dict(), "model": target.model.config._name_or_path, "dtype": str(target.dtype),
+           "machine": machine_fingerprint(target.device), "kernels": kernel_fingerprint(target.model, target.head)}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)
@@ -146,8 +141,6 @@ def add_calibrate_command(sub) -> None:
 
 
 def _calibrate(args) -> int:
-    from .config import SpecConfig
-    from .engine import Engine
     from .models import load_model
 
     model, tok = load_model(args.model)
@@ -155,11 +148,11 @@ def _calibrate(args) -> int:
         from .kernels import use_mm_linears
 
         use_mm_linears(model)
-    engine = Engine(model, tok, SpecConfig(method="ar"))
-    curve = measure(engine, TOKENS, context=args.context, reps=args.reps)
-    path = curve_path(model, head=engine.head)
+    target = TargetForward(model)
+    curve = measure(target, TOKENS, context=args.context, reps=args.reps)
+    path = curve_path(model, head=target.head)
     if path is not None:
-        save(curve, path, engine)
+        save(curve, path, target)
     print(f"machine: {machine_fingerprint(next(model.parameters()).device)}")
     print("| new tokens | forward ms | x one token |\n|---|---|---|")
     for n, s in zip(curve.tokens, curve.seconds):

@@ -1,7 +1,7 @@
 """Engine and drafter configuration: one frozen dataclass, validated at construction."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 METHODS = ("ar", "pld", "logitspec")
 
@@ -38,7 +38,6 @@ class SpecConfig:
     # Scale per-sequence capacity with the number of active sequences: capacity / active ** budget_decay.
     budget_decay: float = 1.0
     min_capacity: int = 2
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -135,7 +135,9 @@ def shard(model, tp_size: int, dtype: torch.dtype):
 
 def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                   attn_implementation: str | None = "sdpa"):
-    """``(sharded model, tokenizer)`` on this rank; the group must be initialised (:func:`init_rank`).
+    """``(sharded model, tokenizer, consensus)`` on this rank; the group must be initialised
+    (:func:`init_rank`). ``consensus`` is the :class:`LogitsConsensus` hook on a sharded model (None
+    when ``tp_size`` is 1).
 
     Loading: ``from_pretrained`` memory-maps safetensors files whose dtype matches, so the full
     weights are page cache shared by all ranks of a node; AutoTP then copies out this rank's slices
@@ -148,12 +150,13 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
     model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
                                   cpu_kernels=tp_size == 1 and device == "cpu")
+    consensus = None
     if tp_size > 1:
         model = shard(model, tp_size, dtype)
-        model.logitspec_consensus = LogitsConsensus(model)
+        consensus = LogitsConsensus(model)
     elif device != "cpu":
         model.to(device)
-    return model, tokenizer
+    return model, tokenizer, consensus
 
 
 def make_engine(model, tokenizer, config):
@@ -164,12 +167,12 @@ def make_engine(model, tokenizer, config):
 
     engine = Engine(model, tokenizer, config, fast_head=False)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if grouped and getattr(engine, "auto_budget", False) and engine.cost_curve is None:
-        engine.cost_curve = group_cost_curve(engine)
+    if grouped and engine.auto_budget and engine.cost_curve is None:
+        engine.cost_curve = group_cost_curve(engine.target)
     return engine
 
 
-def group_cost_curve(engine):
+def group_cost_curve(target):
     """One forward-cost curve for the whole group (``budget="auto"`` sizes drafts from it).
 
     Each rank measuring its own would make the ranks choose different draft sizes from their own
@@ -185,7 +188,7 @@ def group_cost_curve(engine):
 
     dist = torch.distributed
     world = dist.get_world_size()
-    base = curve_path(engine.model)
+    base = curve_path(target.model)
     path = base.with_name(f"{base.stem}-tp{world}.json") if base is not None else None
     doc: list = [None]
     if dist.get_rank() == 0 and path is not None and path.exists():
@@ -195,14 +198,14 @@ def group_cost_curve(engine):
     dist.broadcast_object_list(doc, src=0)
     if doc[0] is None:
         t0 = time.perf_counter()
-        curve = measure(engine, tokens=(1, 2, 4, 8, 16, 32), reps=2)
+        curve = measure(target, tokens=(1, 2, 4, 8, 16, 32), reps=2)
         doc[0] = curve.to_dict()
         dist.broadcast_object_list(doc, src=0)
         if dist.get_rank() == 0:
             log.info("measured the group's forward cost curve in %.1f s: %s", time.perf_counter() - t0, doc[0])
             if path is not None:
                 with contextlib.suppress(OSError):
-                    save(CostCurve(**doc[0]), path, engine)
+                    save(CostCurve(**doc[0]), path, target)
     return CostCurve(**doc[0])
 
 

@@ -11,29 +11,35 @@ from .config import SpecConfig
 from .index import NgramSource, retrieve, retrieve_with_order
 from .tree import DraftTree, TreeBuilder
 
-BRANCH0 = 1  # node kind of the plain lookup chain (longest n-gram matched); guess branches use guess_kind(rank)
-RANK_BUCKETS = (1, 2, 4, 8, 16, 32)
+RANK_BUCKETS = (1, 2, 4, 8, 16, 32)  # guess branches learn acceptance per bucket of the guess's rank
 MAX_ORDER_KINDS = 2  # lookup chains matched on 1..MAX_ORDER_KINDS tokens get kinds of their own
+
+# Node kinds: where a draft node came from. The auto budget learns one acceptance rate per kind (and
+# offset within its chain), so a kind groups nodes that are equally good bets.
+KINDS = (
+    "root",
+    "lookup",  # the plain lookup chain of x1, matched on the longest n-gram (max_ngram tokens)
+    *(f"guess_rank<={r}" for r in RANK_BUCKETS),  # a branch starting with a next-next guess
+    f"guess_rank>{RANK_BUCKETS[-1]}",
+    *(f"lookup_order={o}" for o in range(1, MAX_ORDER_KINDS + 1)),  # lookup matched on fewer tokens
+)
+KIND = {name: i for i, name in enumerate(KINDS)}
+N_KINDS = len(KINDS)
+LOOKUP_KINDS = tuple(i for name, i in KIND.items() if name.startswith("lookup"))
 
 
 def guess_kind(rank: int) -> int:
-    """Node kind of a guess branch by the guess's 1-based rank: 2 + its rank bucket."""
-    for i, limit in enumerate(RANK_BUCKETS):
-        if rank <= limit:
-            return 2 + i
-    return 2 + len(RANK_BUCKETS)
+    """Node kind of a guess branch by the guess's 1-based rank."""
+    bucket = next((r for r in RANK_BUCKETS if rank <= r), None)
+    return KIND[f"guess_rank<={bucket}" if bucket else f"guess_rank>{RANK_BUCKETS[-1]}"]
 
 
-def branch0_kind(order: int, max_ngram: int) -> int:
+def lookup_kind(order: int, max_ngram: int) -> int:
     """Node kind of a lookup chain by the length of the n-gram it matched: a 3-gram match is a far
     better bet than a 1-gram one, so shorter matches learn their own acceptance rates."""
     if order >= max_ngram or order > MAX_ORDER_KINDS or order < 1:
-        return BRANCH0
-    return 3 + len(RANK_BUCKETS) + order - 1
-
-
-N_KINDS = 3 + len(RANK_BUCKETS) + MAX_ORDER_KINDS
-BRANCH0_KINDS = (BRANCH0, *range(3 + len(RANK_BUCKETS), N_KINDS))
+        return KIND["lookup"]
+    return KIND[f"lookup_order={order}"]
 
 
 class Drafter:
@@ -64,7 +70,7 @@ class PromptLookupDrafter(Drafter):
         b = TreeBuilder(context[-1], budget)
         hits = retrieve(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram, c.min_ngram)
         if hits:
-            b.retrieved = b.add_chain(hits[0], kind=BRANCH0) > 0
+            b.retrieved = b.add_chain(hits[0], kind=KIND["lookup"]) > 0
         return b.build()
 
 
@@ -83,7 +89,7 @@ class LogitSpecDrafter(Drafter):
         chains, order = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
                                             c.max_ngram, c.min_ngram)
         for chain in chains:
-            b.retrieved |= b.add_chain(chain, kind=branch0_kind(order, c.max_ngram)) > 0
+            b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram)) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
         for rank, g in enumerate(guesses, 1):

@@ -15,15 +15,18 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import calibrate
 from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
-from .draft import BRANCH0_KINDS, N_KINDS, make_drafter
-from .head import Head, NodeLogits
+from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
+from .head import NodeLogits
 from .index import NgramSource, SequenceIndex
-from .masks import StepRow, layer_windows, pack_step
+from .masks import StepRow
 from .stats import SequenceStats
-from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
+from .target import TargetForward
+from .tree import DraftTree
+from .verify import SamplingParams, accept, probs_from_logits, sample_token
 
 log = logging.getLogger("logitspec.engine")
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
@@ -36,6 +39,14 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: dict[str, Any]
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class EngineRun:
+    """What one :meth:`Engine.run` call produced."""
+
+    results: list[GenerationResult]  # in input order
+    stats: dict[str, float]  # wall_s, tokens, tokens_per_s, batch_steps, mean_active (rows per forward)
 
 
 @dataclass
@@ -64,20 +75,18 @@ class Engine:
         """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
         from ``logitspec calibrate``'s store or measured quickly on first use."""
         self.model = model
-        self.head = Head(model, fast=fast_head)
+        self.target = TargetForward(model, fast_head=fast_head)
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
-        self.windows = layer_windows(model.config)
-        self.dtype = next(model.parameters()).dtype
-        self.device = next(model.parameters()).device
         self.prefill_chunk = prefill_chunk
-        cfg = model.config.get_text_config(decoder=True)
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.max_context = self.target.max_context
         self.eos_ids = _eos_ids(model, tokenizer)
-        # retrieved continuations start optimistic (offline replays accepted most of them); logit
-        # guesses start at 1/4; both are then learned from every verified node
-        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in BRANCH0_KINDS},
+        # State that persists across generate() calls (the engine learns as a long-running job would):
+        # acceptance rates per node kind, the draft-free step count, the cost curve.
+        # Retrieved continuations start optimistic (offline replays accepted most of them); logit
+        # guesses start at 1/4; both are then learned from every verified node.
+        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in LOOKUP_KINDS},
                                           n_states=STREAK_STATES)
         self._steps_without_drafts = 0
         self.cost_curve = cost_curve
@@ -115,12 +124,16 @@ class Engine:
         return list(ids)
 
     # ------------------------------------------------------------------ api
+    def generate(self, prompts: Sequence, **kwargs) -> list[GenerationResult]:
+        """Generate for every prompt; results in input order. Arguments as :meth:`run`."""
+        return self.run(prompts, **kwargs).results
+
     @torch.inference_mode()
-    def generate(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
-                 stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
-                 reference: NgramSource | Sequence[NgramSource | None] | None = None) -> list[GenerationResult]:
-        """Generate for every prompt; results in input order.
+    def run(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
+            top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
+            stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
+            reference: NgramSource | Sequence[NgramSource | None] | None = None) -> EngineRun:
+        """Generate for every prompt: the results in input order and the run's throughput figures.
 
         ``seed``: an int (request i uses ``seed + i``) or one seed per prompt; a sequence's samples
         depend only on its own seed, never on which others share its batch. ``reference``: a shared
@@ -141,10 +154,12 @@ class Engine:
         if len(seeds) != len(prompts) or len(refs) != len(prompts):
             raise ValueError("seed and reference lists must have one entry per prompt")
         encoded = [self.encode(p, apply_chat_template) for p in prompts]  # all errors before any forward
-        return self._run(encoded, max_new_tokens, params, stops, seeds, refs)
+        return self._loop(encoded, max_new_tokens, params, stops, seeds, refs)
 
     # ------------------------------------------------------------------ loop
-    def _run(self, encoded, max_new_tokens, params, stops, seeds, refs) -> list[GenerationResult]:
+    def _loop(self, encoded, max_new_tokens, params, stops, seeds, refs) -> EngineRun:
+        """Continuous batching: admit pending prompts into free slots, step the active rows, release
+        the finished ones."""
         t_start = time.perf_counter()
         results: list[GenerationResult | None] = [None] * len(encoded)
         pending = list(range(len(encoded)))[::-1]
@@ -173,30 +188,9 @@ class Engine:
             active = [active[i] for i in still]
         wall = time.perf_counter() - t_start
         ntok = sum(len(r.token_ids) for r in results)
-        self.last_run_stats = {"wall_s": wall, "tokens": ntok, "tokens_per_s": ntok / wall if wall else 0.0,
-                               "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
-        return results
-
-    def _forward(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True) -> list[NodeLogits]:
-        """One target forward over ``rows``; per row, the output layer's results for all its nodes
-        (or its last node only): argmax [n_b] and scores [n_b, V] (float32 logits if ``exact``)."""
-        t0 = time.perf_counter()
-        ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)
-        if isinstance(mask, dict):
-            mask = {k: v.to(self.device) for k, v in mask.items()}
-        else:
-            mask = mask.to(self.device)
-        T = ids.shape[1]
-        spans = [(b * T, b * T + len(r.tokens)) if all_logits else (b * T + len(r.tokens) - 1, b * T + len(r.tokens))
-                 for b, r in enumerate(rows)]
-        select = torch.cat([torch.arange(a, z) for a, z in spans]).to(self.device)
-        self._pack_s = time.perf_counter() - t0  # masks, positions, node selection
-        logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select, exact=exact)  # N nodes
-        out, start = [], 0
-        for a, z in spans:
-            out.append(logits[start:start + z - a])
-            start += z - a
-        return out
+        stats = {"wall_s": wall, "tokens": ntok, "tokens_per_s": ntok / wall if wall else 0.0,
+                 "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
+        return EngineRun(results, stats)
 
     def _admit(self, req, prompt_ids, max_new_tokens, params, stops, seed, ref, kv: BatchKV) -> _Sequence:
         """Prefill one prompt (in chunks) into its own cache row and emit its first token."""
@@ -210,17 +204,10 @@ class Engine:
                         sources=[], generator=gen, stats=SequenceStats(), stops=stops)
         seq.sources = [seq.index] + ([ref] if ref is not None else [])
         t0 = time.perf_counter()
-        row = BatchKV()
-        row.lengths = [0]
-        for start in range(0, len(prompt_ids), self.prefill_chunk):
-            chunk = prompt_ids[start:start + self.prefill_chunk]
-            cols = row.columns
-            logits = self._forward([StepRow.chain(start, chunk)], row, all_logits=False, exact=not params.greedy)
-            row.commit([list(range(cols, cols + len(chunk)))])
-        last = logits[0][-1]
+        row, last = self.target.prefill(prompt_ids, self.prefill_chunk, exact=not params.greedy)
         seq.stats.prefill_s = time.perf_counter() - t0
-        tok = self._pick(last, params, seq)
-        seq.guesses = self._guesses(last, tok)
+        tok = self._pick(last[0], params, seq)  # last: the final prompt token's output, [1, V]
+        seq.guesses = self._next_guesses([last], [[0]], [tok])[0]
         self._emit(seq, [tok], stops)
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         if not seq.finish:
@@ -233,62 +220,63 @@ class Engine:
             return int(logits.argmax)
         return sample_token(probs_from_logits(logits.scores, params), seq.generator)
 
-    def _guesses(self, logits: NodeLogits, next_token: int) -> list[int]:
-        """Top-k next-next guesses from the scores that chose ``next_token`` (excluded)."""
-        if not self.drafter.wants_guesses or self.config.top_k == 0:
-            return []
-        top = torch.topk(logits.scores, self.config.top_k + 1).indices.tolist()
-        return [t for t in top if t != next_token][: self.config.top_k]
-
     def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
-        c = self.config
-        t0 = time.perf_counter()
-        base = self.drafter.base_budget()
-        budget = c.budget_for(base, len(active))
+        """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
+        clock = _StepClock()
+        trees = self._draft(active)
+        rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
+        clock.lap("draft_s")
+        cols = kv.columns
+        fwd = self.target(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
+        clock.lap("forward_s", pack_s=fwd.pack_s)
+        paths, bonus = self._accept(active, trees, fwd.logits, params)
+        guesses = self._next_guesses(fwd.logits, paths, bonus)
+        clock.lap("verify_s")
+        kv.commit([[cols + n for n in p] for p in paths])
+        clock.lap("commit_s")
+        for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
+            s.guesses = g
+            emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
+            s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
+
+    def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
+        """A draft tree per row, within the step's budget, the row's remaining tokens and the context."""
+        budget = self.config.budget_for(self.drafter.base_budget(), len(active))
         trees = []
         for s in active:
-            remaining = s.max_new - len(s.out)
-            room = self.max_context - len(s.index) - 1
-            b = max(0, min(budget, remaining - 1, room))
-            trees.append(self.drafter.draft(s.sources, s.index.tokens, s.guesses, b))
+            room = min(s.max_new - len(s.out), self.max_context - len(s.index)) - 1
+            trees.append(self.drafter.draft(s.sources, s.index.tokens, s.guesses, max(0, min(budget, room))))
         if self.auto_budget:
             trees = self._prune(trees, [s.streak for s in active])
-        rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
-        t1 = time.perf_counter()
-        cols = kv.columns
-        logits = self._forward(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
-        t2 = time.perf_counter()
+        return trees
+
+    def _accept(self, active: list[_Sequence], trees: list[DraftTree], logits: list[NodeLogits],
+                params: SamplingParams) -> tuple[list[list[int]], list[int]]:
+        """Per row: the accepted node path (root first) and the bonus token after it; the acceptance
+        rates learn from every verified node."""
         paths, bonus = [], []
-        for b, (tree, s) in enumerate(zip(trees, active)):
-            if params.greedy:
-                choose = logits[b].argmax.tolist().__getitem__
-            else:
-                choose = lambda node, lg=logits[b].scores, g=s.generator: sample_token(probs_from_logits(lg[node], params), g)
-            p, tok = accept_path(tree, choose)
-            self.acceptance.update(tree, p, s.streak)
-            s.streak = min(len(p) - 1, STREAK_STATES - 1)
-            paths.append(p)
+        for s, tree, lg in zip(active, trees, logits):
+            path, tok = accept(tree, lg, params, s.generator)
+            self.acceptance.update(tree, path, s.streak)
+            s.streak = min(len(path) - 1, STREAK_STATES - 1)
+            paths.append(path)
             bonus.append(tok)
-        if self.drafter.wants_guesses and c.top_k:
-            last = torch.stack([logits[b].scores[p[-1]] for b, p in enumerate(paths)])  # [B, V]
-            top = torch.topk(last, c.top_k + 1, dim=-1).indices.tolist()
-        t3 = time.perf_counter()
-        kv.commit([[cols + n for n in p] for p in paths])
-        t4 = time.perf_counter()
-        for b, (s, tree, p) in enumerate(zip(active, trees, paths)):
-            if self.drafter.wants_guesses and c.top_k:
-                s.guesses = [t for t in top[b] if t != bonus[b]][: c.top_k]
-            emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [bonus[b]], stops)
-            s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1,
-                             draft_s=t1 - t0, pack_s=self._pack_s, forward_s=t2 - t1 - self._pack_s,
-                             verify_s=t3 - t2, commit_s=t4 - t3)
+        return paths, bonus
+
+    def _next_guesses(self, logits: list[NodeLogits], paths: list[list[int]], bonus: list[int]) -> list[list[int]]:
+        """Per row, the next step's next-next guesses: the top-k of the last accepted node's scores
+        (which chose the bonus token, excluded)."""
+        k = self.config.top_k
+        if not self.drafter.wants_guesses or k == 0:
+            return [[] for _ in paths]
+        last = torch.stack([lg.scores[p[-1]] for lg, p in zip(logits, paths)])  # [B, V]
+        top = torch.topk(last, k + 1, dim=-1).indices.tolist()  # [B][k + 1]
+        return [[t for t in row if t != b][:k] for row, b in zip(top, bonus)]
 
     def _prune(self, trees: list, states: list[int]) -> list:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`)."""
         if self.cost_curve is None:
-            from .calibrate import load_or_measure
-
-            self.cost_curve = load_or_measure(self)
+            self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
         probs = [self.acceptance.node_probs(t, st) for t, st in zip(trees, states)]
         most = max(len(t) - 1 for t in trees)
         n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
@@ -330,6 +318,22 @@ class Engine:
                     text = text[: text.index(s)]
         stats = seq.stats.as_dict()
         return GenerationResult(seq.out, text, seq.finish or "length", stats, list(prompt_ids))
+
+
+class _StepClock:
+    """Times the parts of one step; ``times`` holds seconds per part (``pack_s`` reported apart from
+    ``forward_s``)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def lap(self, part: str, pack_s: float = 0.0) -> None:
+        now = time.perf_counter()
+        self.times[part] = now - self.t - pack_s
+        if pack_s:
+            self.times["pack_s"] = pack_s
+        self.t = now
 
 
 def _stop_cut(tokenizer, out: list[int], before: int, stops: list[str]) -> int | None:

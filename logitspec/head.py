@@ -65,13 +65,13 @@ class ScreenedArgmax:
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
         """``kind``: the float16 pass. "f16c": the skinny kernel (reads the float16 weight once for up
         to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "both" (the default where both exist): fbgemm for
-        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster (2 threads, 262k x 640, 1 row: 23 ms
-        against 31), the F16C kernel above (8 rows: 44 ms against 55; ``scripts/head_bench.py``), at
-        the price of a second float16 copy of the weight. ValueError for a pass this machine lacks."""
+        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster, the F16C kernel above (timings in
+        docs/performance.md, ``scripts/head_bench.py``), at the price of a second float16 copy of the
+        weight. ValueError for a pass this machine lacks."""
         w = weight.detach()  # [V, H] float32
         self.weight = w
         w16 = w.half()  # [V, H]
-        fbgemm = _has_fbgemm()
+        fbgemm = has_fbgemm()
         self.kind = kind or ("both" if skinny.available() and fbgemm else "f16c" if skinny.available() else "fbgemm")
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
@@ -94,7 +94,7 @@ class ScreenedArgmax:
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or _has_fbgemm())
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or has_fbgemm())
 
     def __call__(self, x: torch.Tensor) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
@@ -114,7 +114,7 @@ class ScreenedArgmax:
         return NodeLogits(approx, exact=False, screened_argmax=arg)
 
 
-def _has_fbgemm() -> bool:
+def has_fbgemm() -> bool:
     try:
         return "fbgemm" in torch.backends.quantized.supported_engines and \
             hasattr(torch.ops.quantized, "linear_dynamic_fp16")

@@ -78,12 +78,6 @@ class DraftTree:
         return DraftTree(self.tokens[keep], np.asarray(parents, dtype=np.int64), self.retrieved,
                          pick(self.kinds), pick(self.offsets))
 
-    def leaf_paths(self) -> list[list[int]]:
-        """Every root-to-leaf path, in leaf order."""
-        is_parent = np.zeros(len(self), dtype=bool)
-        is_parent[self.parents[1:]] = True
-        return [self.path_to(i) for i in range(len(self)) if not is_parent[i]]
-
 
 class TreeBuilder:
     """Builds a :class:`DraftTree` by inserting token chains into a trie under a fixed node budget.

@@ -8,7 +8,7 @@ draws one uniform number per emitted token, the same count as plain decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,9 +48,24 @@ def accept_path(tree: DraftTree, next_token: Callable[[int], int]) -> tuple[list
         path.append(child)
 
 
-def greedy_accept(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+def greedy_accept(tree: DraftTree, argmax: Sequence[int]) -> tuple[list[int], int]:
     """``argmax[i]``: the target's argmax token at node i."""
-    return accept_path(tree, argmax.__getitem__)
+    return accept_path(tree, lambda node: int(argmax[node]))
+
+
+def sampled_accept(tree: DraftTree, scores: torch.Tensor, params: "SamplingParams",
+                   generator: torch.Generator) -> tuple[list[int], int]:
+    """``scores`` [n, V]: the target's float32 logits at every node; one draw per visited node."""
+    return accept_path(tree, lambda node: sample_token(probs_from_logits(scores[node], params), generator))
+
+
+def accept(tree: DraftTree, node_logits, params: "SamplingParams",
+           generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """The acceptance rule: greedy or sampled by ``params``. ``node_logits``: the target's output at
+    every node of ``tree`` (a :class:`~logitspec.head.NodeLogits`: ``argmax`` [n] and ``scores`` [n, V])."""
+    if params.greedy:
+        return greedy_accept(tree, node_logits.argmax.tolist())
+    return sampled_accept(tree, node_logits.scores, params, generator)
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -7,9 +7,9 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from logitspec import Engine, SpecConfig, load_model
-from logitspec.cache import BatchKV
+from logitspec import load_model
 from logitspec.masks import StepRow
+from logitspec.target import TargetForward
 
 
 def main() -> None:
@@ -20,18 +20,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
-    model, tok = load_model(args.model, attn_implementation=args.attn)
-    eng = Engine(model, tok, SpecConfig(method="ar"))
-    kv = BatchKV()
-    kv.lengths = [0]
+    model, _ = load_model(args.model, attn_implementation=args.attn)
+    target = TargetForward(model)
     ctx = [(7 * i + 3) % 1000 for i in range(args.context)]
     with torch.inference_mode():
-        eng._forward([StepRow.chain(0, ctx)], kv, all_logits=False)
-        kv.commit([list(range(len(ctx)))])
+        kv, _ = target.prefill(ctx, chunk=len(ctx))
         row = StepRow.chain(len(ctx), list(range(5, 5 + args.new_tokens)))
 
         def step():
-            eng._forward([row], kv, all_logits=True, exact=False)  # greedy: the screened output layer
+            target([row], kv, all_logits=True, exact=False)  # greedy: the screened output layer
             kv.commit([[]])
 
         step()

@@ -25,8 +25,7 @@ def test_commit_keeps_only_the_accepted_path(family):
     with torch.no_grad():
         kv = BatchKV()
         for p in prompts:  # prefill each row on its own, then batch the rows (holes in row 1)
-            row = BatchKV()
-            row.lengths = [0]
+            row = BatchKV.empty_row()
             _forward(model, [StepRow.chain(0, p)], row)
             row.commit([list(range(len(p)))])
             kv.add_row(row)
@@ -49,8 +48,7 @@ def test_wrong_gather_is_detected():
     p = list(range(1, 12))
     tree = DraftTree(np.array([5, 6, 8]), np.array([-1, 0, 0]))
     with torch.no_grad():
-        kv = BatchKV()
-        kv.lengths = [0]
+        kv = BatchKV.empty_row()
         _forward(model, [StepRow.chain(0, p)], kv)
         kv.commit([list(range(len(p)))])
         cols = kv.columns
@@ -66,8 +64,7 @@ def test_keep_rows_releases_memory():
     with torch.no_grad():
         kv = BatchKV()
         for n in (30, 5):
-            row = BatchKV()
-            row.lengths = [0]
+            row = BatchKV.empty_row()
             _forward(model, [StepRow.chain(0, list(range(1, n + 1)))], row)
             row.commit([list(range(n))])
             kv.add_row(row)

@@ -9,10 +9,10 @@ pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason
 
 
 def _kinds():
-    from logitspec.head import _has_fbgemm
+    from logitspec.head import has_fbgemm
 
     kinds = ["f16c"] if skinny.available() else []
-    kinds += ["fbgemm"] if _has_fbgemm() else []
+    kinds += ["fbgemm"] if has_fbgemm() else []
     return kinds + (["both"] if len(kinds) == 2 else [])
 
 

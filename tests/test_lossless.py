@@ -99,5 +99,5 @@ def test_skinny_kernels_and_screened_head_equal_stock_generate(family):
     assert use_skinny_linears(model) > 0
     for method in ("ar", "logitspec"):
         eng = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
-        assert eng.head.screen is not None
+        assert eng.target.head.screen is not None
         assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs

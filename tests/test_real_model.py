@@ -43,27 +43,46 @@ def hf_refs(gemma, spec_prompts):
     return refs
 
 
-def _near_tie_ok(model, prompt, got, ref, tol=1e-3):
-    """Token sequences may only part at a near-tie of the reference's logits (float noise)."""
+@pytest.fixture(scope="module")
+def ar_outputs(gemma, spec_prompts):
+    model, tok = gemma
+    return [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts, max_new_tokens=N_NEW)]
+
+
+def _divergence_gap(model, prompt, got, ref) -> float | None:
+    """None if ``got == ref``; else the reference logit gap between the two tokens where they part."""
     if got == ref:
-        return True
-    i = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    if i == min(len(got), len(ref)):
+        return float("inf")  # one is a prefix of the other: an EOS or length difference, never a tie
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1]
     gap = (logits[ref[i]] - logits[got[i]]).abs().item()
     print(f"divergence at token {i}: logit gap {gap:.2e}")
-    return gap < tol
+    return gap
 
 
-@pytest.mark.parametrize("method,batch", [("ar", 1), ("logitspec", 1), ("pld", 3), ("logitspec", 3)])
-def test_real_model_lossless(gemma, spec_prompts, hf_refs, method, batch):
+def test_ar_equals_stock_generate_up_to_float32_near_ties(gemma, spec_prompts, hf_refs, ar_outputs):
+    """The claim (README): plain decoding through our forward path picks the float32 argmax of the
+    same model; stock generate computes the output layer in another summation order, so the two may
+    part only where two logits are within float32 rounding of each other."""
+    model, _ = gemma
+    gaps = [_divergence_gap(model, p, got, ref) for p, got, ref in zip(spec_prompts, ar_outputs, hf_refs)]
+    print(f"ar vs HF generate: {sum(g is not None for g in gaps)} of {len(gaps)} sequences part")
+    assert all(g is None or g < 1e-3 for g in gaps), gaps
+
+
+@pytest.mark.parametrize("method,batch", [("ar", 3), ("logitspec", 1), ("pld", 3), ("logitspec", 3)])
+def test_real_model_lossless(gemma, spec_prompts, ar_outputs, method, batch):
+    """Speculative and batched decoding equal plain decoding (``ar``, batch 1) token for token."""
     model, tok = gemma
     # fixed 16-node trees: this test is about losslessness with real trees, whatever this machine's
     # cost curve would make the auto budget choose
     cfg = SpecConfig(method=method, max_batch_size=batch, budget="fixed", capacity=16, top_k=16)
     res = Engine(model, tok, cfg).generate(spec_prompts, max_new_tokens=N_NEW)
-    for p, r, ref in zip(spec_prompts, res, hf_refs):
-        assert _near_tie_ok(model, p, r.token_ids, ref)
+    for p, r, ref in zip(spec_prompts, res, ar_outputs):
+        assert r.token_ids == ref, f"parts from ar (gap {_divergence_gap(model, p, r.token_ids, ref)})"
         assert r.text == tok.decode(r.token_ids, skip_special_tokens=True)
     if method == "logitspec":
         mat = sum(r.stats["mean_accepted"] for r in res) / len(res)

@@ -73,13 +73,13 @@ def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, resu
         init_rank(rank, world, port, threads=1)
         out = {}
         for fam, path in model_dirs.items():
-            model, tok = load_tp_model(path, world)
+            model, tok, consensus = load_tp_model(path, world)
             for case in CASES:
                 res = _generate(lambda cfg: make_engine(model, tok, cfg), case, prompts)
                 check_agreement(decisions_digest(res))
                 out[(fam,) + case] = _record(res)
             out[(fam, "params")] = _layer_params(model)
-            out[(fam, "consensus")] = model.logitspec_consensus.stats()
+            out[(fam, "consensus")] = consensus.stats()
         results_q.put((rank, out, None))
     except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
         results_q.put((rank, None, traceback.format_exc()))
@@ -164,8 +164,7 @@ def test_batch_kv_zero_head_layers():
     from logitspec.cache import BatchKV
 
     def prefilled(n):
-        kv = BatchKV()
-        kv.lengths = [0]
+        kv = BatchKV.empty_row()
         kv.hf.update(torch.zeros(1, 0, n, 8), torch.zeros(1, 0, n, 8), 0)
         kv.lengths = [n]
         return kv

@@ -22,7 +22,7 @@ def test_ancestor_mask_paths_and_children():
     assert m[3].tolist() == [True, True, True, True, False, False]
     assert m[4].tolist() == [True, True, True, False, True, False]
     assert m[5].tolist() == [True, False, False, False, False, True]
-    assert t.leaf_paths() == [[0, 1, 2, 3], [0, 1, 2, 4], [0, 5]]
+    assert [t.path_to(i) for i in (3, 4, 5)] == [[0, 1, 2, 3], [0, 1, 2, 4], [0, 5]]
     assert t.child(2, 4) == 4 and t.child(2, 9) is None and t.child(0, 5) == 5
 
 
