@@ -265,6 +265,25 @@ def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
     assert ray.is_initialized() == ray_before  # no Ray started for a job that cannot run
 
 
+def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
+    """A replica's batch stats carry the stats of the ``Engine.run`` that generated the batch."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    model, tok = load_model(tiny)
+    spec = GenerationSpec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
+    rows = [{"id": i, "prompt": p, "corpus": None} for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
+    out, stats = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(rows)
+    assert [r["error"] is None for r in out] == [True, True, False]  # the long prompt: refused before the run
+    engine = stats["engine"]
+    assert engine["tokens"] == out[0]["n_new_tokens"] + out[1]["n_new_tokens"] > 0
+    # decode steps of the batch (a row's steps also count its prefill): both rows shared some of them
+    assert max(out[0]["steps"], out[1]["steps"]) - 1 <= engine["batch_steps"] < out[0]["steps"] + out[1]["steps"]
+    assert engine["wall_s"] > 0 and 1.0 <= engine["mean_active"] <= 2.0
+
+
 def test_memory_figures_say_where_bytes_live(tmp_path):
     """The replicas' memory figures: arrays located by the kind of mapping holding them, and per node
     the copies of a model and of an index counted from those (a private copy counts, a mapping once)."""
