@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-ngram", type=int, default=3)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from pipeline.job import check_model
+    from pipeline.plan import check_model
     from pipeline.reference import prepare_reference, save_index, split_meta
 
     try:

@@ -56,7 +56,7 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None
-    from .models import default_cache_dir
+    from .models.paths import default_cache_dir
 
     p = next(model.parameters())
     key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"

@@ -69,7 +69,7 @@ def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "1
 def extensions_dir() -> pathlib.Path:
     """Where DeepSpeed's compiled ops live: ``$TORCH_EXTENSIONS_DIR``, else the project cache (so the
     one-minute build happens once per machine, not once per process or temp dir); sets the variable."""
-    from .models import default_cache_dir
+    from .models.paths import default_cache_dir
 
     path = pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_cache_dir() / "torch_extensions")
     path.mkdir(parents=True, exist_ok=True)

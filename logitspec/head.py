@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import skinny
+from .kernels import skinny
 
 log = logging.getLogger("logitspec.head")
 

@@ -43,7 +43,7 @@ class InputRows:
 
 
 # ---------------------------------------------------------------------------------------------- readers
-def _is_saved_dataset(path: pathlib.Path) -> bool:
+def is_saved_dataset(path: pathlib.Path) -> bool:
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
                               or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
 
@@ -94,7 +94,7 @@ def _columns_from_table(table: pa.Table, wanted: list[str]) -> dict[str, list]:
     return {c: table.column(c).to_pylist() for c in wanted if c in table.column_names}
 
 
-def _read_file(path: pathlib.Path, wanted: list[str]):
+def read_table_file(path: pathlib.Path, wanted: list[str]):
     """(all column names, {wanted column: values}, {column: arrow type (typed formats only)}, rows)."""
     fmt = TABLE_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
@@ -130,7 +130,7 @@ def _read_file(path: pathlib.Path, wanted: list[str]):
     return names, _columns_from_table(table, wanted), types, table.num_rows
 
 
-def _read_dataset(path: pathlib.Path, wanted: list[str], split: str | None):
+def read_dataset(path: pathlib.Path, wanted: list[str], split: str | None):
     import datasets
 
     try:
@@ -188,11 +188,11 @@ def load_input(cfg: JobConfig) -> InputRows:
     wanted = list(dict.fromkeys(roles.values()))
 
     parts = []
-    if _is_saved_dataset(path):
-        parts.append((str(path), *_read_dataset(path, wanted, cfg.split)))
+    if is_saved_dataset(path):
+        parts.append((str(path), *read_dataset(path, wanted, cfg.split)))
     else:
         for f in _files_of(path):
-            parts.append((str(f), *_read_file(f, wanted)))
+            parts.append((str(f), *read_table_file(f, wanted)))
 
     values: dict[str, list] = {c: [] for c in wanted}
     present_everywhere = {c: True for c in wanted}

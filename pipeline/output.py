@@ -66,16 +66,17 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
+def new_file_mode() -> int:
+    """The mode a plain ``open()`` would give a new file (0666 less the umask); ``mkstemp`` makes 0600 files."""
     mask = os.umask(0)
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
+        os.chmod(tmp, new_file_mode())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

@@ -28,8 +28,8 @@ import numpy as np
 from logitspec.index import CorpusIndex
 
 from .config import ConfigError
-from .inputs import TABLE_SUFFIXES, _is_saved_dataset, _read_dataset, _read_file
-from .output import _umask
+from .inputs import TABLE_SUFFIXES, is_saved_dataset, read_dataset, read_table_file
+from .output import new_file_mode
 
 log = logging.getLogger("pipeline.reference")
 
@@ -57,8 +57,8 @@ def read_documents(spec: str) -> list[str]:
     if not path.exists():
         raise ConfigError(f"reference corpus {str(path)!r} does not exist")
     col = column or "text"
-    if _is_saved_dataset(path):
-        names, values, _, _ = _read_dataset(path, [col], None)
+    if is_saved_dataset(path):
+        names, values, _, _ = read_dataset(path, [col], None)
         docs = _column_docs(path, names, values, col)
     elif path.is_file():
         docs = _docs_of_file(path, col)
@@ -81,7 +81,7 @@ def _column_docs(path, names, values, col) -> list[str]:
 
 def _docs_of_file(path: pathlib.Path, col: str) -> list[str]:
     if path.suffix.lower() in TABLE_SUFFIXES:
-        names, values, _, _ = _read_file(path, [col])
+        names, values, _, _ = read_table_file(path, [col])
         return _column_docs(path, names, values, col)
     try:
         return [path.read_text(encoding="utf-8")]
@@ -113,7 +113,7 @@ def save_index(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, new_file_mode())
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)
         os.replace(tmp, path)

@@ -19,7 +19,7 @@ from typing import Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from .replica import Replica
+from .resources import Replica
 
 log = logging.getLogger("pipeline.scheduler")
 

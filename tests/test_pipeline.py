@@ -265,6 +265,65 @@ def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
     assert ray.is_initialized() == ray_before  # no Ray started for a job that cannot run
 
 
+def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
+    """A replica's batch stats carry the stats of the ``Engine.run`` that generated the batch."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    model, tok = load_model(tiny)
+    spec = GenerationSpec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
+    rows = [{"id": i, "prompt": p, "corpus": None} for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
+    out, stats = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(rows)
+    assert [r["error"] is None for r in out] == [True, True, False]  # the long prompt: refused before the run
+    engine = stats["engine"]
+    assert engine["tokens"] == out[0]["n_new_tokens"] + out[1]["n_new_tokens"] > 0
+    # decode steps of the batch (a row's steps also count its prefill): both rows shared some of them
+    assert max(out[0]["steps"], out[1]["steps"]) - 1 <= engine["batch_steps"] < out[0]["steps"] + out[1]["steps"]
+    assert engine["wall_s"] > 0 and 1.0 <= engine["mean_active"] <= 2.0
+
+
+def test_memory_figures_say_where_bytes_live(tmp_path):
+    """The replicas' memory figures: arrays located by the kind of mapping holding them, and per node
+    the copies of a model and of an index counted from those (a private copy counts, a mapping once)."""
+    import numpy as np
+
+    from pipeline.resources import array_spans, process_memory, where_bytes_live
+    from pipeline.summary import memory_section
+
+    own = np.ones(1 << 18)  # 2 MiB: malloc maps it anonymously
+    path = tmp_path / "a.bin"
+    path.write_bytes(bytes(1 << 20))
+    shared, cow = np.memmap(path, mode="r+"), np.memmap(path, mode="c")  # MAP_SHARED, MAP_PRIVATE of a file
+    assert where_bytes_live(array_spans([own, own]))["private"] == own.nbytes  # the same array counts once
+    assert where_bytes_live(array_spans([shared]))["shared"] == 1 << 20
+    assert where_bytes_live(array_spans([cow]))["file"] == 1 << 20
+    assert where_bytes_live([(16, 8, "cuda:0"), (1, 8, "cpu")]) == {"private": 0, "shared": 0, "file": 0,
+                                                                    "device": 8, "unknown": 8}
+    mem = process_memory()
+    assert mem["private_bytes"] >= own.nbytes and mem["Pss"] <= mem["VmRSS"] + (1 << 20)
+
+    def info(name, private, node="n1", ref_private=0):
+        ref = {"bytes": 100, "private_bytes": ref_private, "shared_bytes": 100 - ref_private,
+               "zero_copy": ref_private == 0}
+        return {"name": name, "pid": 1, "node_id": node, "memory": {"VmRSS": 10, "Pss": 5, "private_bytes": 4},
+                "model_bytes": 1000, "model_private_bytes": private, "model_device_bytes": 0,
+                "model_shared_bytes": 0, "model_file_bytes": 1000 - private, "references": {"notes": ref}}
+
+    meta = {"__meta__": np.frombuffer(json.dumps({"bytes": 100}).encode(), dtype=np.uint8)}
+    both_mapped = memory_section({"notes": meta}, [info("a", 0)], [info("a", 0), info("b", 0)])
+    assert both_mapped["model_copies"] == 1 and both_mapped["reference_copies_per_node"] == 1
+    assert both_mapped["reference_zero_copy"] is True and both_mapped["nodes"]["n1"]["private_bytes"] == 8
+    copied = memory_section({"notes": meta}, [info("a", 1000)],
+                            [info("a", 1000), info("b", 1000, ref_private=100), info("c", 1000, node="n2"),
+                             {"name": "d", "missing": "ActorDiedError: gone"}])
+    assert copied["model_copies"] == 3 and copied["nodes"]["n1"]["model_copies"] == 2
+    assert copied["nodes"]["n1"]["reference_copies"] == {"notes": 2} and copied["reference_copies_per_node"] == 2
+    assert copied["reference_zero_copy"] is False and copied["nodes_with_replicas"] == 2
+    assert copied["replicas_not_measured"] == [{"name": "d", "error": "ActorDiedError: gone"}]
+
+
 # ---------------------------------------------------------------------------------------------- Ray, in-process
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory, tiny, ray_session):
@@ -300,9 +359,20 @@ def test_exactly_once_with_error_rows(mixed_run):
                                "skipped_already_done": 0, "in_output": 20, "missing": 0, "duplicates_in_output": 0}
     assert summary["tokens"]["new_now"] == sum(rows[i]["n_new_tokens"] for i in range(15))
     assert summary["mat"]["now"] == pytest.approx(summary["tokens"]["new_now"] / sum(rows[i]["steps"] for i in range(15)))
-    # one model copy per replica that came up (the 2nd may still be loading when the tiny job ends)
-    assert 1 <= summary["memory"]["model_copies"] == len(summary["replicas"]["startup"]) <= 2
-    assert summary["memory"]["model_bytes_per_replica"] > 0
+    # memory, as measured in each replica alive at the end (the 2nd may still be loading when the tiny job ends)
+    mem = summary["memory"]
+    assert 1 <= len(mem["replicas"]) == len(summary["replicas"]["startup"]) <= 2 and not mem["replicas_not_measured"]
+    for r in mem["replicas"]:
+        assert r["model_bytes"] == mem["model_bytes_per_replica"] > 0
+        # every parameter byte was found in one of the process's mappings
+        assert sum(r[k] for k in ("model_private_bytes", "model_device_bytes", "model_shared_bytes",
+                                  "model_file_bytes")) == r["model_bytes"]
+        # the tiny model's float32 safetensors stay mapped from the file (no private copy per replica)
+        assert r["model_file_bytes"] > 0.9 * r["model_bytes"]
+        assert r["private_bytes"] > 0 and r["shared_bytes"] > 0 and r["pss_bytes"] > 0
+    (node,) = mem["nodes"].values()  # one local node: its replicas share the page cache's one copy
+    assert node["replicas"] == len(mem["replicas"]) and node["private_bytes"] == sum(r["private_bytes"] for r in mem["replicas"])
+    assert mem["model_copies"] == node["model_copies"] == pytest.approx(1.0, abs=0.01)
     assert summary["timing"]["generation_s"] > 0 and summary["timing"]["startup_s"] > 0
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["rows"] == summary["rows"]
@@ -364,6 +434,41 @@ def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_se
     _check_exactly_once(tmp_path / "out", [r["id"] for r in rows])
 
 
+def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, ray_session, monkeypatch, capsys):
+    """SIGKILL the only replica right after its last batch, before the job asks the replicas for their
+    memory at the end: every row is written, so the job exits 0 with ``complete: true``, each row once,
+    and the dead replica is listed as not measured."""
+    import functools
+
+    import pipeline.job as job
+    from pipeline.cli import main
+
+    rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(6)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    batches, killed = [], []
+
+    def on_event(kind, **info):
+        if kind == "batch":
+            batches.append(info["batch"])
+            if len(batches) == 3:  # the last of 3 two-row batches: its rows are written
+                os.kill(info["pid"], signal.SIGKILL)
+                killed.append(info["name"])
+
+    monkeypatch.setattr(job, "run_job", functools.partial(job.run_job, on_event=on_event))
+    out = tmp_path / "out"
+    code = main(["--input", str(inp), "--output", str(out), "--model", tiny, "--address", ray_session, "-q",
+                 "--batch-rows", "2", "--max-batch-size", "2", "--max-new-tokens", "6", "--no-warmup"])
+    assert killed == ["replica-0"] and sorted(batches) == [0, 1, 2]
+    assert code == 0, capsys.readouterr().err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is True and summary["error"] is None
+    assert summary["rows"]["done_now"] == 6 and summary["rows"]["missing"] == 0
+    assert summary["replicas"]["deaths"] == 0  # it died after the scheduler was done with it
+    assert [m["name"] for m in summary["memory"]["replicas_not_measured"]] == ["replica-0"]
+    assert summary["memory"]["replicas"] == [] and summary["memory"]["model_copies"] == 0
+    _check_exactly_once(out, list(range(6)))
+
+
 def _reference_job(tmp_path, tiny):
     """Rows whose continuations live in a shared corpus: the corpus holds the model's own greedy
     output for each prompt, so retrieval from the index must find it."""
@@ -396,8 +501,12 @@ def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_se
     assert with_ref["mat"]["per_corpus_now"]["notes"]["reference"] is True
     mem = with_ref["memory"]
     assert mem["reference_zero_copy"] is True and len(mem["replicas"]) >= 1
-    assert all(r["reference_zero_copy"] for r in mem["replicas"])
+    size = mem["reference_indexes"]["notes"]["bytes"]
+    for r in mem["replicas"]:  # each actor's arrays lie in the object store's shared mapping, none in private memory
+        assert r["reference_zero_copy"] is True
+        assert r["references"]["notes"] == {"bytes": size, "private_bytes": 0, "shared_bytes": size, "zero_copy": True}
     assert mem["reference_indexes"]["notes"]["documents"] == 6 and mem["reference_copies_per_node"] == 1
+    assert [n["reference_copies"] for n in mem["nodes"].values()] == [{"notes": 1}]
     # the same index prebuilt to disk by jobs/build_index.py: the job loads the same arrays
     import numpy as np
 

@@ -269,6 +269,10 @@ def test_job_tp2_equals_tp1(tmp_path, text_model, ray_address, method):
         s = _job(ray_address, text_model, inp, tmp_path / f"tp{tp}", "--method", method, "--tp", str(tp),
                  "--max-new-tokens", "24")
         assert s["complete"] and s["rows"]["failed_now"] == 0
+        (rep,) = s["memory"]["replicas"]  # measured in each of the replica's processes, summed
+        assert rep["processes"] == tp and rep["model_bytes"] == s["memory"]["model_bytes_per_replica"] > 0
+        assert sum(rep[k] for k in ("model_private_bytes", "model_device_bytes", "model_shared_bytes",
+                                    "model_file_bytes")) == rep["model_bytes"]
         got[tp] = _generations(tmp_path / f"tp{tp}")
         print(f"\n{method} --tp {tp}: job {time.perf_counter() - t0:.1f} s")
     assert sorted(got[1]) == sorted(got[2]) == list(range(len(PROMPTS)))

@@ -9,7 +9,7 @@ bitwise identical whether it is computed alone or inside a batch (batch invarian
 
 Use::
 
-    from logitspec.skinny import available, use_skinny_linears
+    from logitspec.kernels.skinny import available, use_skinny_linears
     if available():
         use_skinny_linears(model)  # nn.Linear -> SkinnyLinear, weights shared; lm_head left alone
 
@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import swap_linears
+from ..models.paths import default_cache_dir
+from .swap import swap_linears
 
 logger = logging.getLogger("logitspec.skinny")
 
@@ -60,8 +61,6 @@ def _cpu_lacks_avx2_fma() -> str | None:
 
 
 def build_dir() -> pathlib.Path:
-    from .models import default_cache_dir
-
     return default_cache_dir() / "torch_extensions" / _EXT_NAME
 
 

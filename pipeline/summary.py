@@ -1,0 +1,189 @@
+"""``summary.json``: what a run did (rows, tokens, MAT, timing, replicas, memory), from the output on
+disk, the run's counters and what the replicas reported about themselves."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .progress import Progress
+
+# summary name -> key of a process's ``memory`` (pipeline.resources.process_memory)
+MEMORY_FIELDS = (("rss_bytes", "VmRSS"), ("pss_bytes", "Pss"), ("private_bytes", "private_bytes"),
+                 ("shared_bytes", "shared_bytes"), ("rss_anon_bytes", "RssAnon"), ("rss_file_bytes", "RssFile"),
+                 ("rss_shmem_bytes", "RssShmem"))
+# a process's model bytes by where they live (pipeline.replica_setup.model_memory)
+MODEL_FIELDS = ("model_bytes", "model_private_bytes", "model_device_bytes", "model_shared_bytes", "model_file_bytes")
+
+
+@dataclass
+class RunRecord:
+    """What running the replicas leaves for the summary."""
+
+    ray_info: dict | None = None
+    stats: Any = None  # pipeline.scheduler.SchedulerStats, once the scheduler exists
+    # each replica alive at the end: its info then ({"name", "missing": why} if it did not answer)
+    final: list = field(default_factory=list)
+
+
+def _total(values) -> int | None:
+    values = list(values)
+    return sum(values) if values and all(v is not None for v in values) else None
+
+
+def _processes(info: dict) -> list[dict]:
+    """The info of each process of a replica (a tensor-parallel group's ranks, else the replica's own)."""
+    return info.get("ranks") or [info]
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def replica_memory(info: dict) -> dict:
+    """One replica's memory at the end, summed over its processes, and what it holds of each index."""
+    procs = _processes(info)
+    refs: dict = {}
+    for p in procs:
+        for name, h in (p.get("references") or {}).items():
+            r = refs.setdefault(name, {"bytes": h["bytes"], "private_bytes": 0, "shared_bytes": 0, "zero_copy": True})
+            r["private_bytes"] += h["private_bytes"]
+            r["shared_bytes"] += h["shared_bytes"]
+            r["zero_copy"] = r["zero_copy"] and h["zero_copy"]
+    mem = [p.get("memory") or {} for p in procs]
+    return {"name": info["name"], "pid": info.get("pid"), "node_id": info.get("node_id"), "processes": len(procs),
+            **{k: _total(m.get(src) for m in mem) for k, src in MEMORY_FIELDS},
+            **{k: _total(p.get(k) for p in procs) for k in MODEL_FIELDS},
+            "reference_zero_copy": all(r["zero_copy"] for r in refs.values()) if refs else None,
+            "references": refs}
+
+
+def _model_copies(reps: list[dict]) -> float | None:
+    """Copies of the model on one node: each replica's parameter bytes in its private memory or on a
+    GPU (copies of its own), plus one for a file or shared mapping, which the node's page cache or
+    shared memory holds once however many processes map it."""
+    one = reps[0]["model_bytes"]
+    if not one or any(r["model_private_bytes"] is None for r in reps):
+        return None
+    own = sum(r["model_private_bytes"] + r["model_device_bytes"] for r in reps)
+    mapped = any(r["model_shared_bytes"] or r["model_file_bytes"] for r in reps)
+    return round(own / one + mapped, 3)
+
+
+def _index_copies(reps: list[dict], name: str) -> float:
+    """Copies of one index on one node: private copies, plus one for the object store's copy if mapped."""
+    held = [r["references"][name] for r in reps if name in r["references"]]
+    private = sum(h["private_bytes"] / h["bytes"] for h in held if h["bytes"])
+    return round(private + any(h["shared_bytes"] for h in held), 3)
+
+
+def node_memory(reps: list[dict], index_names) -> dict:
+    """Per node: its replicas' processes, their summed RSS / PSS / private bytes, model and index copies."""
+    by_node: dict = {}
+    for r in reps:
+        by_node.setdefault(r["node_id"], []).append(r)
+    return {node: {"replicas": len(rs), "processes": sum(r["processes"] for r in rs),
+                   **{k: _total(r[k] for r in rs) for k in ("rss_bytes", "pss_bytes", "private_bytes")},
+                   "model_copies": _model_copies(rs),
+                   "reference_copies": {n: _index_copies(rs, n) for n in sorted(index_names)}}
+            for node, rs in sorted(by_node.items(), key=lambda kv: str(kv[0]))}
+
+
+def memory_section(references: dict, ready: list, final: list) -> dict:
+    """``summary["memory"]``, measured by the replicas alive at the end (``final``)."""
+    reps = [replica_memory(i) for i in final if "missing" not in i]
+    nodes = node_memory(reps, references)
+    copies = [n["model_copies"] for n in nodes.values()]
+    ref_copies = [c for n in nodes.values() for c in n["reference_copies"].values()]
+    return {
+        "model_bytes_per_replica": _total(p.get("model_bytes") for p in _processes(ready[0])) if ready else None,
+        "model_copies": _total(copies) if copies else 0,
+        "replicas": reps,
+        "replicas_not_measured": [{"name": i["name"], "error": i["missing"]} for i in final if "missing" in i],
+        "nodes": nodes,
+        "nodes_with_replicas": len(nodes),
+        "reference_indexes": _reference_meta(references),
+        "reference_copies_per_node": max(ref_copies) if ref_copies else None,
+        "reference_zero_copy": all(r["reference_zero_copy"] for r in reps) if references and reps else None,
+    }
+
+
+def _reference_meta(references: dict) -> dict:
+    out = {}
+    for name, arrays in references.items():
+        meta = json.loads(bytes(arrays["__meta__"]).decode())
+        out[name] = {k: meta.get(k) for k in ("source", "documents", "tokens", "bytes", "build_s", "prebuilt")}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def output_counts(store, data) -> dict:
+    """What the output directory holds now: rows, covered input ids, duplicates, tokens and steps."""
+    import pyarrow.compute as pc
+
+    out = store.read_existing()
+    input_ids = set(data.ids)
+    out_ids = out.column("id").to_pylist() if out is not None else []
+    c = {"in_output": len(out_ids), "covered": sum(1 for i in set(out_ids) if i in input_ids),
+         "duplicates": len(out_ids) - len(set(out_ids)), "failed": 0, "tokens": 0, "steps": 0, "per_corpus": {}}
+    if out is not None:
+        ok = out.filter(pc.is_null(out.column("error")))
+        c["failed"] = out.num_rows - ok.num_rows
+        c["tokens"] = int(pc.sum(ok.column("n_new_tokens")).as_py() or 0)
+        c["steps"] = int(pc.sum(ok.column("steps")).as_py() or 0)
+        for corpus, n, s in zip(ok.column("corpus").to_pylist(), ok.column("n_new_tokens").to_pylist(),
+                                ok.column("steps").to_pylist()):
+            d = c["per_corpus"].setdefault(corpus or "(none)", {"rows": 0, "tokens": 0, "steps": 0})
+            d["rows"] += 1
+            d["tokens"] += n
+            d["steps"] += s
+    return c
+
+
+def _per_corpus(counts: dict, references: dict) -> dict:
+    return {k: {**v, "mat": v["tokens"] / v["steps"] if v["steps"] else None, "reference": k in references}
+            for k, v in sorted(counts.items())}
+
+
+def _replicas(cfg, stats) -> dict:
+    infos = stats.replica_info if stats else []
+    keys = ("name", "pid", "device", "dtype", "threads", "ready_s", "import_s", "model_load_s",
+            "reference_attach_s", "warmup_s")
+    return {"requested": cfg.actors, "started": stats.replicas_started if stats else 0,
+            "deaths": stats.deaths if stats else 0, "replacements": stats.replacements if stats else 0,
+            "batches_redone": stats.batches_redone if stats else 0,
+            "startup": [{k: i.get(k) for k in keys} for i in infos]}
+
+
+def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
+    """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``summary.json``."""
+    data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
+    out = output_counts(store, data)
+    total_ids = len(set(data.ids))
+    gen_s = timing.get("generation_s")
+    return {
+        "complete": out["covered"] == total_ids and failure is None,
+        "rows": {
+            "total": len(data), "done_now": progress.done, "failed_now": progress.failed,
+            "skipped_already_done": progress.skipped, "in_output": out["in_output"],
+            "failed_in_output": out["failed"], "not_in_input": out["in_output"] - out["covered"] - out["duplicates"],
+            "duplicates_in_output": out["duplicates"], "missing": total_ids - out["covered"],
+        },
+        "tokens": {"new_now": progress.tokens, "per_s": progress.tokens / gen_s if gen_s else None,
+                   "in_output": out["tokens"]},
+        "rows_per_s": progress.by_replicas / gen_s if gen_s else None,
+        "mat": {"now": progress.mat, "output": out["tokens"] / out["steps"] if out["steps"] else None,
+                "per_corpus_now": _per_corpus(progress.per_corpus, references),
+                "per_corpus_output": _per_corpus(out["per_corpus"], references)},
+        "timing": timing,
+        "replicas": _replicas(cfg, record.stats),
+        "memory": memory_section(references, record.stats.replica_info if record.stats else [], record.final),
+        "model_path": str(plan.model_path),
+        "ray": record.ray_info,
+        "output": {"dir": str(store.root), "part_files": len(store.part_files()),
+                   "parts_written_now": store.parts_written},
+        "config": cfg.as_dict(),
+        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+        "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
