@@ -23,6 +23,7 @@ from pipeline.config import ConfigError, GenerationSpec, JobConfig
 from pipeline.inputs import load_input, row_problem
 from pipeline.output import OutputStore, read_generations
 from pipeline.worker import row_seed
+from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GENERATE = REPO / "jobs" / "generate.py"
@@ -33,36 +34,10 @@ OUTPUT_COLUMNS = ["id", "generation", "finish_reason", "n_prompt_tokens", "n_new
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
-def _build_tiny_text_model(path: pathlib.Path) -> None:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    texts = [p.read_text() for p in sorted((REPO / "data" / "sample_corpus").rglob("*.txt"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<assistant>{% endif %}")
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen the random logits: greedy ties (float noise) become vanishingly rare
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-text-llama")
-    _build_tiny_text_model(path)
+    save_tiny_text_model(path)
     return str(path)
 
 

@@ -22,7 +22,7 @@ import torch
 from logitspec import Engine, SpecConfig
 from logitspec.distributed import PeerWatchdog, decisions_digest, free_port, rank_env
 from logitspec.models import load_model
-from tiny_models import repetitive_prompts, tiny_model
+from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TP = 2
@@ -180,35 +180,11 @@ def test_batch_kv_zero_head_layers():
 
 
 # ---------------------------------------------------------------------------------------------- Ray job
-def _build_text_model(path: pathlib.Path) -> None:
-    """A tiny random Llama whose heads and MLP really split over 2 ranks, with a byte-level BPE
-    tokenizer trained on the sample corpus (text in, text out, as the job expects)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    texts = [p.read_text() for p in sorted((REPO / "data" / "sample_corpus").rglob("*.txt"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    model.save_pretrained(path)
-    fast.save_pretrained(path)
-
-
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tp-text-llama")
-    _build_text_model(path)
+    # heads and MLP that really split over 2 ranks
+    save_tiny_text_model(path, hidden=64, heads=4, kv_heads=2, max_positions=256, chat_template=False)
     return str(path)
 
 

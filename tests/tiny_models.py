@@ -1,8 +1,11 @@
 """Tiny random models of each supported family, built from configs (no downloads)."""
+import pathlib
+
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
+REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 96
 _NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
@@ -52,3 +55,33 @@ def hf_greedy(model, prompt, n):
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
+
+
+def save_tiny_text_model(path, hidden: int = 32, heads: int = 2, kv_heads: int = 1, max_positions: int = 128,
+                         chat_template: bool = True) -> None:
+    """Save a tiny random Llama with a byte-level BPE tokenizer (512 tokens) trained on the sample
+    corpus to ``path``: text in, text out, as the job expects. Its output layer is sharpened so that
+    greedy ties (float noise) become vanishingly rare."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    texts = [p.read_text() for p in sorted((REPO / "data" / "sample_corpus").rglob("*.txt"))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    if chat_template:
+        fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}<assistant>{% endif %}")
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
