@@ -6,7 +6,7 @@ same full logits and therefore takes the same drafting, verification and samplin
 ranks never exchange anything else. :func:`check_agreement` verifies that after each batch instead
 of assuming it.
 
-On CPU (shared/FINDINGS.md): the backend is gloo (oneCCL is not on PyPI); DeepSpeed always routes its
+On CPU (docs/tensor_parallel.md): the backend is gloo (oneCCL is not on PyPI); DeepSpeed always routes its
 inference all-reduce through a shared-memory op that initialises only when ``LOCAL_SIZE`` equals the
 world size (without it the first forward segfaults), so :func:`rank_env` sets it; the op's first build
 takes about a minute of g++ and is cached in ``TORCH_EXTENSIONS_DIR`` (default here:
