@@ -7,8 +7,11 @@ window has wrapped (docs/engine.md).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from .device import to_device
 
 
 class GrowingLayer(DynamicLayer):
@@ -97,6 +100,9 @@ class BatchKV:
             if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:  # [rows, heads, cols, dim]
                 yield layer
 
+    def _device(self) -> torch.device:
+        return next((layer.keys.device for layer in self._layers()), torch.device("cpu"))
+
     def commit(self, src_cols: list[list[int]]) -> None:
         """After a step appended ``T`` columns, keep for row b the columns ``src_cols[b]`` (ascending,
         absolute) right after its committed ones, and drop every other new column and hole past
@@ -112,7 +118,7 @@ class BatchKV:
             self.lengths[b] += len(cols)
         keep = max(self.lengths)
         if b_idx:
-            bi, s, d = (torch.tensor(x) for x in (b_idx, src, dst))
+            bi, s, d = to_device(np.array([b_idx, src, dst], dtype=np.int64), self._device())  # [3, K]
         for layer in self._layers():
             if b_idx:
                 for t in (layer.keys, layer.values):  # [rows, heads, columns, head_dim], views of the buffer
@@ -127,7 +133,7 @@ class BatchKV:
         if not rows:
             self.hf = new_cache()
             return
-        idx = torch.tensor(rows)
+        idx = to_device(np.asarray(rows, dtype=np.int64), self._device())
         keep = max(self.lengths)
         for layer in self._layers():
             layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)

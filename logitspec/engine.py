@@ -19,14 +19,15 @@ from . import calibrate
 from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
+from .device import to_device
 from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
 from .head import NodeLogits
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow
 from .stats import SequenceStats
-from .target import TargetForward
+from .target import ForwardResult, TargetForward
 from .tree import DraftTree
-from .verify import SamplingParams, accept, probs_from_logits, sample_token
+from .verify import SamplingParams, accept, decide, probs_from_logits, sample_token
 
 log = logging.getLogger("logitspec.engine")
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
@@ -71,11 +72,14 @@ class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
-                 fast_head: bool = True, cost_curve: CostCurve | None = None):
+                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None):
         """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
-        from ``logitspec calibrate``'s store or measured quickly on first use."""
+        from ``logitspec calibrate``'s store or measured quickly on first use. ``sample_on_host``:
+        walk sampled trees on the host, computing distributions only at visited nodes (default: on
+        CPU); False samples every node where the logits are and waits for the device once a step."""
         self.model = model
         self.target = TargetForward(model, fast_head=fast_head)
+        self.sample_on_host = self.target.device.type == "cpu" if sample_on_host is None else sample_on_host
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
@@ -228,9 +232,8 @@ class Engine:
         clock.lap("draft_s")
         cols = kv.columns
         fwd = self.target(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
-        clock.lap("forward_s", pack_s=fwd.pack_s)
-        paths, bonus = self._accept(active, trees, fwd.logits, params)
-        guesses = self._next_guesses(fwd.logits, paths, bonus)
+        clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
+        paths, bonus, guesses = self._accept(active, trees, fwd, params)
         clock.lap("verify_s")
         kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
@@ -250,27 +253,42 @@ class Engine:
             trees = self._prune(trees, [s.streak for s in active])
         return trees
 
-    def _accept(self, active: list[_Sequence], trees: list[DraftTree], logits: list[NodeLogits],
-                params: SamplingParams) -> tuple[list[list[int]], list[int]]:
-        """Per row: the accepted node path (root first) and the bonus token after it; the acceptance
-        rates learn from every verified node."""
-        paths, bonus = [], []
-        for s, tree, lg in zip(active, trees, logits):
-            path, tok = accept(tree, lg, params, s.generator)
+    def _accept(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult,
+                params: SamplingParams) -> tuple[list[list[int]], list[int], list[list[int]]]:
+        """Per row: the accepted node path (root first), the bonus token after it and the next
+        step's guesses; the acceptance rates learn from every verified node. Sampling on the host
+        walks each tree drawing only at the nodes it visits; otherwise all rows are decided where
+        the logits are, with one transfer to the host (:func:`~logitspec.verify.decide`)."""
+        if params.greedy or not self.sample_on_host:
+            paths, bonus, top = self._decide(active, trees, fwd, params)
+        else:
+            picks = [accept(t, lg, params, s.generator) for s, t, lg in zip(active, trees, fwd.logits)]
+            paths, bonus, top = [p for p, _ in picks], [b for _, b in picks], None
+        for s, tree, path in zip(active, trees, paths):
             self.acceptance.update(tree, path, s.streak)
             s.streak = min(len(path) - 1, STREAK_STATES - 1)
-            paths.append(path)
-            bonus.append(tok)
-        return paths, bonus
+        return paths, bonus, self._next_guesses(fwd.logits, paths, bonus, top)
 
-    def _next_guesses(self, logits: list[NodeLogits], paths: list[list[int]], bonus: list[int]) -> list[list[int]]:
+    def _decide(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult, params: SamplingParams):
+        """:func:`~logitspec.verify.decide` for the step: paths, bonus tokens, top tokens (or None)."""
+        k = self.config.top_k if self.drafter.wants_guesses else 0
+        u, states = (None, None) if params.greedy else _uniforms(active, trees, self.target.device)
+        d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, params, u, k)
+        paths = [tree.path_to(last) for tree, last in zip(trees, d.last)]
+        for s, st, path in zip(active, states or [], paths):
+            s.generator.set_state(st[len(path)])  # one uniform consumed per emitted token
+        return paths, d.bonus, d.top if k else None
+
+    def _next_guesses(self, logits: list[NodeLogits], paths: list[list[int]], bonus: list[int],
+                      top: list[list[int]] | None = None) -> list[list[int]]:
         """Per row, the next step's next-next guesses: the top-k of the last accepted node's scores
-        (which chose the bonus token, excluded)."""
+        (which chose the bonus token, excluded); ``top``: those top-k + 1 tokens when known."""
         k = self.config.top_k
         if not self.drafter.wants_guesses or k == 0:
             return [[] for _ in paths]
-        last = torch.stack([lg.scores[p[-1]] for lg, p in zip(logits, paths)])  # [B, V]
-        top = torch.topk(last, k + 1, dim=-1).indices.tolist()  # [B][k + 1]
+        if top is None:
+            last = torch.stack([lg.scores[p[-1]] for lg, p in zip(logits, paths)])  # [B, V]
+            top = torch.topk(last, k + 1, dim=-1).indices.tolist()  # [B][k + 1]
         return [[t for t in row if t != b][:k] for row, b in zip(top, bonus)]
 
     def _prune(self, trees: list, states: list[int]) -> list:
@@ -345,6 +363,21 @@ def _stop_cut(tokenizer, out: list[int], before: int, stops: list[str]) -> int |
         if any(s in text for s in stops):
             return n
     return len(out)
+
+
+def _uniforms(active: list[_Sequence], trees: list[DraftTree], device) -> tuple[torch.Tensor, list[list]]:
+    """Per node of every row (rows in order), the uniform its depth draws from the sequence's
+    generator ([N] float64 on ``device``), and per row the generator's state after each draw."""
+    u, states = [], []
+    for s, tree in zip(active, trees):
+        depths = tree.depths
+        st, draws = [s.generator.get_state()], []
+        for _ in range(int(depths.max()) + 1):
+            draws.append(torch.rand((), generator=s.generator, dtype=torch.float64).item())
+            st.append(s.generator.get_state())
+        u.append(np.asarray(draws)[depths])
+        states.append(st)
+    return to_device(np.concatenate(u), torch.device(device)), states
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -12,8 +12,10 @@ whole decoder at one token and grows with every verified node. Two things make i
   argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
   approximate logits serve ranking only (LogitSpec's next-next guesses).
 
-Sampling needs the full float32 distribution and gets it. ``fast=False`` uses the model's own
-forward (needed when the output layer is sharded, e.g. DeepSpeed AutoTP).
+Sampling needs the full float32 distribution and gets it. The screen is for float32 weights on CPU
+only; elsewhere (a GPU, or half precision) the output layer is one plain GEMM in the model's dtype
+over the selected nodes. ``fast=False`` uses the model's own forward (needed when the output layer
+is sharded, e.g. DeepSpeed AutoTP).
 """
 from __future__ import annotations
 
@@ -148,7 +150,9 @@ class Head:
             h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select]  # [N, H]
             if self.screen is not None and not exact:
                 return self.screen(h)
-            logits = torch.mm(self.weight, h.T).T  # [N, V]
+            # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
+            # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
+            logits = torch.mm(self.weight, h.T).T if h.device.type == "cpu" else h @ self.weight.T  # [N, V]
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         else:

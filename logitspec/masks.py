@@ -3,6 +3,9 @@
 Layout of the KV columns seen by a step (``L`` cached columns + ``T`` new ones):
 row b's committed tokens are columns ``[0, prefix_len[b])`` (position = column), columns
 ``[prefix_len[b], L)`` are holes, and the new tree nodes are columns ``L + i``.
+
+The host builds only the small per-node arrays; the masks (``B x T x (L + T)``) are built on the
+model's device from them, so no large host tensor crosses to the device each step.
 """
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .device import to_device
 from .tree import DraftTree
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+MASK_ALIGN = 16  # mask rows padded to this many columns off CPU (SDPA's memory-efficient kernel copies a misaligned mask per layer)
 
 
 @dataclass(frozen=True)
@@ -24,17 +29,32 @@ class StepRow:
     tokens: np.ndarray  # int64 [n]
     depths: np.ndarray  # int64 [n]
     visible: np.ndarray  # bool [n, n]: node i attends to node j
+    parents: np.ndarray | None = None  # int64 [n]: parent node, -1 for the root (None: a causal chain)
 
     @classmethod
     def from_tree(cls, prefix_len: int, tree: DraftTree) -> "StepRow":
-        return cls(prefix_len, tree.tokens, tree.depths, tree.ancestor_mask())
+        return cls(prefix_len, tree.tokens, tree.depths, tree.ancestor_mask(), tree.parents)
 
     @classmethod
     def chain(cls, prefix_len: int, tokens) -> "StepRow":
         """A causal chunk of ``tokens`` (prefill)."""
         n = len(tokens)
         return cls(prefix_len, np.asarray(tokens, dtype=np.int64), np.arange(n, dtype=np.int64),
-                   np.tril(np.ones((n, n), dtype=bool)))
+                   np.tril(np.ones((n, n), dtype=bool)), np.arange(n, dtype=np.int64) - 1)
+
+
+@dataclass
+class PackedStep:
+    """One step's rows as device tensors: the model's inputs and the tree structure the acceptance
+    walk needs. Padding nodes (past a row's ``sizes[b]``) see only themselves."""
+
+    ids: torch.Tensor  # int64 [B, T]
+    pos: torch.Tensor  # int64 [B, T]: prefix_len + depth (padding: 0)
+    depths: torch.Tensor  # int64 [B, T]: depth in the tree (padding: -1)
+    parents: torch.Tensor  # int64 [B, T]: parent node in the row (root and padding: -1)
+    visible: torch.Tensor  # bool [B, T, T]: node i attends to node j of its row (ancestors and itself)
+    mask: torch.Tensor | dict  # additive [B, 1, T, L + T], or a dict of them keyed by layer type
+    sizes: list[int]  # real nodes per row
 
 
 def layer_windows(config) -> dict[str, int | None]:
@@ -47,31 +67,62 @@ def layer_windows(config) -> dict[str, int | None]:
     return {k: (cfg.sliding_window if k == SLIDING else None) for k in sorted(kinds)}
 
 
-def pack_step(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype):
-    """Returns ``input_ids`` [B, T], ``position_ids`` [B, T] and the additive float mask(s)
-    [B, 1, T, cache_len + T]: a tensor when the model has one attention kind, else a dict keyed by
-    layer type (a single mask would give sliding layers full attention). Padding nodes see only
-    themselves and their outputs are ignored."""
+def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
+         device: torch.device | str = "cpu") -> PackedStep:
+    """Pack ``rows`` for a forward adding ``T`` columns to a ``cache_len``-column cache on ``device``:
+    the masks are additive in ``dtype`` (0 visible, ``finfo(dtype).min`` hidden), correct under every
+    attention implementation (a boolean mask is silently wrong under ``eager``, and SDPA turns one
+    into a float bias again in every layer)."""
+    device = torch.device(device)
     B, T = len(rows), max(len(r.tokens) for r in rows)
-    ids = np.zeros((B, T), dtype=np.int64)
-    q_pos = np.zeros((B, T), dtype=np.int64)
-    tree_vis = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T)).copy()
+    host = np.zeros((4, B, T), dtype=np.int64)  # ids, positions, depths, parents
+    host[2:] = -1
     prefix = np.zeros(B, dtype=np.int64)
+    vis = np.broadcast_to(np.eye(T, dtype=bool), (B, T, T)).copy()
     for b, r in enumerate(rows):
         n = len(r.tokens)
-        ids[b, :n] = r.tokens
-        q_pos[b, :n] = r.prefix_len + r.depths
-        tree_vis[b, :n, :n] = r.visible
+        host[0, b, :n] = r.tokens
+        host[1, b, :n] = r.prefix_len + r.depths
+        host[2, b, :n] = r.depths
+        host[3, b, :n] = r.parents if r.parents is not None else np.arange(n) - 1
+        vis[b, :n, :n] = r.visible
         prefix[b] = r.prefix_len
-    cols = np.arange(cache_len)
-    prefix_vis = np.broadcast_to(cols[None, None, :] < prefix[:, None, None], (B, T, cache_len))
-    vis = torch.from_numpy(np.concatenate([prefix_vis, tree_vis], axis=2))  # [B, T, L + T]
-    kv_pos = torch.from_numpy(np.concatenate([np.broadcast_to(cols, (B, cache_len)), q_pos], axis=1))
-    q = torch.from_numpy(q_pos)
-    neg = torch.finfo(dtype).min
-    masks = {}
-    for kind, window in windows.items():
-        v = vis if window is None else vis & ((q[:, :, None] - kv_pos[:, None, :]) < window)
-        masks[kind] = torch.zeros(v.shape, dtype=dtype).masked_fill_(~v, neg)[:, None]
-    mask = next(iter(masks.values())) if len(masks) == 1 else masks
-    return torch.from_numpy(ids), q, mask
+    ints = to_device(np.concatenate([host.reshape(-1), prefix]), device)  # one transfer: [4 B T + B]
+    ids, pos, depths, parents = ints[:4 * B * T].view(4, B, T)
+    visible = to_device(vis, device)  # [B, T, T]
+    mask = attention_masks(ints[4 * B * T:], pos, visible, cache_len, windows, dtype)
+    return PackedStep(ids, pos, depths, parents, visible, mask, [len(r.tokens) for r in rows])
+
+
+def attention_masks(prefix: torch.Tensor, pos: torch.Tensor, tree_vis: torch.Tensor, cache_len: int,
+                    windows: dict[str, int | None], dtype: torch.dtype):
+    """Additive masks [B, 1, T, cache_len + T] on the inputs' device from ``prefix`` [B], node
+    positions ``pos`` [B, T] and ``tree_vis`` [B, T, T]: a tensor when the model has one attention
+    kind, else a dict keyed by layer type (a single mask would give sliding layers full attention)."""
+    masks = {kind: _additive(prefix, pos, tree_vis, cache_len, window, dtype) for kind, window in windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def _additive(prefix, pos, tree_vis, cache_len: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """One [B, 1, T, cache_len + T] mask (a node sees its row's committed columns within ``window``
+    positions and its tree ancestors); off CPU a view of rows padded to ``MASK_ALIGN`` columns."""
+    B, T = pos.shape
+    W = cache_len + T
+    width = W if pos.device.type == "cpu" else -(-W // MASK_ALIGN) * MASK_ALIGN
+    out = torch.full((B, T, width), torch.finfo(dtype).min, dtype=dtype, device=pos.device)[..., :W]
+    cols = torch.arange(cache_len, device=pos.device)  # [L]
+    seen = (cols < prefix[:, None])[:, None, :]  # [B, 1, L]
+    tree = tree_vis  # [B, T, T]
+    if window is not None:
+        seen = seen & ((pos[:, :, None] - cols) < window)  # [B, T, L]
+        tree = tree & ((pos[:, :, None] - pos[:, None, :]) < window)
+    out[:, :, :cache_len].masked_fill_(seen, 0)
+    out[:, :, cache_len:].masked_fill_(tree, 0)
+    return out[:, None]
+
+
+def pack_step(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
+              device: torch.device | str = "cpu"):
+    """``input_ids`` [B, T], ``position_ids`` [B, T] and the mask(s) of :func:`pack`."""
+    p = pack(rows, cache_len, windows, dtype, device)
+    return p.ids, p.pos, p.mask

@@ -10,19 +10,30 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import BatchKV
+from .device import to_device
 from .head import Head, NodeLogits
-from .masks import StepRow, layer_windows, pack_step
+from .masks import PackedStep, StepRow, layer_windows, pack
 
 
 @dataclass
 class ForwardResult:
-    """One forward's output-layer results and the time spent packing it."""
+    """One forward's output-layer results, where they came from, and the time spent packing it."""
 
-    logits: list[NodeLogits]  # per row: its n_b nodes (or only its last node), in row order
+    nodes: NodeLogits  # [N, V]: per row its n_b nodes (or only its last node), rows in order
+    packed: PackedStep  # the forward's inputs and tree structure, on the model's device
+    select: torch.Tensor  # int64 [N]: the nodes' flat positions in the [B, T] batch (device)
+    starts: torch.Tensor  # int64 [B]: where each row's nodes start in ``nodes`` (device)
+    spans: list[tuple[int, int]]  # the same ranges on the host
     pack_s: float  # masks, positions and node selection, before the model runs
+
+    @property
+    def logits(self) -> list[NodeLogits]:
+        """Per row, its nodes' results."""
+        return [self.nodes[a:z] for a, z in self.spans]
 
 
 class TargetForward:
@@ -43,24 +54,21 @@ class TargetForward:
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
         padding); per row, the output layer's results for all its nodes, or its last node only.
-        ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores)."""
+        ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores). Queues
+        the work on the model's device without waiting for it."""
         t0 = time.perf_counter()
-        ids, pos, mask = pack_step(rows, kv.columns, self.windows, self.dtype)  # [B, T], [B, T], [B, 1, T, L + T]
-        if isinstance(mask, dict):
-            mask = {k: v.to(self.device) for k, v in mask.items()}
-        else:
-            mask = mask.to(self.device)
-        T = ids.shape[1]
-        spans = [(b * T, b * T + len(r.tokens)) if all_logits else (b * T + len(r.tokens) - 1, b * T + len(r.tokens))
-                 for b, r in enumerate(rows)]
-        select = torch.cat([torch.arange(a, z) for a, z in spans]).to(self.device)  # [N] flat node indices
+        packed = pack(rows, kv.columns, self.windows, self.dtype, self.device)  # masks [B, 1, T, L + T]
+        T = packed.ids.shape[1]
+        sizes = packed.sizes if all_logits else [1] * len(rows)
+        first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(packed.sizes)]
+        select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, sizes)])  # [N] flat node indices
+        starts = np.cumsum([0] + sizes[:-1])  # [B]
+        both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)  # one transfer
+        select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        logits = self.head(ids.to(self.device), pos.to(self.device), mask, kv.hf, select, exact=exact)  # N nodes
-        out, start = [], 0
-        for a, z in spans:
-            out.append(logits[start:start + z - a])
-            start += z - a
-        return ForwardResult(out, pack_s)
+        nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact)  # [N, V]
+        spans = [(int(a), int(a) + n) for a, n in zip(starts, sizes)]
+        return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
 
     def prefill(self, tokens: list[int], chunk: int, exact: bool = True) -> tuple[BatchKV, NodeLogits]:
         """A one-row cache holding ``tokens`` (run in causal chunks of ``chunk``), and the output-layer

@@ -1,0 +1,148 @@
+"""The paths a GPU takes, checked on CPU: acceptance decided where the logits are (one transfer),
+sampling of every node in one batch, half-precision models end to end, masks laid out for SDPA."""
+import numpy as np
+import pytest
+import torch
+
+from logitspec import Engine, SpecConfig
+from logitspec.head import Head, NodeLogits
+from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, pack
+from logitspec.tree import DraftTree, TreeBuilder
+from logitspec.verify import SamplingParams, decide, greedy_accept, inverse_cdf, sample_token
+from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
+
+N_NEW = 20
+
+
+def _trees(seed: int, n: int) -> list[DraftTree]:
+    rng = np.random.default_rng(seed)
+    trees = []
+    for _ in range(n):
+        b = TreeBuilder(int(rng.integers(0, 6)), int(rng.integers(0, 12)))
+        for _ in range(5):
+            b.add_chain(rng.integers(0, 6, int(rng.integers(1, 5))).tolist(), parent=int(rng.integers(0, len(b.tokens))))
+        trees.append(b.build())
+    # siblings with the same token: the walk follows the first (DraftTree.child)
+    trees.append(DraftTree(np.array([9, 2, 2, 3, 4]), np.array([-1, 0, 0, 2, 1])))
+    return trees
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decide_greedy_equals_the_host_walk(seed):
+    trees = _trees(seed, 5)
+    rng = np.random.default_rng(100 + seed)
+    rows = [StepRow.from_tree(10 + i, t) for i, t in enumerate(trees)]
+    packed = pack(rows, 40, {"full_attention": None}, torch.float32)
+    B, T = packed.ids.shape
+    argmax = [rng.integers(0, 6, len(t)) for t in trees]
+    argmax[-1][:] = [2, 4, 3, 0, 1]  # the first 2 (node 1) is followed: 4 is its child, 3 is under node 2
+    scores = torch.randn(sum(len(t) for t in trees), 8)
+    flat = torch.from_numpy(np.concatenate(argmax))
+    scores[torch.arange(len(flat)), flat] = 10.0  # the argmax, and the best score for the guesses
+    select = torch.cat([torch.arange(b * T, b * T + len(t)) for b, t in enumerate(trees)])
+    starts = torch.tensor(np.cumsum([0] + [len(t) for t in trees[:-1]]))
+    d = decide(NodeLogits(scores, exact=True), packed, select, starts, SamplingParams(), None, top_k=3)
+    for b, (tree, am) in enumerate(zip(trees, argmax)):
+        path, bonus = greedy_accept(tree, am.tolist())
+        assert (tree.path_to(d.last[b]), d.bonus[b]) == (path, bonus)
+        assert d.top[b] == torch.topk(scores[starts[b] + path[-1]], 4).indices.tolist()
+    assert trees[-1].path_to(d.last[-1]) == [0, 1, 4]
+
+
+def test_inverse_cdf_is_sample_token():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(50, 30, generator=g) * 3, dim=-1)
+    probs[probs < 0.02] = 0.0  # zero-probability tokens, as after top-k / top-p
+    probs[:, -3:] = 0.0  # ... including the last ones (the top edge)
+    for seed in range(3):
+        host = [sample_token(p, torch.Generator().manual_seed(seed * 100 + i)) for i, p in enumerate(probs)]
+        u = torch.tensor([torch.rand((), generator=torch.Generator().manual_seed(seed * 100 + i), dtype=torch.float64).item()
+                          for i in range(len(probs))])
+        assert inverse_cdf(probs, u, chunk=16).tolist() == host
+    # u at the top edge: the last token with probability, never a zero-probability one
+    top = inverse_cdf(probs[:2], torch.tensor([1.0, 1.0 - 2.0 ** -53], dtype=torch.float64))
+    assert top.tolist() == [int(torch.nonzero(p).max()) for p in probs[:2]]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_sampling_on_the_device_equals_the_host_walk(batch):
+    """Every node drawn at once with its depth's uniform == the host walk's draws at visited nodes."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(4, seed=7)
+    kw = dict(max_new_tokens=N_NEW, temperature=0.9, top_p=0.9, top_k=40, seed=5)
+    cfg = SpecConfig(method="logitspec", max_batch_size=batch, budget="fixed")
+    host = Engine(model, None, cfg, sample_on_host=True).generate(prompts, **kw)
+    dev = Engine(model, None, cfg, sample_on_host=False).generate(prompts, **kw)
+    assert [r.token_ids for r in dev] == [r.token_ids for r in host]
+    assert max(r.stats["mean_accepted"] for r in dev) > 1.0  # drafts were verified by sampling
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def bf16_case(request):
+    model = tiny_model(request.param).to(torch.bfloat16)
+    prompts = repetitive_prompts(6, seed=1)
+    refs = [r.token_ids for r in Engine(model, None, SpecConfig(method="ar")).generate(prompts, max_new_tokens=N_NEW)]
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("method", ["pld", "logitspec"])
+def test_bfloat16_greedy_equals_bfloat16_ar_batch1(bf16_case, method):
+    """Our own bfloat16 ``ar`` is the reference (docs/gpu.md says why not HF generate)."""
+    model, prompts, refs = bf16_case
+    eng = Engine(model, None, SpecConfig(method=method, budget="fixed"))
+    assert eng.target.head.screen is None  # the float32 CPU screen never serves half precision
+    res = eng.generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+    assert max(r.stats["mean_accepted"] for r in res) > 1.2
+
+
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
+def test_bfloat16_batched_parts_from_ar_only_at_ties(bf16_case, method):
+    """Batched, a row's attention also spans the holes up to the longest row, which changes the
+    order of bfloat16 sums (measured: ``ar`` at batch 3 against ``ar`` at batch 1 differs in the
+    8th bit); outputs may part only where the reference's two tokens tie within 2 bfloat16 ulps."""
+    model, prompts, refs = bf16_case
+    res = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed")).generate(
+        prompts, max_new_tokens=N_NEW)
+    equal = 0
+    for prompt, r, ref in zip(prompts, res, refs):
+        if r.token_ids == ref:
+            equal += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+        gap = (logits[ref[i]] - logits[r.token_ids[i]]).abs().item()
+        assert gap <= 2 ** -6 * max(1.0, logits.abs().max().item()), (i, gap)
+    assert equal >= len(prompts) // 2
+
+
+def test_bfloat16_sampling_on_the_device_runs():
+    model = tiny_model("gemma3").to(torch.bfloat16)
+    res = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), sample_on_host=False).generate(
+        repetitive_prompts(3, seed=2), max_new_tokens=N_NEW, temperature=1.0, seed=3)
+    assert all(len(r.token_ids) == N_NEW and all(0 <= t < VOCAB for t in r.token_ids) for r in res)
+
+
+def test_head_logits_keep_the_model_dtype():
+    model = tiny_model("qwen2").to(torch.bfloat16)
+    head = Head(model)
+    assert head.fast and head.screen is None
+    rows = [StepRow.chain(0, [1, 2, 3])]
+    from logitspec.cache import BatchKV
+
+    p = pack(rows, 0, {"full_attention": None}, torch.bfloat16)
+    out = head(p.ids, p.pos, p.mask, BatchKV.empty_row().hf, torch.tensor([2]))
+    assert out.scores.dtype == torch.bfloat16 and out.scores.shape == (1, VOCAB)
+    assert p.mask.dtype == torch.bfloat16 and p.mask.min() == torch.finfo(torch.bfloat16).min
+
+
+def test_masks_off_cpu_have_aligned_rows():
+    """SDPA's memory-efficient kernel copies a mask whose row stride is not aligned, in every layer."""
+    dev = torch.device("meta")
+    pos = torch.zeros(3, 5, dtype=torch.int64, device=dev)
+    vis = torch.zeros(3, 5, 5, dtype=torch.bool, device=dev)
+    m = attention_masks(torch.zeros(3, dtype=torch.int64, device=dev), pos, vis, 37,
+                        {"full_attention": None, "sliding_attention": 4}, torch.bfloat16)
+    for mask in m.values():
+        assert mask.shape == (3, 1, 5, 42) and mask.stride(-2) % MASK_ALIGN == 0 and mask.stride(-1) == 1
