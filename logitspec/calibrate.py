@@ -1,7 +1,9 @@
-"""Measure this machine's forward cost t(n) for n new tokens, store it per model and machine.
+"""Measure this machine's forward cost t(rows, new tokens per row), store it per model, machine and device.
 
-``logitspec calibrate --model default`` prints and plots the curve; engines with
-``SpecConfig(budget="auto")`` load the stored curve, or measure a quick one on first use.
+``logitspec calibrate --model default [--device cuda --dtype bfloat16]`` prints and plots the curve;
+engines with ``SpecConfig(budget="auto")`` load the stored curve, or measure a quick one on first
+use. The grid depends on the device (:func:`grid_for`): a CPU's forward grows with every token, a
+GPU's stays flat to far larger batches and trees, so it is measured there up to 64 rows x 64 nodes.
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ import pathlib
 import platform
 import statistics
 import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from .budget import CostCurve
 from .cache import BatchKV, GrowingLayer
+from .device import elapsed
 from .masks import StepRow
 from .target import TargetForward
 
@@ -25,6 +29,39 @@ log = logging.getLogger("logitspec.calibrate")
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 BATCH_ROWS = (4, 8)  # batch sizes with a curve of their own (tokens per row)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What :func:`measure` times by default on a kind of device."""
+
+    tokens: tuple[int, ...]  # new tokens of one row
+    rows: tuple[int, ...]  # batch sizes with a curve of their own
+    per_row: tuple[int, ...]  # new tokens per row in those
+    max_tokens: int  # batch points with more new tokens in the forward are skipped
+    context: int  # cached tokens of row 0 (row r holds 16 r more)
+
+
+CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 64, 256)
+CPU_QUICK = replace(CPU_GRID, tokens=(1, 2, 4, 8, 16, 32), per_row=(1, 2, 4))
+# a GPU's forward stays flat to far more tokens: the batch sizes it runs, trees up to 64 nodes a row
+GPU_GRID = Grid((1, 2, 4, 8, 16, 32, 64), (8, 32, 64), (1, 2, 4, 8, 16, 32, 64), 64 * 64, 1024)
+
+
+def grid_for(device, quick: bool = False) -> Grid:
+    """The default grid of ``device`` (the quick one: what an engine measures on first use)."""
+    if torch.device(device).type == "cpu":
+        return CPU_QUICK if quick else CPU_GRID
+    return GPU_GRID
+
+
+def rows_for(grid: Grid, max_batch_size: int) -> tuple[int, ...]:
+    """The grid's batch sizes an engine of up to ``max_batch_size`` rows needs: those up to the first
+    that covers it (the cost model interpolates between measured sizes)."""
+    if max_batch_size <= 1:
+        return ()
+    cover = next((r for r in grid.rows if r >= max_batch_size), grid.rows[-1])
+    return tuple(r for r in grid.rows if r <= cover)
 
 
 def machine_fingerprint(device) -> str:
@@ -37,7 +74,7 @@ def machine_fingerprint(device) -> str:
         pass
     dev = str(device)
     if dev.startswith("cuda") and torch.cuda.is_available():
-        dev = torch.cuda.get_device_name(torch.device(dev))
+        dev = f"{torch.cuda.get_device_name(torch.device(dev))} | CUDA {torch.version.cuda} | torch {torch.__version__}"
     return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev}"
 
 
@@ -66,16 +103,22 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 
 
 @torch.inference_mode()
-def measure(target: TargetForward, tokens=TOKENS, context: int = 256, reps: int = 3, warmup: int = 1,
-            batch_rows=BATCH_ROWS, batch_tokens=BATCH_TOKENS) -> CostCurve:
-    """Median time of one target forward (decoder + greedy output layer for every node) adding n
-    tokens to a ``context``-token cache, for each n; then, for each b in ``batch_rows``, b rows
-    (caches of different lengths around ``context``) adding n tokens each, for n in ``batch_tokens``.
-    Caches are rolled back after each forward."""
+def measure(target: TargetForward, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
+            batch_rows=None, batch_tokens=None) -> CostCurve:
+    """Median time of one target forward (decoder + greedy output layer for every node, the device's
+    work included) adding n tokens to a ``context``-token cache, for each n in ``tokens``; then, for
+    each b in ``batch_rows``, b rows (caches of different lengths from ``context`` on) adding n
+    tokens each, for n in ``batch_tokens``. Caches are rolled back after each forward. Arguments
+    left None come from the device's :func:`grid_for`."""
+    g = grid_for(target.device)
+    tokens = g.tokens if tokens is None else tokens
+    context = g.context if context is None else context
+    batch_rows = g.rows if batch_rows is None else batch_rows
+    batch_tokens = g.per_row if batch_tokens is None else batch_tokens
     batches = {}
     one = _measure_rows(target, 1, tokens, context, reps, warmup)
     for b in batch_rows:
-        batches[b] = _measure_rows(target, b, [n for n in batch_tokens if b * n <= 64], context, reps, warmup)
+        batches[b] = _measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches)
 
 
@@ -90,9 +133,7 @@ def _measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: 
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
             step = [StepRow.chain(kv.lengths[r], [(5 * i + 1 + r) % vocab for i in range(n)]) for r in range(rows)]
-            t0 = time.perf_counter()
-            target(step, kv, all_logits=True, exact=False)
-            dt = time.perf_counter() - t0
+            dt = elapsed(lambda: target(step, kv, all_logits=True, exact=False), target.device)
             kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
                 times[n].append(dt)
@@ -100,20 +141,20 @@ def _measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: 
 
 
 def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool = True) -> CostCurve:
-    """The stored curve of this model, machine and kernels, or a quick measurement (stored). Batch
-    curves are measured only for an engine that batches (a later batching engine measures them then)."""
+    """The stored curve of this model, machine and kernels if it has the batch sizes this engine
+    runs (:func:`rows_for`), else a measurement of them (stored)."""
+    grid = grid_for(target.device, quick)
+    rows = rows_for(grid, max_batch_size)
     path = curve_path(target.model, head=target.head)
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
-            if d.get("batches") or max_batch_size == 1:
+            if set(rows) <= {int(b) for b in d.get("batches") or {}}:
                 return CostCurve(d["tokens"], d["seconds"], d.get("batches"))
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    curve = measure(target, tokens=(1, 2, 4, 8, 16, 32) if quick else TOKENS, reps=2 if quick else 5,
-                    batch_rows=BATCH_ROWS if max_batch_size > 1 else (),
-                    batch_tokens=(1, 2, 4) if quick else BATCH_TOKENS)
+    curve = measure(target, tokens=grid.tokens, reps=2 if quick else 5, batch_rows=rows, batch_tokens=grid.per_row)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
         save(curve, path, target)

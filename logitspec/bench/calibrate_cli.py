@@ -5,13 +5,18 @@ The measuring and the store are :mod:`logitspec.calibrate`'s; this is the comman
 """
 from __future__ import annotations
 
+import torch
+
 from ..calibrate import TOKENS, curve_path, machine_fingerprint, measure, save
 
 
 def add_calibrate_command(sub) -> None:
     p = sub.add_parser("calibrate", help="measure and store the forward cost curve t(n) of a model here")
     p.add_argument("--model", default="default")
-    p.add_argument("--context", type=int, default=256, help="cached tokens before the measured forward")
+    p.add_argument("--context", type=int, default=None,
+                   help="cached tokens before the measured forward (default: 256 on CPU, 1024 on a GPU)")
+    p.add_argument("--device", default="cpu", help="e.g. cuda: batch sizes 8, 32, 64 with 1-64 tokens per row")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None, help="write the curve as a PNG here")
     p.set_defaults(func=calibrate_command)
@@ -21,7 +26,7 @@ def calibrate_command(args) -> int:
     from ..models import load_model
     from ..target import TargetForward
 
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     target = TargetForward(model)
     curve = measure(target, TOKENS, context=args.context, reps=args.reps)
     path = curve_path(model, head=target.head)

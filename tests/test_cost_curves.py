@@ -1,0 +1,83 @@
+"""Cost curves per device: the grid each device is measured on, the store keyed by device, and the
+draft budget a flat (GPU-like) curve leads to against a steep (CPU-like) one."""
+import numpy as np
+import pytest
+import torch
+
+from logitspec import calibrate
+from logitspec.budget import CostCurve, choose_size
+from logitspec.target import TargetForward
+from tiny_models import tiny_model
+
+NODES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _curve(base: float, per_token: float, rows=(8, 32, 64), knee: int = 0) -> CostCurve:
+    """t = base * rows-factor + per_token * max(0, tokens - knee): flat up to ``knee`` tokens in the forward."""
+    def t(b, n):
+        return base * (1 + 0.02 * b) + per_token * max(0, b * n - knee)
+
+    return CostCurve(NODES, [t(1, n) for n in NODES],
+                     {b: {"tokens": NODES, "seconds": [t(b, n) for n in NODES]} for b in rows})
+
+
+GPU_LIKE = _curve(20e-3, 2e-6, knee=512)  # an 8B-class forward: flat until hundreds of tokens
+CPU_LIKE = _curve(30e-3, 4e-3)  # every token costs: a 64-node tree about 9x a plain step
+
+
+def _probs(rows: int, n: int = 64, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.sort(np.cumprod(rng.uniform(0.3, 0.9, n)))[::-1] for _ in range(rows)]
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+def test_a_flat_curve_leads_to_larger_trees(rows):
+    probs = _probs(rows)
+    gpu, cpu = choose_size(probs, GPU_LIKE, 64), choose_size(probs, CPU_LIKE, 64)
+    assert gpu > cpu, (gpu, cpu)
+    if rows <= 8:
+        assert gpu >= 32  # flat to 512 tokens: big trees are nearly free
+    assert cpu <= 4
+
+
+def test_gpu_trees_shrink_only_past_the_flat_part():
+    row = _probs(1)[0]
+    sizes = [choose_size([row] * b, GPU_LIKE, 64) for b in (1, 8, 32, 64)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] >= 32 and sizes[-1] >= 1, sizes
+
+
+def test_grid_depends_on_the_device():
+    assert calibrate.grid_for("cpu") == calibrate.CPU_GRID
+    g = calibrate.grid_for(torch.device("cuda"))  # only the device type is read: no GPU needed
+    assert g.rows == (8, 32, 64) and g.per_row == NODES and g.max_tokens >= 64 * 64 and g.context >= 1024
+    assert calibrate.rows_for(g, 1) == () and calibrate.rows_for(g, 4) == (8,)
+    assert calibrate.rows_for(g, 16) == (8, 32) and calibrate.rows_for(g, 200) == (8, 32, 64)
+    assert calibrate.rows_for(calibrate.CPU_GRID, 8) == (4, 8) and calibrate.rows_for(calibrate.CPU_GRID, 2) == (4,)
+
+
+def test_measure_times_rows_and_nodes_per_row():
+    target = TargetForward(tiny_model("llama"))
+    c = calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3), batch_tokens=(1, 2))
+    assert c.tokens == [1, 4] and sorted(c.batches) == [2, 3]
+    assert all(s > 0 for s in c.seconds) and c.batches[3].tokens == [1, 2]
+
+
+def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
+    model = tiny_model("qwen2")
+    model.config._name_or_path = "tiny-curve-test"
+    target = TargetForward(model)
+    path = calibrate.curve_path(model, head=target.head)
+    assert path.parent == tmp_path / "calibration"
+    model_half = tiny_model("qwen2").to(torch.bfloat16)
+    model_half.config._name_or_path = "tiny-curve-test"
+    assert calibrate.curve_path(model_half) != path  # dtype is part of the key, like the device
+    assert "cpus" in calibrate.machine_fingerprint("cpu")
+    calls = []
+    real = calibrate.measure
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(k["batch_rows"]) or real(*a, **{**k, "reps": 1}))
+    calibrate.load_or_measure(target, 1)
+    calibrate.load_or_measure(target, 1)  # stored
+    calibrate.load_or_measure(target, 3)  # the stored curve has no batch curve: measured again
+    calibrate.load_or_measure(target, 4)  # covered by the 4-row curve
+    assert calls == [(), (4,)]
