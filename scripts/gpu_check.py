@@ -1,0 +1,289 @@
+"""The device check of issue 17, in one run (docs/gpu.md): lossless decoding on tiny models and the
+forward-cost curves of two real model shapes with random weights. Writes JSON under ``--out``.
+
+    bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 8 minutes)
+    python scripts/gpu_check.py --tiny --device cpu --out out/check   # CI-sized, on CPU
+
+1. ``lossless.json``: greedy ``ar``/``pld``/``logitspec`` (batch 1 and 4) against HF ``generate`` on
+   tiny Llama, Qwen2 and Gemma 3 in float32; in bfloat16 against our own bfloat16 ``ar`` (and against
+   ``generate``, informational). A parting is allowed only where the reference's two tokens tie
+   within the dtype's rounding (the gap is recorded).
+2. ``curve_<shape>.json``: forward time at 1, 8, 32, 64 rows x 1..64 nodes per row (~1-2k cached
+   tokens per row), bfloat16 random weights, for a Llama-3-8B and a Qwen2.5-7B shape; ratios to
+   plain decoding (1 node per row) and the speed-up those ratios predict from the acceptance
+   measured on CPU (a prediction, labelled as one).
+3. ``device_paths.json``: host waits for the device per step, by code location (CUDA's sync debug
+   mode), and seeded sampling with every node drawn on the device.
+4. ``summary.json``: versions, device, what passed, timings. Exit 1 if a lossless case failed.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+
+from logitspec import Engine, SpecConfig  # noqa: E402
+from logitspec.budget import CostCurve  # noqa: E402
+from logitspec.calibrate import measure_rows  # noqa: E402
+from logitspec.target import TargetForward  # noqa: E402
+from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
+
+SHAPES = {  # the real models' shapes; weights are random (nothing on disk)
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                 intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768)),
+}
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=512, max_position_embeddings=512)
+# measured on CPU, batch 1, Spec-Bench, 128 new tokens (docs/benchmarks.md): (what, MAT, draft nodes per step)
+CPU_ACCEPTANCE = [("gemma3-270m logitspec, run 1", 2.90, 4.5), ("gemma3-270m logitspec, run 2", 2.72, 3.2),
+                  ("gemma3-270m pld", 3.02, 5.3), ("qwen2.5-coder-0.5b logitspec", 1.68, 2.5),
+                  ("qwen2.5-coder-0.5b pld", 1.76, 5.2)]
+TIE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}  # a parting's logit gap allowed, relative to max |logit|
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    prompts: int = 8
+    new_tokens: int = 32
+    batch: int = 4
+    rows: tuple = (1, 8, 32, 64)
+    nodes: tuple = (1, 2, 4, 8, 16, 32, 64)
+    context: int = 1024  # row r caches context + 16 r tokens: 1024-2032 at 64 rows
+    reps: int = 3
+    shapes: tuple = tuple(SHAPES)
+    tiny: bool = False
+
+
+def plan_for(args) -> Plan:
+    if not args.tiny:
+        return Plan(args.device)
+    return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 2, 4), nodes=(1, 2, 4), context=24, reps=1,
+                tiny=True)
+
+
+# ------------------------------------------------------------------------------------------ lossless
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def parting(model, prompt, ref: list[int], got: list[int]) -> dict | None:
+    """Where ``got`` first differs from ``ref``, and the reference's logit gap between the two tokens."""
+    if got == ref:
+        return None
+    at = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    if at >= min(len(got), len(ref)):
+        return {"at": at, "gap": None, "tie": False, "note": "lengths differ"}
+    logits = model(torch.tensor([prompt + ref[:at]], device=model.device)).logits[0, -1].float()
+    gap = float(logits[ref[at]] - logits[got[at]])
+    tol = TIE[model.dtype] * max(1.0, float(logits.abs().max()))
+    return {"at": at, "gap": gap, "tol": tol, "tie": abs(gap) <= tol}
+
+
+def compare(model, prompts, refs, outs) -> dict:
+    parts = [(i, parting(model, p, r, o)) for i, (p, r, o) in enumerate(zip(prompts, refs, outs))]
+    partings = [{"prompt": i, **d} for i, d in parts if d is not None]
+    return {"equal": len(prompts) - len(partings), "of": len(prompts), "partings": partings,
+            "ok": all(d["tie"] for d in partings)}
+
+
+def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
+    budget = kw.pop("budget", "fixed")
+    engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget), **kw.pop("engine", {}))
+    run = engine.run(prompts, max_new_tokens=plan.new_tokens, **kw)
+    mat = sum(len(r.token_ids) for r in run.results) / max(1, sum(r.stats["steps"] for r in run.results))
+    return [r.token_ids for r in run.results], {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
+                                                "tokens_per_s": round(run.stats["tokens_per_s"], 1)}
+
+
+def lossless_family(family: str, plan: Plan) -> list[dict]:
+    """float32 against HF generate; bfloat16 against our bfloat16 ar (required) and generate (informational)."""
+    prompts = repetitive_prompts(plan.prompts, seed=1)
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model(family).to(device=plan.device, dtype=dtype)
+        hf = [hf_generate(model, p, plan.new_tokens) for p in prompts]
+        ref = hf if dtype == torch.float32 else run_engine(model, prompts, plan, "ar", 1)[0]
+        runs = [("ar", 1, {}), ("pld", 1, {}), ("logitspec", 1, {}), ("ar", plan.batch, {}), ("pld", plan.batch, {}),
+                ("logitspec", plan.batch, {}), ("logitspec", plan.batch, {"budget": "auto"})]
+        for method, batch, kw in runs:
+            outs, info = run_engine(model, prompts, plan, method, batch, **kw)
+            case = {"family": family, "dtype": str(dtype).split(".")[-1], **info,
+                    "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1",
+                    **compare(model, prompts, ref, outs)}
+            if dtype != torch.float32:
+                case["vs_generate"] = {k: v for k, v in compare(model, prompts, hf, outs).items() if k != "ok"}
+            cases.append(case)
+        del model
+    return cases
+
+
+def host_waits(plan: Plan) -> dict:
+    """Host waits for the device in a batched logitspec run, by code location (CUDA only)."""
+    if not plan.device.startswith("cuda"):
+        return {"measured": False, "why": "CUDA's sync debug mode exists on CUDA only"}
+    model = tiny_model("qwen2").to(plan.device)
+    prompts = repetitive_prompts(plan.prompts, seed=2)
+    run_engine(model, prompts, plan, "logitspec", plan.batch)  # warm-up
+    engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=plan.batch, budget="fixed"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run = engine.run(prompts, max_new_tokens=plan.new_tokens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = Counter(f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    steps = run.stats["batch_steps"]
+    return {"measured": True, "batch_steps": steps, "admissions": len(prompts), "waits": sum(where.values()),
+            "waits_per_step": round(sum(where.values()) / steps, 2), "by_location": dict(where.most_common())}
+
+
+def device_sampling(plan: Plan) -> dict:
+    """Seeded sampling with every node drawn where the logits are: runs, and stays in the vocabulary."""
+    model = tiny_model("gemma3").to(device=plan.device, dtype=torch.bfloat16)
+    prompts = repetitive_prompts(plan.prompts, seed=3)
+    outs, info = run_engine(model, prompts, plan, "logitspec", plan.batch, temperature=0.8, top_p=0.95, seed=7,
+                            engine={"sample_on_host": False})
+    ok = all(len(o) == plan.new_tokens and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
+    return {**info, "ok": ok}
+
+
+# ------------------------------------------------------------------------------------------ cost curves
+def build_shape(name: str, plan: Plan):
+    """A model of that shape with random bfloat16 weights, made on the device (or a tiny stand-in)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family, dims = SHAPES[name]
+    cfg = AutoConfig.for_model(family, **(TINY_SHAPE if plan.tiny else dims), attn_implementation="sdpa",
+                               eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    with torch.device(plan.device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval(), cfg
+
+
+def predict(curve: CostCurve, rows: list[int]) -> list[dict]:
+    """Speed-up over plain decoding if MAT measured on CPU at ``nodes`` draft nodes per step held here:
+    MAT / (t(rows, nodes + 1) / t(rows, 1)). A prediction: no host overhead, other models' acceptance."""
+    out = []
+    for what, mat, nodes in CPU_ACCEPTANCE:
+        n = 1 + math.ceil(nodes)  # the root is verified too
+        if n <= curve.tokens[-1]:  # within the measured nodes per row, never extrapolated
+            out.append({"acceptance": what, "mat": mat, "tokens_per_row": n,
+                        **{str(b): round(mat * curve.step(b, 1) / curve.step(b, n), 2) for b in rows}})
+    return out
+
+
+def curve_for(name: str, plan: Plan, deadline: float) -> dict:
+    """t(rows, nodes per row) of one shape; rows are skipped once the time budget runs short."""
+    t0 = time.perf_counter()
+    model, cfg = build_shape(name, plan)
+    target = TargetForward(model)
+    doc = {"shape": name, "dtype": "bfloat16", "attn": model.config._attn_implementation, "context": plan.context,
+           "config": {k: getattr(cfg, k) for k in (TINY_SHAPE if plan.tiny else SHAPES[name][1])},
+           "build_s": round(time.perf_counter() - t0, 1), "rows": {}, "skipped_rows": []}
+    curves, last_s = {}, 0.0
+    for b in plan.rows:
+        if time.perf_counter() + 3 * last_s > deadline:
+            doc["skipped_rows"].append(b)
+            continue
+        t1 = time.perf_counter()
+        c = measure_rows(target, b, plan.nodes, plan.context, plan.reps, warmup=1)
+        last_s = time.perf_counter() - t1
+        curves[b] = c
+        doc["rows"][str(b)] = {"nodes_per_row": c.tokens, "ms": [round(s * 1e3, 3) for s in c.seconds],
+                               "x_plain": [round(s / c.seconds[0], 3) for s in c.seconds], "measure_s": round(last_s, 1)}
+    if 1 in curves:
+        one = curves.pop(1)
+        curve = CostCurve(one.tokens, one.seconds, curves)
+        doc["cost_curve"] = curve.to_dict()
+        doc["prediction"] = predict(curve, [b for b in plan.rows if b == 1 or b in curves])
+    if torch.cuda.is_available() and plan.device.startswith("cuda"):
+        doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    return doc
+
+
+# ------------------------------------------------------------------------------------------ main
+def environment(plan: Plan) -> dict:
+    import transformers
+
+    heavy = sorted(m for m in ("ray", "deepspeed") if m in sys.modules)
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformers": transformers.__version__, "device": plan.device, "plan": asdict(plan),
+           "ray_or_deepspeed_imported": heavy}
+    if plan.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(plan.device))
+    return env
+
+
+def part(name: str, fn, summary: dict, out: pathlib.Path):
+    """Run one part, write its JSON, record its outcome (an exception is recorded, not raised)."""
+    t0 = time.perf_counter()
+    try:
+        doc = fn()
+        (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+        summary["parts"][name] = {"wall_s": round(time.perf_counter() - t0, 1), "error": None}
+        return doc
+    except Exception as e:  # noqa: BLE001 - one failing part must not lose the others' results
+        traceback.print_exc()
+        summary["parts"][name] = {"wall_s": round(time.perf_counter() - t0, 1), "error": repr(e)[:2000]}
+        return None
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new curve rows after this")
+    args = ap.parse_args(argv)
+    plan, start = plan_for(args), time.perf_counter()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    summary = {"environment": environment(plan), "parts": {}}
+    with torch.inference_mode():
+        lossless = part("lossless", lambda: {"cases": [c for f in FAMILIES for c in lossless_family(f, plan)]},
+                        summary, out)
+        paths = part("device_paths", lambda: {"host_waits": host_waits(plan), "sampling": device_sampling(plan)},
+                     summary, out)
+        for name in plan.shapes:
+            part(f"curve_{name}", lambda name=name: curve_for(name, plan, start + args.budget_s), summary, out)
+    cases = lossless["cases"] if lossless else []
+    summary["lossless_ok"] = bool(cases) and all(c["ok"] for c in cases)
+    summary["sampling_ok"] = bool(paths) and paths["sampling"]["ok"]
+    summary["host_waits_per_step"] = paths["host_waits"].get("waits_per_step") if paths else None
+    summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
+                               for c in cases if not c["ok"]]
+    summary["wall_s"] = round(time.perf_counter() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "wall_s")
+    print(json.dumps({k: summary[k] for k in keys}), flush=True)
+    return 0 if summary["lossless_ok"] and summary["sampling_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The device check of issue 17 (docs/gpu.md): lossless decoding on tiny Llama / Qwen2 / Gemma 3 on the
+# GPU (float32 against HF generate, bfloat16 against our own bfloat16 ar), host waits per step, device
+# sampling, and the forward-cost curves of a Llama-3-8B and a Qwen2.5-7B shape (random bfloat16
+# weights) at 1/8/32/64 rows x 1..64 nodes per row. Under 8 minutes on one H200; JSON under OUT_DIR.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR] [gpu_check.py options]     # OUT_DIR defaults to $OUT, else out/gpu_check
+#   bash scripts/gpu_check.sh out/check --tiny --device cpu         # CI-sized, on CPU
+#
+# Needs python with torch (CUDA) and transformers >= 5.23; no Ray, no DeepSpeed, no network. Where the
+# machine's transformers is older, carry wheels in .whl/ (ignored by git; see docs/gpu.md for the
+# download commands): they are installed to /tmp/site and put first on PYTHONPATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-out/gpu_check}}
+[ $# -gt 0 ] && shift
+mkdir -p "$OUT_DIR"
+PY=${PY:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing the carried wheels failed"; exit 2; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+PYTHONUNBUFFERED=1 timeout 470 "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
+exit "${PIPESTATUS[0]}"

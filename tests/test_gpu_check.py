@@ -1,0 +1,50 @@
+"""The prepared device check (scripts/gpu_check.sh) runs on CPU at tiny sizes and writes the JSON the
+GPU run will write; importing the engine pulls in neither Ray nor DeepSpeed (the GPU machine has neither)."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+from logitspec.budget import CostCurve
+
+
+def test_importing_the_engine_needs_no_ray_or_deepspeed():
+    code = ("import sys, logitspec, logitspec.engine, logitspec.calibrate, logitspec.target; "
+            "print(sorted(m for m in ('ray', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_gpu_check_on_cpu_writes_its_json(tmp_path):
+    env = {**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path), "--tiny", "--device", "cpu"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lossless_ok"] and summary["sampling_ok"] and summary["failed_cases"] == []
+    assert all(p["error"] is None for p in summary["parts"].values()), summary["parts"]
+    assert summary["environment"]["ray_or_deepspeed_imported"] == []
+    assert (tmp_path / "log.txt").is_file()
+
+    cases = json.loads((tmp_path / "lossless.json").read_text())["cases"]
+    seen = {(c["family"], c["dtype"], c["method"], c["batch"], c["budget"]) for c in cases}
+    for family in ("llama", "qwen2", "gemma3"):
+        for dtype in ("float32", "bfloat16"):
+            for method in ("ar", "pld", "logitspec"):
+                assert {(family, dtype, method, 1, "fixed"), (family, dtype, method, 2, "fixed")} <= seen
+            assert (family, dtype, "logitspec", 2, "auto") in seen
+    assert all(c["equal"] + len(c["partings"]) == c["of"] for c in cases)
+    assert all("vs_generate" in c for c in cases if c["dtype"] == "bfloat16")
+
+    paths = json.loads((tmp_path / "device_paths.json").read_text())
+    assert paths["sampling"]["ok"] and paths["host_waits"]["measured"] is False  # CUDA only
+
+    for shape in ("llama3-8b", "qwen2.5-7b"):
+        doc = json.loads((tmp_path / f"curve_{shape}.json").read_text())
+        assert sorted(doc["rows"]) == ["1", "2", "4"] and doc["skipped_rows"] == []
+        for r in doc["rows"].values():
+            assert r["nodes_per_row"] == [1, 2, 4] and len(r["ms"]) == 3 and r["x_plain"][0] == 1.0
+        curve = CostCurve(**doc["cost_curve"])
+        assert sorted(curve.batches) == [2, 4] and curve.step(4, 2) > 0
+        assert all({"acceptance", "mat", "tokens_per_row", "1", "4"} <= set(p) for p in doc["prediction"])
