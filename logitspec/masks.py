@@ -18,7 +18,9 @@ from .device import to_device
 from .tree import DraftTree
 
 FULL, SLIDING = "full_attention", "sliding_attention"
-MASK_ALIGN = 16  # mask rows padded to this many columns off CPU (SDPA's memory-efficient kernel copies a misaligned mask per layer)
+# off CPU, mask rows are padded to a multiple of this many columns: SDPA's memory-efficient kernel
+# copies a mask whose strides are not multiples of its alignment, in every layer
+MASK_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,9 @@ def layer_windows(config) -> dict[str, int | None]:
 def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
          device: torch.device | str = "cpu") -> PackedStep:
     """Pack ``rows`` for a forward adding ``T`` columns to a ``cache_len``-column cache on ``device``:
-    the masks are additive in ``dtype`` (0 visible, ``finfo(dtype).min`` hidden), correct under every
-    attention implementation (a boolean mask is silently wrong under ``eager``, and SDPA turns one
-    into a float bias again in every layer)."""
+    the masks are additive in ``dtype`` (0 visible, ``finfo(dtype).min`` hidden), correct under both
+    ``eager`` and ``sdpa`` (a boolean mask is silently wrong under ``eager``, and SDPA turns one into
+    a float bias again in every layer)."""
     device = torch.device(device)
     B, T = len(rows), max(len(r.tokens) for r in rows)
     host = np.zeros((4, B, T), dtype=np.int64)  # ids, positions, depths, parents

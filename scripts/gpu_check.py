@@ -114,8 +114,9 @@ def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
     engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget), **kw.pop("engine", {}))
     run = engine.run(prompts, max_new_tokens=plan.new_tokens, **kw)
     mat = sum(len(r.token_ids) for r in run.results) / max(1, sum(r.stats["steps"] for r in run.results))
-    return [r.token_ids for r in run.results], {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
-                                                "tokens_per_s": round(run.stats["tokens_per_s"], 1)}
+    info = {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
+            "tokens_per_s": round(run.stats["tokens_per_s"], 1)}
+    return [r.token_ids for r in run.results], info
 
 
 def lossless_family(family: str, plan: Plan) -> list[dict]:
@@ -210,7 +211,8 @@ def engine_steps(model, plan: Plan) -> dict:
                 prompts, max_new_tokens=plan.step_tokens)
             s = run.results[0].stats  # every row is charged the whole step
             n = max(1, s["steps"] - 1)
-            split = {k[:-2]: round(s[k] / n * 1e3, 2) for k in ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")}
+            parts = ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
+            split = {k[:-2]: round(s[k] / n * 1e3, 2) for k in parts}
             out[f"{method}@{b}"] = {"ms_per_step": round(sum(split.values()), 2), "split_ms": split,
                                     "mean_tree_size": round(s["mean_tree_size"], 1), "decode_steps": n}
     return out
@@ -234,7 +236,8 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
         last_s = time.perf_counter() - t1
         curves[b] = c
         doc["rows"][str(b)] = {"nodes_per_row": c.tokens, "ms": [round(s * 1e3, 3) for s in c.seconds],
-                               "x_plain": [round(s / c.seconds[0], 3) for s in c.seconds], "measure_s": round(last_s, 1)}
+                               "x_plain": [round(s / c.seconds[0], 3) for s in c.seconds],
+                               "measure_s": round(last_s, 1)}
     if 1 in curves:
         one = curves.pop(1)
         curve = CostCurve(one.tokens, one.seconds, curves)

@@ -75,7 +75,11 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     assert "cpus" in calibrate.machine_fingerprint("cpu")
     calls = []
     real = calibrate.measure
-    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(k["batch_rows"]) or real(*a, **{**k, "reps": 1}))
+    def counting(*a, **k):
+        calls.append(k["batch_rows"])
+        return real(*a, **{**k, "reps": 1})
+
+    monkeypatch.setattr(calibrate, "measure", counting)
     calibrate.load_or_measure(target, 1)
     calibrate.load_or_measure(target, 1)  # stored
     calibrate.load_or_measure(target, 3)  # the stored curve has no batch curve: measured again

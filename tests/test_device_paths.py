@@ -20,7 +20,8 @@ def _trees(seed: int, n: int) -> list[DraftTree]:
     for _ in range(n):
         b = TreeBuilder(int(rng.integers(0, 6)), int(rng.integers(0, 12)))
         for _ in range(5):
-            b.add_chain(rng.integers(0, 6, int(rng.integers(1, 5))).tolist(), parent=int(rng.integers(0, len(b.tokens))))
+            chain = rng.integers(0, 6, int(rng.integers(1, 5))).tolist()
+            b.add_chain(chain, parent=int(rng.integers(0, len(b.tokens))))
         trees.append(b.build())
     # siblings with the same token: the walk follows the first (DraftTree.child)
     trees.append(DraftTree(np.array([9, 2, 2, 3, 4]), np.array([-1, 0, 0, 2, 1])))
@@ -56,8 +57,8 @@ def test_inverse_cdf_is_sample_token():
     probs[:, -3:] = 0.0  # ... including the last ones (the top edge)
     for seed in range(3):
         host = [sample_token(p, torch.Generator().manual_seed(seed * 100 + i)) for i, p in enumerate(probs)]
-        u = torch.tensor([torch.rand((), generator=torch.Generator().manual_seed(seed * 100 + i), dtype=torch.float64).item()
-                          for i in range(len(probs))])
+        gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(len(probs))]
+        u = torch.tensor([torch.rand((), generator=g, dtype=torch.float64).item() for g in gens])
         assert inverse_cdf(probs, u, chunk=16).tolist() == host
     # u at the top edge: the last token with probability, never a zero-probability one
     top = inverse_cdf(probs[:2], torch.tensor([1.0, 1.0 - 2.0 ** -53], dtype=torch.float64))
