@@ -1,7 +1,7 @@
 """Command line of ``jobs/generate.py``: flags -> :class:`JobConfig` -> :func:`run_job`.
 
 Exit codes: 0 done (every input row is in the output), 2 the job could not start (bad flag, input,
-model, reference or output dir; nothing ran), 1 it started but could not finish (see summary.json).
+model, reference or output dir; nothing ran), 1 it started but could not finish (see _summary.json).
 """
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
                     help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
-    io.add_argument("--output", required=True, help="output directory (generations/*.parquet, summary.json)")
+    io.add_argument("--output", required=True,
+                    help="output directory, a Parquet dataset (part-*.parquet; _job.json, _summary.json)")
+    io.add_argument("--part-rows", type=int, default=10_000, help="finished rows per part file")
+    io.add_argument("--part-seconds", type=float, default=60.0,
+                    help="write buffered rows as a part file at least this often (seconds)")
     io.add_argument("--prompt-column", default="prompt")
     io.add_argument("--id-column", default="id", help="row ids; generated from row order when the column is absent")
     io.add_argument("--messages-column", default=None,
@@ -86,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
         references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
-        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, overwrite=args.overwrite,
+        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows,
+        part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
         address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
 
 

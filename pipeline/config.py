@@ -81,6 +81,8 @@ class JobConfig:
     # 10x slower than 1 (docs/pipeline.md); scale with --actors instead, or raise this on dedicated nodes.
     threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
+    part_rows: int = 10_000  # the driver writes a part file per this many finished rows ...
+    part_seconds: float = 60.0  # ... or when its oldest buffered row is this old (and at the end)
     overwrite: bool = False
     address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
     log_interval: float = 10.0
@@ -95,7 +97,7 @@ class JobConfig:
         for name in ("actors", "tp", "max_row_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_rows", "threads_per_actor", "limit"):
+        for name in ("batch_rows", "threads_per_actor", "limit", "part_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -105,6 +107,8 @@ class JobConfig:
             raise ConfigError(f"--gpus-per-actor must be >= 0, got {self.gpus_per_actor}")
         if self.max_replacements is not None and self.max_replacements < 0:
             raise ConfigError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        if not self.part_seconds > 0:
+            raise ConfigError(f"--part-seconds must be > 0, got {self.part_seconds}")
         if not self.log_interval > 0:
             raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
         names = [n for n, _ in self.references]

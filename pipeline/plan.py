@@ -129,8 +129,8 @@ def split_rows(plan: JobPlan, cfg: JobConfig, corpora: list) -> None:
 
 
 def make_plan(cfg: JobConfig) -> JobPlan:
-    """Check the job and decide its rows (no Ray). Writes ``job.json`` to the output (new runs) and
-    removes a previous run's ``summary.json``; raises :class:`ConfigError` if the job cannot run."""
+    """Check the job and decide its rows (no Ray). Locks the output, writes ``_job.json`` (new runs) and
+    removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot run."""
     t0 = time.perf_counter()
     data = load_input(cfg)
     corpora = corpus_of_rows(cfg, data)
@@ -139,7 +139,7 @@ def make_plan(cfg: JobConfig) -> JobPlan:
     t = time.perf_counter()
     references = build_references(cfg, model_path)
     timing["reference_build_s"] = time.perf_counter() - t
-    store = OutputStore(cfg.output, data.id_type)
+    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds)
     store.prepare(job_record(cfg), cfg.overwrite)
     stale = len(store.written - set(data.ids)) if store.written else 0
     if stale:
