@@ -37,6 +37,7 @@ class GenerationSpec:
     chat: bool = False
     dtype: str = "auto"
     warmup: bool = True
+    trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
 
     def __post_init__(self) -> None:
         try:
@@ -77,8 +78,8 @@ class JobConfig:
     tp: int = 1  # tensor-parallel shards per replica: N actors on one node (pipeline/tp.py); resources are per shard
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
-    # torch threads per actor. 1 by default: on a CPU shared with other work, 2 threads per process ran
-    # 10x slower than 1 (docs/pipeline.md); scale with --actors instead, or raise this on dedicated nodes.
+    # torch threads per actor; None: the CPUs Ray gives the actor (at least 1). Threads beyond the CPUs an
+    # actor holds contend with the other actors (2 threads ran 10x slower than 1 on a shared core, docs/pipeline.md).
     threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
     part_rows: int = 10_000  # the driver writes a part file per this many finished rows ...

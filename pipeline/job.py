@@ -65,7 +65,7 @@ def replica_resources(cfg: JobConfig, started_here: bool):
         # a local Ray is ours: share its CPUs among the actors; on a cluster one CPU per actor
         cpus = max(total.get("CPU", 1.0) / (cfg.actors * cfg.tp), 0.01) if started_here else 1.0
         cpus = math.floor(cpus * 100) / 100
-    threads = cfg.threads_per_actor or 1
+    threads = cfg.threads_per_actor or max(1, int(cpus))  # the CPUs Ray reserves for the actor
     if cfg.gpus_per_actor > total.get("GPU", 0.0):
         raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor} but the Ray cluster has "
                           f"{total.get('GPU', 0.0):g} GPU(s)")

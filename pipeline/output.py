@@ -196,7 +196,21 @@ class OutputStore:
         _fsync_dir(self.root)
 
     def part_files(self) -> list[pathlib.Path]:
-        return sorted(self.root.glob(PART_GLOB))
+        """The part files (also any of the earlier layout not moved yet)."""
+        return sorted(self.root.glob(PART_GLOB)) + sorted((self.root / LEGACY_PARTS_DIR).glob(PART_GLOB))
+
+    def inspect(self, job: dict) -> None:
+        """What :meth:`prepare` checks and reads (job record, ids written), without writing or locking."""
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
+        if not self.root.is_dir():
+            return
+        for name in (JOB_FILE, LEGACY_JOB_FILE):
+            if (self.root / name).exists() and self.part_files():
+                self._check_job(self.root / name, job)
+                break
+        ids = self.read_existing(columns=("id",))
+        self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
 
     def read_existing(self, columns: Iterable[str] = ("id", "error", "n_new_tokens", "steps", "corpus")
                       ) -> pa.Table | None:

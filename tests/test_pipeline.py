@@ -636,19 +636,65 @@ def test_driver_crash_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_s
 
 
 def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
-    """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray."""
+    """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray; the
+    actor gets as many torch threads as the CPUs Ray gives it; the job writes nothing outside --output
+    (HOME and the working directory are empty directories here; the model cache and Ray's temp dir aside)."""
     rows = [{"id": i, "prompt": p} for i, p in enumerate(["Hello there", "Lorem ipsum dolor", ""])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    env = {**_env_without_ray_address(), "HOME": str(home), "LOGITSPEC_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
-                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6", "--threads-per-actor", "1"],
-                       capture_output=True, text=True, env=_env_without_ray_address(), timeout=300)
+                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6"],
+                       capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     brief = json.loads(p.stdout)
     assert brief["complete"] and brief["rows"]["done_now"] == 2 and brief["rows"]["failed_now"] == 1
     assert "rows 3/3" in p.stderr  # progress in the driver log
     summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
     assert summary["ray"]["started_here"] is True and summary["timing"]["ray_init_s"] > 0
+    cpus = summary["config"]["cpus_per_actor"] or (os.cpu_count() or 1)
+    assert [r["threads"] for r in summary["replicas"]["startup"]] == [max(1, int(cpus))]
     _check_exactly_once(tmp_path / "out", [0, 1, 2])
+    assert [str(f) for f in home.rglob("*")] == [] and [str(f) for f in cwd.rglob("*")] == []
+
+
+def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys):
+    from pipeline.cli import build_parser, config_from_args, main
+    from pipeline.plan import job_record
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""} for i in range(10)])
+    out = tmp_path / "out"
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "--batch-rows", "3", "--part-rows", "4"]
+    store = OutputStore(out, pa.int64())  # an earlier run of this job wrote rows 0 and 1
+    store.prepare(job_record(config_from_args(build_parser().parse_args(argv))), overwrite=False)
+    store.write([_out_row(0), _out_row(1)])
+    store.close()
+    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    assert main(argv + ["--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rows"] == 10 and plan["already_done"] == 2 and plan["to_generate"] == 7
+    assert plan["rejected_before_generation"] == 1 and plan["batches"] == 3 and plan["part_files_at_least"] == 2
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
+    import shutil
+
+    from pipeline.plan import check_model
+
+    model = tmp_path / "custom"
+    shutil.copytree(tiny, model)
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "custom_config.CustomConfig"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "custom_config.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        check_model(str(model))
 
 
 @pytest.mark.slow
