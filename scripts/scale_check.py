@@ -22,10 +22,10 @@ def make_model(path: pathlib.Path) -> None:
     """A 2-layer random Llama with the tests' tiny BPE tokenizer (so generations decode to text)."""
     if (path / "config.json").exists():
         return
-    sys.path.insert(0, str(REPO))
-    from tests.test_pipeline import _build_tiny_text_model as build  # noqa: PLC2701 - a test fixture, reused
+    sys.path.insert(0, str(REPO / "tests"))
+    from tiny_models import save_tiny_text_model
 
-    build(path)
+    save_tiny_text_model(path)
 
 
 def make_input(path: pathlib.Path, rows: int, prompt_len: int = 12, vocab: int = 500) -> None:

@@ -217,12 +217,12 @@ def test_disk_full_while_writing_a_part_leaves_no_partial_file(tmp_path):
 import resource, signal, pyarrow as pa, sys
 sys.path.insert(0, {str(REPO)!r})
 from pipeline.output import OutputStore
-from tests.test_pipeline import _out_row
+row = {_out_row(0, generation="y" * 500)!r}
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 store = OutputStore({str(tmp_path / "out")!r}, pa.int64())
 store.prepare({{"model": "m"}}, overwrite=False)
 resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
-store.add([_out_row(i, generation="y" * 500) for i in range(20)])
+store.add([{{**row, "id": i}} for i in range(20)])
 try:
     store.flush()
 except OSError as e:
@@ -690,7 +690,7 @@ def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
     model = tmp_path / "custom"
     shutil.copytree(tiny, model)
     config = json.loads((model / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "custom_config.CustomConfig"}
+    config.update(model_type="custom-tiny", auto_map={"AutoConfig": "custom_config.CustomConfig"})
     (model / "config.json").write_text(json.dumps(config))
     (model / "custom_config.py").write_text("raise SystemExit('remote code ran')\n")
     with pytest.raises(ConfigError, match="trust_remote_code"):
