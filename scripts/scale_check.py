@@ -48,22 +48,27 @@ def make_input(path: pathlib.Path, rows: int, prompt_len: int = 12, vocab: int =
     tmp.rename(path)
 
 
-def run(cmd: list[str]) -> dict:
-    """Run the job; wall time, exit code and the driver's peak RSS (VmHWM, polled)."""
+def run(cmd: list[str], log: pathlib.Path) -> dict:
+    """Run the job (output to ``log`` and ``log``.out); wall time, exit code, the driver's peak RSS
+    (VmHWM, polled) and its stdout's JSON (the brief summary, or the --dry-run plan)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak = 0
-    while proc.poll() is None:
-        try:
-            for line in pathlib.Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    peak = max(peak, int(line.split()[1]) * 1024)
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.2)
-    err = proc.stderr.read()
-    return {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "driver_peak_rss_bytes": peak,
-            "stderr_tail": err.strip().splitlines()[-3:]}
+    with open(log, "w") as err, open(f"{log}.out", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        peak = 0
+        while proc.poll() is None:
+            try:
+                for line in pathlib.Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        peak = max(peak, int(line.split()[1]) * 1024)
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+    record = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "driver_peak_rss_bytes": peak}
+    try:
+        record["stdout"] = json.loads(pathlib.Path(f"{log}.out").read_text())
+    except ValueError:
+        record["stderr_tail"] = log.read_text().strip().splitlines()[-3:]
+    return record
 
 
 def main() -> int:
@@ -85,10 +90,10 @@ def main() -> int:
            "--max-batch-size", "8", "--batch-rows", "256", "--log-interval", "30", *args.job_args]
     record: dict = {"rows": args.rows, "command": " ".join(cmd[1:])}
     if args.dry_run:
-        record["dry_run"] = run(cmd + ["--dry-run"])
+        record["dry_run"] = run(cmd + ["--dry-run"], work / f"dry-{args.rows}.log")
         print(json.dumps(record, indent=2))
         return 0
-    record["run"] = run(cmd + ["--overwrite"])
+    record["run"] = run(cmd + ["--overwrite"], work / f"run-{args.rows}.log")
     if record["run"]["rc"] != 0:
         print(json.dumps(record, indent=2))
         return 1
@@ -97,7 +102,7 @@ def main() -> int:
     record["rows_per_s"] = summary["rows_per_s"]
     record["timing"] = {k: round(v, 1) for k, v in summary["timing"].items() if isinstance(v, float)}
     record["part_files"] = len(list(out.glob("part-*.parquet")))
-    record["rerun_nothing_to_do"] = run(cmd)
+    record["rerun_nothing_to_do"] = run(cmd, work / f"rerun-{args.rows}.log")
     record["rerun_nothing_to_do"]["validate_s"] = round(json.loads((out / "_summary.json").read_text())
                                                         ["timing"]["validate_s"], 1)
     print(json.dumps(record, indent=2))

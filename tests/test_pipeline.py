@@ -604,35 +604,50 @@ def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_se
 
 
 # ---------------------------------------------------------------------------------------------- subprocesses
-def test_driver_crash_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_session):
-    """SIGKILL the driver (a `jobs/generate.py` joined to the running Ray by --address) after its first
-    part file: the output holds only complete files, and the rerun finishes every row exactly once."""
-    rows = [{"id": i, "prompt": f"Line {i}: four score and seven years ago"} for i in range(16)]
+def _run_until_parts(cmd: list, env: dict, out: pathlib.Path, more_than: int, sig: int) -> int:
+    """Start the job, send ``sig`` once the output holds more than ``more_than`` part files; its exit code."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len(list(out.glob("part-*.parquet"))) <= more_than:
+            assert proc.poll() is None, "the job ended before it could be stopped"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _ids_on_disk(out: pathlib.Path) -> list:
+    return [i for p in out.glob("part-*.parquet") for i in pq.read_table(p).column("id").to_pylist()]
+
+
+def test_driver_sigterm_then_sigkill_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_session):
+    """A `jobs/generate.py` joined to the running Ray by --address: SIGTERM after its first part file
+    (exit 130, its buffered rows written, a summary saying incomplete), then a rerun SIGKILLed after its
+    next part (only complete files, no summary), then a rerun that finishes every row exactly once."""
+    rows = [{"id": i, "prompt": f"Line {i}: four score and seven years ago"} for i in range(20)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
     cmd = [sys.executable, str(GENERATE), "--input", str(inp), "--output", str(out), "--model", tiny,
            "--address", ray_session, "--max-new-tokens", "40", "--batch-rows", "2", "--max-batch-size", "1",
-           "--threads-per-actor", "1", "--no-warmup", "--part-rows", "2"]
+           "--threads-per-actor", "1", "--no-warmup", "--part-rows", "4"]
     env = _env_without_ray_address()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not list(out.glob("part-*.parquet")):
-            assert proc.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    done = [pq.read_table(p).column("id").to_pylist() for p in out.glob("part-*.parquet")]
-    n_done = sum(len(d) for d in done)
-    assert 0 < n_done < 16 and not (out / "_summary.json").exists()
+    assert _run_until_parts(cmd, env, out, 0, signal.SIGTERM) == 130
+    summary = json.loads((out / "_summary.json").read_text())
+    after_term = _ids_on_disk(out)
+    assert not summary["complete"] and "SIGTERM" in summary["error"]
+    assert len(after_term) == len(set(after_term)) == summary["rows"]["done_now"] > 0  # the buffer was flushed
+    n_parts = len(list(out.glob("part-*.parquet")))
+    assert _run_until_parts(cmd, env, out, n_parts, signal.SIGKILL) == -signal.SIGKILL
+    n_done = len(_ids_on_disk(out))
+    assert len(after_term) < n_done < 20 and not (out / "_summary.json").exists()
     p = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"]["skipped_already_done"] == n_done and summary["complete"]
-    _check_exactly_once(out, list(range(16)))
+    _check_exactly_once(out, list(range(20)))
 
 
 def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
@@ -660,9 +675,15 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     assert [str(f) for f in home.rglob("*")] == [] and [str(f) for f in cwd.rglob("*")] == []
 
 
-def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys):
+def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, monkeypatch):
+    import pipeline.job
     from pipeline.cli import build_parser, config_from_args, main
     from pipeline.plan import job_record
+
+    def no_ray(cfg):
+        raise AssertionError("--dry-run must not start or join Ray")
+
+    monkeypatch.setattr(pipeline.job, "connect_ray", no_ray)
 
     inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""} for i in range(10)])
     out = tmp_path / "out"
@@ -677,9 +698,6 @@ def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys):
     assert plan["rows"] == 10 and plan["already_done"] == 2 and plan["to_generate"] == 7
     assert plan["rejected_before_generation"] == 1 and plan["batches"] == 3 and plan["part_files_at_least"] == 2
     assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
-    import ray
-
-    assert not ray.is_initialized()
 
 
 def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
