@@ -129,7 +129,11 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
         plan.timing["total_s"] = time.perf_counter() - t0
         progress.tick(force=True)
         summary = build_summary(cfg, plan, progress, record, failure)
-        plan.store.write_summary(summary)
+        try:
+            plan.store.write_summary(summary)
+        except OSError as e:  # e.g. the disk is full: the part file's error (if any) is the one to report
+            log.error("cannot write the summary: %s", e)
+            failure = failure or e
         plan.store.close()
         if record.ray_info and record.ray_info.get("started_here"):
             import ray

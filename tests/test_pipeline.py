@@ -650,6 +650,32 @@ def test_driver_sigterm_then_sigkill_then_resume_joins_cluster_by_address(tmp_pa
     _check_exactly_once(out, list(range(20)))
 
 
+def test_disk_full_in_a_job_fails_clearly_and_the_rerun_completes(tmp_path, tiny, ray_session):
+    """The driver may not write files over 3,000 bytes (RLIMIT_FSIZE, as a full disk): the job exits 1
+    naming the part file it could not write, leaves no part or temporary file; the rerun completes."""
+    import resource
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i} says hello"} for i in range(6)])
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GENERATE), "--input", str(inp), "--output", str(out), "--model", tiny,
+           "--address", ray_session, "--max-new-tokens", "8", "--part-rows", "2", "--threads-per-actor", "1",
+           "--no-warmup", "-q"]
+    env = _env_without_ray_address()
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write returns EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, preexec_fn=small_disk)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "cannot write the part file" in p.stderr and "no partial file is left" in p.stderr
+    assert not list(out.glob("part-*")) and not list(out.glob(".*"))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((out / "_summary.json").read_text())["complete"]
+    _check_exactly_once(out, list(range(6)))
+
+
 def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray; the
     actor gets as many torch threads as the CPUs Ray gives it; the job writes nothing outside --output
