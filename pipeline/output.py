@@ -161,6 +161,10 @@ class OutputStore:
         else:
             atomic_write_json(job_path, job)
         (self.root / SUMMARY_FILE).unlink(missing_ok=True)  # a stale summary must never describe this run
+        for f in sorted(self.root.iterdir()):
+            if not f.name.startswith(("_", ".")) and not f.match(PART_GLOB):
+                log.warning("%s is not a file of this job; it is left alone, but Parquet readers of %s will "
+                            "try to read it: move it elsewhere", f, self.root)
         ids = self.read_existing(columns=("id",))
         self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
 

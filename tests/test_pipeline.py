@@ -181,7 +181,7 @@ def _out_row(i, **kw) -> dict:
             "method": "ar", "model": "m", "error": None, "corpus": None, **kw}
 
 
-def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path):
+def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, caplog):
     out = tmp_path / "out"
     store = OutputStore(out, pa.int64(), part_rows=3, part_seconds=3600)
     store.prepare({"model": "m"}, overwrite=False)
@@ -194,8 +194,10 @@ def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path):
     assert store.write([_out_row(2)]) is None  # already on disk: never written twice
     store.close()
     (out / ".part-dead.parquet.x.tmp").write_bytes(b"half")  # a crashed run's temporary
+    (out / "notes.txt").write_text("mine")  # a foreign file: named, left alone
     store2 = OutputStore(out, pa.int64())
     store2.prepare({"model": "m"}, overwrite=False)
+    assert f"{out / 'notes.txt'} is not a file of this job" in caplog.text and (out / "notes.txt").exists()
     assert store2.written == {1, 2, 3, 4} and not list(out.glob(".*.tmp"))
     store2.close()
     assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3, 4]
