@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a CPU "
                            "shared with other work, 1 (and more actors) can be much faster (docs/pipeline.md)")
     ray_.add_argument("--batch-rows", type=int, default=None,
-                      help="rows per actor task (and per part file); default 2 x max-batch-size")
+                      help="rows per actor task; default 2 x max-batch-size")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
