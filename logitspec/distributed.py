@@ -134,7 +134,7 @@ def shard(model, tp_size: int, dtype: torch.dtype):
 
 
 def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  attn_implementation: str | None = "sdpa"):
+                  attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
     """``(sharded model, tokenizer, consensus)`` on this rank; the group must be initialised
     (:func:`init_rank`). ``consensus`` is the :class:`LogitsConsensus` hook on a sharded model (None
     when ``tp_size`` is 1).
@@ -149,7 +149,7 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
 
     # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
     model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
-                                  cpu_kernels=tp_size == 1 and device == "cpu")
+                                  cpu_kernels=tp_size == 1 and device == "cpu", trust_remote_code=trust_remote_code)
     consensus = None
     if tp_size > 1:
         model = shard(model, tp_size, dtype)

@@ -1,7 +1,7 @@
 """Command line of ``jobs/generate.py``: flags -> :class:`JobConfig` -> :func:`run_job`.
 
 Exit codes: 0 done (every input row is in the output), 2 the job could not start (bad flag, input,
-model, reference or output dir; nothing ran), 1 it started but could not finish (see summary.json).
+model, reference or output dir; nothing ran), 1 it started but could not finish (see _summary.json).
 """
 from __future__ import annotations
 
@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
                     help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
-    io.add_argument("--output", required=True, help="output directory (generations/*.parquet, summary.json)")
+    io.add_argument("--output", required=True,
+                    help="output directory, a Parquet dataset (part-*.parquet; _job.json, _summary.json)")
+    io.add_argument("--part-rows", type=int, default=10_000, help="finished rows per part file")
+    io.add_argument("--part-seconds", type=float, default=60.0,
+                    help="write buffered rows as a part file at least this often (seconds)")
     io.add_argument("--prompt-column", default="prompt")
     io.add_argument("--id-column", default="id", help="row ids; generated from row order when the column is absent")
     io.add_argument("--messages-column", default=None,
@@ -35,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     io.add_argument("--split", default=None, help="split of a saved DatasetDict")
     io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
     io.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    io.add_argument("--dry-run", action="store_true",
+                    help="check and plan (rows to do after resume, batches, part files), print it, exit; "
+                         "starts no Ray and writes nothing")
     ref = p.add_argument_group("reference corpora (shared n-gram indexes)")
     ref.add_argument("--reference", action="append", default=[], metavar="[NAME=]PATH[#COLUMN]",
                      help="text corpus (file, directory, table/dataset column) or an index from "
@@ -55,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
     gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
     gen.add_argument("--no-warmup", action="store_true", help="skip the replica's warm-up generation")
+    gen.add_argument("--trust-remote-code", action="store_true",
+                     help="let transformers run Python code shipped with the model (off: such models are refused)")
     ray_ = p.add_argument_group("Ray")
     ray_.add_argument("--address", default=None,
                       help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
@@ -65,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     ray_.add_argument("--cpus-per-actor", type=float, default=None,
                       help="default: the local Ray's CPUs / actors, or 1 on a cluster")
     ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
-    ray_.add_argument("--threads-per-actor", type=int, default=1,
-                      help="torch intra-op threads per actor (more actors beat more threads on a shared CPU)")
+    ray_.add_argument("--threads-per-actor", type=int, default=None,
+                      help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a CPU "
+                           "shared with other work, 1 (and more actors) can be much faster (docs/pipeline.md)")
     ray_.add_argument("--batch-rows", type=int, default=None,
-                      help="rows per actor task (and per part file); default 2 x max-batch-size")
+                      help="rows per actor task; default 2 x max-batch-size")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
@@ -80,14 +90,27 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     gen = GenerationSpec(model=args.model, method=args.method, budget=args.budget, max_batch_size=args.max_batch_size,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), chat=args.chat,
-                         dtype=args.dtype, warmup=not args.no_warmup)
+                         dtype=args.dtype, warmup=not args.no_warmup,
+                         trust_remote_code=args.trust_remote_code)
     return JobConfig(
         input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column, id_column=args.id_column,
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
         references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
-        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, overwrite=args.overwrite,
+        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows,
+        part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
         address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
+
+
+def dry_run(cfg: JobConfig) -> int:
+    """``--dry-run``: plan the job (no Ray, nothing written) and print the plan as JSON."""
+    import time
+
+    from .plan import dry_run_report, make_plan
+
+    t0 = time.perf_counter()
+    print(json.dumps(dry_run_report(cfg, make_plan(cfg, dry_run=True), t0), indent=2))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -104,11 +127,13 @@ def main(argv=None) -> int:
 
     try:
         cfg = config_from_args(args)
+        if args.dry_run:
+            return dry_run(cfg)
         summary = run_job(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except JobFailed as e:
+    except (JobFailed, OSError) as e:
         print(f"error: the job did not finish: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, SystemExit) as e:

@@ -37,6 +37,7 @@ class GenerationSpec:
     chat: bool = False
     dtype: str = "auto"
     warmup: bool = True
+    trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
 
     def __post_init__(self) -> None:
         try:
@@ -77,10 +78,12 @@ class JobConfig:
     tp: int = 1  # tensor-parallel shards per replica: N actors on one node (pipeline/tp.py); resources are per shard
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
-    # torch threads per actor. 1 by default: on a CPU shared with other work, 2 threads per process ran
-    # 10x slower than 1 (docs/pipeline.md); scale with --actors instead, or raise this on dedicated nodes.
+    # torch threads per actor; None: the CPUs Ray gives the actor (at least 1). Threads beyond the CPUs an
+    # actor holds contend with the other actors (2 threads ran 10x slower than 1 on a shared core, docs/pipeline.md).
     threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
+    part_rows: int = 10_000  # the driver writes a part file per this many finished rows ...
+    part_seconds: float = 60.0  # ... or when its oldest buffered row is this old (and at the end)
     overwrite: bool = False
     address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
     log_interval: float = 10.0
@@ -95,7 +98,7 @@ class JobConfig:
         for name in ("actors", "tp", "max_row_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("batch_rows", "threads_per_actor", "limit"):
+        for name in ("batch_rows", "threads_per_actor", "limit", "part_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -105,6 +108,8 @@ class JobConfig:
             raise ConfigError(f"--gpus-per-actor must be >= 0, got {self.gpus_per_actor}")
         if self.max_replacements is not None and self.max_replacements < 0:
             raise ConfigError(f"--max-replacements must be >= 0, got {self.max_replacements}")
+        if not self.part_seconds > 0:
+            raise ConfigError(f"--part-seconds must be > 0, got {self.part_seconds}")
         if not self.log_interval > 0:
             raise ConfigError(f"--log-interval must be > 0, got {self.log_interval}")
         names = [n for n, _ in self.references]

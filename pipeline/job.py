@@ -3,7 +3,7 @@ scheduler, write the summary.
 
 The stages live in their own modules: :mod:`pipeline.plan` checks the job and decides its rows before Ray
 starts (a bad job fails in seconds with a message naming the problem), :mod:`pipeline.scheduler` feeds
-the replicas and survives their deaths, :mod:`pipeline.summary` builds ``summary.json``.
+the replicas and survives their deaths, :mod:`pipeline.summary` builds ``_summary.json``.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def replica_resources(cfg: JobConfig, started_here: bool):
         # a local Ray is ours: share its CPUs among the actors; on a cluster one CPU per actor
         cpus = max(total.get("CPU", 1.0) / (cfg.actors * cfg.tp), 0.01) if started_here else 1.0
         cpus = math.floor(cpus * 100) / 100
-    threads = cfg.threads_per_actor or 1
+    threads = cfg.threads_per_actor or max(1, int(cpus))  # the CPUs Ray reserves for the actor
     if cfg.gpus_per_actor > total.get("GPU", 0.0):
         raise ConfigError(f"--gpus-per-actor {cfg.gpus_per_actor} but the Ray cluster has "
                           f"{total.get('GPU', 0.0):g} GPU(s)")
@@ -104,7 +104,7 @@ def stop_on_signals(sched):
 
 # ---------------------------------------------------------------------------------------------- the job
 def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict:
-    """Run the whole job; returns the summary (also written to ``<output>/summary.json``).
+    """Run the whole job; returns the summary (also written to ``<output>/_summary.json``).
 
     Raises :class:`ConfigError` before Ray starts if the job cannot run, and
     :class:`pipeline.scheduler.JobFailed` (after writing a summary) if it cannot finish.
@@ -113,7 +113,7 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     plan = make_plan(cfg)
     progress = Progress(len(plan.data), plan.skipped, len(plan.todo) + len(plan.rejected), cfg.log_interval)
     if plan.rejected:
-        plan.store.write(plan.rejected)
+        plan.store.add(plan.rejected)
         progress.add(plan.rejected)
     log.info("input %s: %d rows, %d already in %s, %d to generate, %d rejected before generation",
              plan.data.source, len(plan.data), plan.skipped, cfg.output, len(plan.todo), len(plan.rejected))
@@ -125,10 +125,16 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     except BaseException as e:  # noqa: BLE001 - summarize, then re-raise
         failure = e
     finally:
+        failure = flush_rows(plan, failure)
         plan.timing["total_s"] = time.perf_counter() - t0
         progress.tick(force=True)
         summary = build_summary(cfg, plan, progress, record, failure)
-        plan.store.write_summary(summary)
+        try:
+            plan.store.write_summary(summary)
+        except OSError as e:  # e.g. the disk is full: the part file's error (if any) is the one to report
+            log.error("cannot write the summary: %s", e)
+            failure = failure or e
+        plan.store.close()
         if record.ray_info and record.ray_info.get("started_here"):
             import ray
 
@@ -136,6 +142,16 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     if failure is not None:
         raise failure
     return summary
+
+
+def flush_rows(plan: JobPlan, failure: BaseException | None) -> BaseException | None:
+    """Write the rows still buffered (also after a stop or failure: they are done); returns the failure."""
+    try:
+        plan.store.flush()
+    except OSError as e:
+        log.error("%s", e)
+        return failure or e
+    return failure
 
 
 class _Sink:
@@ -152,10 +168,11 @@ class _Sink:
 
     def tick(self) -> None:
         self._note_start()
+        self.store.tick()
         self.progress.tick()
 
     def _add(self, rows: list[dict]) -> None:
-        self.store.write(rows)
+        self.store.add(rows)
         self.progress.add(rows)
         self.progress.by_replicas += len(rows)
         self._note_start()

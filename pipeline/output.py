@@ -1,15 +1,18 @@
-"""The output directory: atomic Parquet part files, the job record, the summary.
+"""The output directory, a Parquet dataset: atomic part files, the job record, the summary, a lock.
 
 Layout of ``--output``::
 
-    generations/part-<hash>.parquet   one file per finished batch (the rows of the batch, any order)
-    job.json                          the settings the rows were generated with (checked on resume)
-    summary.json                      written at the end of a run; removed when a new run starts
+    part-<hash>.parquet   many rows each (any order): a part per ``part_rows`` rows or ``part_seconds``
+    _job.json             the settings the rows were generated with (checked on resume)
+    _summary.json         written at the end of a run; removed when a new run starts
+    _job.lock             held (flock) by the running job; names its pid and host
 
-Every file is written to a hidden temporary sibling and renamed into place (after fsync), so a crash
-leaves either the whole file or none: a visible part file is always complete, and readers
-(``pyarrow.parquet.read_table(out / "generations")``) skip the hidden temporaries. The driver is the
-only writer and never writes an id twice, so the output holds each input row exactly once.
+Parquet readers (pandas, pyarrow.dataset, Ray Data, DuckDB ``'out/*.parquet'``) skip names starting
+with ``_`` or ``.``, so ``pd.read_parquet(out)`` reads the rows. Every file is written to a hidden
+temporary sibling and renamed into place (after fsync): a visible part file is always complete. The
+driver is the only writer and never writes an id twice, so the output holds each input row exactly
+once; rows it has not flushed yet are regenerated after a crash. A directory of the earlier layout
+(``generations/part-*.parquet``, ``job.json``) is moved to this one when a job resumes it.
 """
 from __future__ import annotations
 
@@ -18,20 +21,22 @@ import json
 import logging
 import os
 import pathlib
-import shutil
 import tempfile
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import ConfigError
+from .lock import OutputLock
 
 log = logging.getLogger("pipeline.output")
 
-PARTS_DIR = "generations"
-JOB_FILE = "job.json"
-SUMMARY_FILE = "summary.json"
+JOB_FILE = "_job.json"
+SUMMARY_FILE = "_summary.json"
+LEGACY_PARTS_DIR, LEGACY_JOB_FILE, LEGACY_SUMMARY_FILE = "generations", "job.json", "summary.json"
+PART_GLOB = "part-*.parquet"
 
 
 def output_schema(id_type: pa.DataType) -> pa.Schema:
@@ -73,12 +78,13 @@ def new_file_mode() -> int:
     return 0o666 & ~mask
 
 
-def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
+def atomic_write(path: pathlib.Path, write: Callable[[Any], None]) -> None:
+    """``write(binary file)`` into a hidden temporary sibling, fsync, rename to ``path``: all or nothing."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.chmod(tmp, new_file_mode())
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -88,68 +94,138 @@ def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
         raise
 
 
+def atomic_write_bytes(path: pathlib.Path, data: bytes) -> None:
+    atomic_write(path, lambda fh: fh.write(data))
+
+
 def atomic_write_json(path: pathlib.Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n").encode())
 
 
 class OutputStore:
-    """Writes part files and knows which ids the output already holds."""
+    """Buffers finished rows, writes them as part files and knows which ids the output already holds.
 
-    def __init__(self, root: str | os.PathLike, id_type: pa.DataType):
+    ``add(rows)`` buffers; a part is written once ``part_rows`` rows are buffered or ``part_seconds``
+    have passed since the last one (checked on ``add`` and ``tick``), and by ``flush()`` (end of a run,
+    stop). ``written`` holds the ids on disk, ``pending`` the buffered ones; an id in either is never
+    taken again."""
+
+    def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
+                 part_seconds: float = 60.0):
         self.root = pathlib.Path(root).expanduser()
-        self.parts = self.root / PARTS_DIR
+        self.parts = self.root
         self.schema = output_schema(id_type)
+        self.part_rows, self.part_seconds = part_rows, part_seconds
         self.written: set = set()
+        self.pending: dict = {}  # id -> row, in arrival order
         self.parts_written = 0
+        self._last_flush = time.monotonic()
+        self.lock: OutputLock | None = None
+
+    def close(self) -> None:
+        """Release the directory's lock (buffered rows not flushed are dropped: regenerated on resume)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ------------------------------------------------------------------ start of a run
-    def prepare(self, job: dict, overwrite: bool) -> pa.Table | None:
-        """Make the directory ready for this run; returns the rows already present (None if none).
+    def prepare(self, job: dict, overwrite: bool) -> None:
+        """Make the directory ready for this run and read the ids already written (``written``).
 
-        ``overwrite`` removes this job's files (parts, job.json, summary.json) and nothing else.
-        Otherwise, if rows were written already, the previous run's ``job.json`` must match ``job`` (same
-        model, method, sampling ...), or ConfigError: mixing generations made with different settings
-        would be silently wrong.
+        ``overwrite`` removes this job's files (parts, job record, summary) and nothing else.
+        Otherwise, if rows were written already, the previous run's job record must match ``job``
+        (same model, method, sampling ...), or ConfigError: mixing generations made with different
+        settings would be silently wrong. A directory of the earlier layout is moved to this one.
         """
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
+        self.lock = OutputLock(self.root)  # a second job on this directory stops here
+        try:
+            self._prepare_locked(job, overwrite)
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare_locked(self, job: dict, overwrite: bool) -> None:
         if overwrite:
-            shutil.rmtree(self.parts, ignore_errors=True)
-            for f in (JOB_FILE, SUMMARY_FILE):
-                (self.root / f).unlink(missing_ok=True)
-        self.parts.mkdir(parents=True, exist_ok=True)
-        for tmp in self.parts.glob(".*.tmp"):  # a crashed run's unfinished part: never visible, remove it
+            for f in self.part_files():
+                f.unlink()
+            for name in (JOB_FILE, SUMMARY_FILE, LEGACY_JOB_FILE, LEGACY_SUMMARY_FILE):
+                (self.root / name).unlink(missing_ok=True)
+        self._migrate_legacy()
+        for tmp in self.root.glob(".*.tmp"):  # a crashed run's unfinished file: never visible, remove it
             tmp.unlink(missing_ok=True)
         job_path = self.root / JOB_FILE
         if job_path.exists() and self.part_files():  # with no rows written yet, the new settings simply apply
-            try:
-                previous = json.loads(job_path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ConfigError(f"cannot read {job_path}: {e}; use --overwrite to start over") from None
-            diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
-            if diff:
-                lines = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
-                raise ConfigError(f"{self.root} holds output of a job with other settings ({lines}); "
-                                  f"use --overwrite to start over or choose another --output")
+            self._check_job(job_path, job)
         else:
             atomic_write_json(job_path, job)
         (self.root / SUMMARY_FILE).unlink(missing_ok=True)  # a stale summary must never describe this run
-        existing = self.read_existing()
-        if existing is not None:
-            self.written = set(existing.column("id").to_pylist())
-        return existing
+        for f in sorted(self.root.iterdir()):
+            if not f.name.startswith(("_", ".")) and not f.match(PART_GLOB):
+                log.warning("%s is not a file of this job; it is left alone, but Parquet readers of %s will "
+                            "try to read it: move it elsewhere", f, self.root)
+        ids = self.read_existing(columns=("id",))
+        self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
+
+    def _check_job(self, job_path: pathlib.Path, job: dict) -> None:
+        try:
+            previous = json.loads(job_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read {job_path}: {e}; use --overwrite to start over") from None
+        diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
+        if diff:
+            lines = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            raise ConfigError(f"{self.root} holds output of a job with other settings ({lines}); "
+                              f"use --overwrite to start over or choose another --output")
+
+    def _migrate_legacy(self) -> None:
+        """Move ``generations/part-*.parquet`` up and ``job.json`` to ``_job.json`` (renames: a crash
+        midway leaves files a rerun finds in either place and finishes moving)."""
+        legacy = self.root / LEGACY_PARTS_DIR
+        if legacy.is_dir():
+            for f in sorted(legacy.glob(PART_GLOB)):
+                os.replace(f, self.root / f.name)
+            for tmp in legacy.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+            try:
+                legacy.rmdir()
+            except OSError:
+                log.warning("%s holds files other than part files; left in place", legacy)
+        old_job = self.root / LEGACY_JOB_FILE
+        if old_job.exists():
+            os.replace(old_job, self.root / JOB_FILE)
+            log.info("moved %s to the dataset layout (parts in %s, %s)", self.root, self.root, JOB_FILE)
+        (self.root / LEGACY_SUMMARY_FILE).unlink(missing_ok=True)
+        _fsync_dir(self.root)
 
     def part_files(self) -> list[pathlib.Path]:
-        return sorted(self.parts.glob("part-*.parquet"))
+        """The part files (also any of the earlier layout not moved yet)."""
+        return sorted(self.root.glob(PART_GLOB)) + sorted((self.root / LEGACY_PARTS_DIR).glob(PART_GLOB))
+
+    def inspect(self, job: dict) -> None:
+        """What :meth:`prepare` checks and reads (job record, ids written), without writing or locking."""
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
+        if not self.root.is_dir():
+            return
+        for name in (JOB_FILE, LEGACY_JOB_FILE):
+            if (self.root / name).exists() and self.part_files():
+                self._check_job(self.root / name, job)
+                break
+        ids = self.read_existing(columns=("id",))
+        self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
 
     def read_existing(self, columns: Iterable[str] = ("id", "error", "n_new_tokens", "steps", "corpus")
                       ) -> pa.Table | None:
+        """The given columns of every part file (only those columns are read), or None if none."""
         tables = []
         for f in self.part_files():
             try:
                 t = pq.read_table(f, columns=list(columns))
             except (OSError, pa.ArrowException) as e:
-                raise ConfigError(f"cannot read the existing part file {f}: {e}; delete it or use --overwrite") from None
+                raise ConfigError(f"cannot read the existing part file {f}: {e}; it is not a complete part "
+                                  f"of this job: delete it or use --overwrite") from None
             if t.schema.field("id").type != self.schema.field("id").type:
                 raise ConfigError(f"{f} has ids of type {t.schema.field('id').type}, the input's are "
                                   f"{self.schema.field('id').type}; use --overwrite or another --output")
@@ -157,34 +233,55 @@ class OutputStore:
         return pa.concat_tables(tables) if tables else None
 
     # ------------------------------------------------------------------ during the run
-    def write(self, rows: list[dict]) -> pathlib.Path | None:
-        """Write the rows whose ids are not in the output yet as one part file (atomically)."""
-        fresh, seen = [], set()
+    def add(self, rows: Iterable[dict]) -> pathlib.Path | None:
+        """Buffer the rows whose ids are neither written nor buffered; write a part if one is due."""
         for r in rows:
-            if r["id"] in self.written or r["id"] in seen:
+            if r["id"] in self.written or r["id"] in self.pending:
                 log.warning("row %r is already in the output; not writing it again", r["id"])
                 continue
-            seen.add(r["id"])
-            fresh.append(r)
-        if not fresh:
+            self.pending[r["id"]] = r
+        return self.tick()
+
+    def tick(self) -> pathlib.Path | None:
+        """Write the buffer as a part if it holds ``part_rows`` rows or is ``part_seconds`` old."""
+        if self.pending and (len(self.pending) >= self.part_rows
+                             or time.monotonic() - self._last_flush >= self.part_seconds):
+            return self.flush()
+        return None
+
+    def flush(self) -> pathlib.Path | None:
+        """Write every buffered row as one part file (atomically); on an error the rows stay buffered."""
+        self._last_flush = time.monotonic()
+        if not self.pending:
             return None
-        ids = sorted(str(r["id"]) for r in fresh)
+        ids = sorted(str(i) for i in self.pending)
         name = "part-" + hashlib.sha1("\x00".join(ids).encode()).hexdigest()[:16] + ".parquet"
-        table = pa.Table.from_pylist(fresh, schema=self.schema)
-        path = self.parts / name
-        sink = pa.BufferOutputStream()
-        pq.write_table(table, sink)
-        atomic_write_bytes(path, sink.getvalue().to_pybytes())
-        self.written.update(seen)
+        table = pa.Table.from_pylist(list(self.pending.values()), schema=self.schema)
+        path = self.root / name
+        try:
+            atomic_write(path, lambda fh: pq.write_table(table, fh))
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write the part file {path} ({len(self.pending)} rows; no partial "
+                                   f"file is left, a rerun generates them again): {e.strerror or e}") from e
+        self.written.update(self.pending)
+        self.pending = {}
         self.parts_written += 1
         return path
+
+    def write(self, rows: list[dict]) -> pathlib.Path | None:
+        """Buffer the rows and write everything buffered now."""
+        self.add(rows)
+        return self.flush()
 
     def write_summary(self, summary: dict) -> pathlib.Path:
         path = self.root / SUMMARY_FILE
         atomic_write_json(path, summary)
         return path
 
-
 def read_generations(output: str | os.PathLike) -> pa.Table:
-    """All rows of a job's output directory as one table."""
-    return pq.read_table(pathlib.Path(output) / PARTS_DIR)
+    """All rows of a job's output directory as one table (either layout)."""
+    root = pathlib.Path(output)
+    files = sorted(root.glob(PART_GLOB)) + sorted((root / LEGACY_PARTS_DIR).glob(PART_GLOB))
+    if not files:
+        return output_schema(pa.int64()).empty_table()
+    return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")

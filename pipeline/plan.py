@@ -33,7 +33,7 @@ class JobPlan:
     timing: dict = field(default_factory=dict)  # validate_s, reference_build_s
 
 
-def check_model(spec: str) -> pathlib.Path:
+def check_model(spec: str, trust_remote_code: bool = False) -> pathlib.Path:
     """Local dir of the model (converting/caching it if needed); ConfigError if missing or unreadable."""
     from logitspec.models import ModelNotFoundError, resolve_model_path
 
@@ -46,7 +46,7 @@ def check_model(spec: str) -> pathlib.Path:
     try:
         from transformers import AutoConfig
 
-        AutoConfig.from_pretrained(str(path), local_files_only=True)
+        AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ConfigError(f"model {spec!r}: cannot read {path / 'config.json'}: {e}") from None
     weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
@@ -101,7 +101,8 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
     from .reference import prepare_reference
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,
+                                                  trust_remote_code=cfg.gen.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"--reference needs the model's tokenizer; cannot load it from {model_path}: {e}") from None
     references = {}
@@ -128,22 +129,42 @@ def split_rows(plan: JobPlan, cfg: JobConfig, corpora: list) -> None:
             plan.todo.append({"id": rid, "prompt": row_prompt(prompt, messages, use_messages), "corpus": corpora[i]})
 
 
-def make_plan(cfg: JobConfig) -> JobPlan:
-    """Check the job and decide its rows (no Ray). Writes ``job.json`` to the output (new runs) and
-    removes a previous run's ``summary.json``; raises :class:`ConfigError` if the job cannot run."""
+def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
+    """Check the job and decide its rows (no Ray). Locks the output, writes ``_job.json`` (new runs) and
+    removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot run.
+    ``dry_run``: the same checks, but the output is only read (no lock, nothing written)."""
     t0 = time.perf_counter()
     data = load_input(cfg)
     corpora = corpus_of_rows(cfg, data)
-    model_path = check_model(cfg.gen.model)
+    model_path = check_model(cfg.gen.model, cfg.gen.trust_remote_code)
     timing = {"validate_s": time.perf_counter() - t0}
     t = time.perf_counter()
     references = build_references(cfg, model_path)
     timing["reference_build_s"] = time.perf_counter() - t
-    store = OutputStore(cfg.output, data.id_type)
-    store.prepare(job_record(cfg), cfg.overwrite)
+    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds)
+    if dry_run:
+        if not cfg.overwrite:  # with --overwrite nothing written counts
+            store.inspect(job_record(cfg))
+    else:
+        store.prepare(job_record(cfg), cfg.overwrite)
     stale = len(store.written - set(data.ids)) if store.written else 0
     if stale:
         log.warning("%d row(s) in %s are not in the input", stale, cfg.output)
     plan = JobPlan(data, model_path, references, store, timing=timing)
     split_rows(plan, cfg, corpora)
     return plan
+
+
+def dry_run_report(cfg: JobConfig, plan: JobPlan, t0: float) -> dict:
+    """What ``--dry-run`` prints: the plan's counts, and the planning's time and peak memory."""
+    import math
+    import resource
+
+    todo, rejected = len(plan.todo), len(plan.rejected)
+    return {"input": plan.data.source, "output": str(plan.store.root), "rows": len(plan.data),
+            "already_done": plan.skipped, "to_generate": todo, "rejected_before_generation": rejected,
+            "batches": math.ceil(todo / cfg.rows_per_batch), "rows_per_batch": cfg.rows_per_batch,
+            "replicas": cfg.actors, "actors": cfg.actors * cfg.tp,
+            "part_files_at_least": math.ceil((todo + rejected) / cfg.part_rows),
+            "model_path": str(plan.model_path), "plan_s": round(time.perf_counter() - t0, 2),
+            "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -35,7 +35,8 @@ class EngineWorker:
         t_import = time.perf_counter()
         device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
         self.generator, info = set_up(spec, device, reference_refs, Engine,
-                                      load=lambda dtype: load_model(spec.model, dtype=dtype, device=device))
+                                      load=lambda dtype: load_model(spec.model, dtype=dtype, device=device,
+                                                                    trust_remote_code=spec.trust_remote_code))
         self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                       "import_s": t_import - t0, **info, "init_s": time.perf_counter() - t0}
 

@@ -1,4 +1,4 @@
-"""``summary.json``: what a run did (rows, tokens, MAT, timing, replicas, memory), from the output on
+"""``_summary.json``: what a run did (rows, tokens, MAT, timing, replicas, memory), from the output on
 disk, the run's counters and what the replicas reported about themselves."""
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def _replicas(cfg, stats) -> dict:
 
 
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
-    """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``summary.json``."""
+    """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``_summary.json``."""
     data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
     out = output_counts(store, data)
     total_ids = len(set(data.ids))

@@ -92,7 +92,8 @@ class TPRank:
         t_group = time.perf_counter()
         self.generator, setup = set_up(
             spec, device, reference_refs, make_engine=lambda *a: _FailStop(make_engine(*a), rank),
-            load=lambda dtype: load_tp_model(spec.model, world, dtype=dtype, device=device)[:2])
+            load=lambda dtype: load_tp_model(spec.model, world, dtype=dtype, device=device,
+                                                   trust_remote_code=spec.trust_remote_code)[:2])
         info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"], "import_s": t_import - t0,
                 "group_init_s": t_group - t_import, **setup, "init_s": time.perf_counter() - t0,
                 "memory": process_memory()}

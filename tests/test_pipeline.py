@@ -175,35 +175,126 @@ def test_config_validation():
         JobConfig(input="a", output="b", references=(("x", "p"), ("y", "q")))
 
 
-def test_part_files_are_atomic_and_ids_never_written_twice(tmp_path, monkeypatch):
-    store = OutputStore(tmp_path / "out", pa.int64())
-    assert store.prepare({"model": "m"}, overwrite=False) is None
-    row = {"id": 1, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
-           "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
-           "method": "ar", "model": "m", "error": None, "corpus": None}
-    assert store.write([row]) is not None
-    assert store.write([row]) is None  # same id again: not written
-    # a crash in the middle of writing leaves only a hidden temporary file, which readers skip
-    import pipeline.output as output
+def _out_row(i, **kw) -> dict:
+    return {"id": i, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
+            "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
+            "method": "ar", "model": "m", "error": None, "corpus": None, **kw}
 
-    def crash(*a, **k):
-        raise OSError("disk full")
 
-    monkeypatch.setattr(output.os, "fsync", crash)
-    with pytest.raises(OSError):
-        store.write([{**row, "id": 2}])
-    monkeypatch.undo()
-    assert len(store.part_files()) == 1
-    assert read_generations(tmp_path / "out").column("id").to_pylist() == [1]
-    (store.parts / ".part-dead.parquet.tmp").write_bytes(b"half")  # a crashed run's temporary
-    store2 = OutputStore(tmp_path / "out", pa.int64())
-    existing = store2.prepare({"model": "m"}, overwrite=False)
-    assert existing.column("id").to_pylist() == [1] and store2.written == {1}
-    assert not list(store2.parts.glob(".*.tmp"))
+def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, caplog):
+    out = tmp_path / "out"
+    store = OutputStore(out, pa.int64(), part_rows=3, part_seconds=3600)
+    store.prepare({"model": "m"}, overwrite=False)
+    assert store.add([_out_row(1)]) is None and not store.part_files()  # buffered, not due yet
+    store.add([_out_row(1)])  # same id again: not taken
+    assert store.add([_out_row(2), _out_row(3)]) is not None  # 3 rows: a part
+    store.add([_out_row(4)])
+    assert store.flush() is not None and store.flush() is None
+    assert sorted(pq.read_table(f).num_rows for f in store.part_files()) == [1, 3]
+    assert store.write([_out_row(2)]) is None  # already on disk: never written twice
+    store.close()
+    (out / ".part-dead.parquet.x.tmp").write_bytes(b"half")  # a crashed run's temporary
+    (out / "notes.txt").write_text("mine")  # a foreign file: named, left alone
+    store2 = OutputStore(out, pa.int64())
+    store2.prepare({"model": "m"}, overwrite=False)
+    assert f"{out / 'notes.txt'} is not a file of this job" in caplog.text and (out / "notes.txt").exists()
+    assert store2.written == {1, 2, 3, 4} and not list(out.glob(".*.tmp"))
+    store2.close()
+    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3, 4]
     with pytest.raises(ConfigError, match="other settings .*model: was 'm', now 'n'"):
-        OutputStore(tmp_path / "out", pa.int64()).prepare({"model": "n"}, overwrite=False)
+        OutputStore(out, pa.int64()).prepare({"model": "n"}, overwrite=False)
     with pytest.raises(ConfigError, match="ids of type int64"):
-        OutputStore(tmp_path / "out", pa.string()).prepare({"model": "m"}, overwrite=False)
+        OutputStore(out, pa.string()).prepare({"model": "m"}, overwrite=False)
+    # a truncated part file (or a foreign one under a part name) is found and named before anything runs
+    bad = out / "part-0000000000000000.parquet"
+    bad.write_bytes(pq.read_table(store2.part_files()[0]).to_string().encode()[:40])
+    with pytest.raises(ConfigError, match=f"cannot read the existing part file {bad}.*delete it"):
+        OutputStore(out, pa.int64()).prepare({"model": "m"}, overwrite=False)
+
+
+def test_disk_full_while_writing_a_part_leaves_no_partial_file(tmp_path):
+    """A write that fails (here: the process's file-size limit, as a full disk would) raises a clear
+    OSError naming the part; no visible or temporary file is left and the rows stay buffered."""
+    script = f"""
+import resource, signal, pyarrow as pa, sys
+sys.path.insert(0, {str(REPO)!r})
+from pipeline.output import OutputStore
+row = {_out_row(0, generation="y" * 500)!r}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+store = OutputStore({str(tmp_path / "out")!r}, pa.int64())
+store.prepare({{"model": "m"}}, overwrite=False)
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+store.add([{{**row, "id": i}} for i in range(20)])
+try:
+    store.flush()
+except OSError as e:
+    print("ERR", e, len(store.pending))
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert "ERR" in p.stdout, p.stderr
+    assert "cannot write the part file" in p.stdout and "no partial file" in p.stdout and p.stdout.split()[-1] == "20"
+    assert not list((tmp_path / "out").glob("part-*")) and not list((tmp_path / "out").glob(".*.tmp"))
+
+
+def test_output_is_a_dataset_any_reader_opens(tmp_path):
+    """Part files sit in --output itself, metadata under ``_`` names: pandas, pyarrow.dataset and
+    DuckDB (when installed) read the directory as it is. (Ray Data: test_exactly_once_with_error_rows.)"""
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    out = tmp_path / "out"
+    store = OutputStore(out, pa.int64(), part_rows=2)
+    store.prepare({"model": "m"}, overwrite=False)
+    store.add([_out_row(i) for i in range(5)])
+    store.flush()
+    store.write_summary({"complete": True})
+    store.close()
+    assert {p.name for p in out.iterdir()} >= {"_job.json", "_summary.json", "_job.lock"}
+    assert sorted(pd.read_parquet(out)["id"]) == list(range(5))
+    assert sorted(pads.dataset(out).to_table().column("id").to_pylist()) == list(range(5))
+    try:
+        import duckdb
+    except ImportError:
+        return
+    assert sorted(r[0] for r in duckdb.sql(f"select id from '{out}/*.parquet'").fetchall()) == list(range(5))
+
+
+def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
+    """An output of the earlier layout (generations/part-*.parquet, job.json, summary.json) resumes:
+    its rows count as done and its files move to the dataset layout."""
+    out = tmp_path / "old"
+    (out / "generations").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=OutputStore(out, pa.int64()).schema),
+                   out / "generations" / "part-aaaa.parquet")
+    (out / "job.json").write_text(json.dumps({"model": "m"}))
+    (out / "summary.json").write_text("{}")
+    store = OutputStore(out, pa.int64())
+    with pytest.raises(ConfigError, match="other settings"):  # the old job record is still checked
+        store.prepare({"model": "n"}, overwrite=False)
+    store.prepare({"model": "m"}, overwrite=False)
+    assert store.written == {1, 2}
+    store.write([_out_row(3)])
+    store.close()
+    assert not (out / "generations").exists() and not (out / "job.json").exists()
+    assert not (out / "summary.json").exists() and (out / "_job.json").exists()
+    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3]
+
+
+def test_second_job_on_one_output_refuses_naming_the_first(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
+                               f"from pipeline.lock import OutputLock; l = OutputLock(__import__('pathlib').Path("
+                               f"{str(tmp_path)!r})); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=f'another job is writing to .*"pid": {holder.pid}, "host"'):
+            OutputStore(tmp_path, pa.int64()).prepare({"model": "m"}, overwrite=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    store = OutputStore(tmp_path, pa.int64())  # the holder died (as a SIGKILLed job would): free again
+    store.prepare({"model": "m"}, overwrite=False)
+    store.close()
 
 
 def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
@@ -316,6 +407,10 @@ def mixed_run(tmp_path_factory, tiny, ray_session):
 def test_exactly_once_with_error_rows(mixed_run):
     inp, out, summary = mixed_run
     table = _check_exactly_once(out, list(range(20)))
+    assert summary["output"]["part_files"] == 1  # the rows are buffered: one part for this small job
+    import ray.data
+
+    assert sorted(ray.data.read_parquet(str(out)).to_pandas()["id"]) == list(range(20))  # a dataset as it is
     rows = {r["id"]: r for r in table.to_pylist()}
     errors = {i: r["error"] for i, r in rows.items() if r["error"] is not None}
     assert errors[15] == "prompt and messages are both null"
@@ -349,7 +444,7 @@ def test_exactly_once_with_error_rows(mixed_run):
     assert node["replicas"] == len(mem["replicas"]) and node["private_bytes"] == sum(r["private_bytes"] for r in mem["replicas"])
     assert mem["model_copies"] == node["model_copies"] == pytest.approx(1.0, abs=0.01)
     assert summary["timing"]["generation_s"] > 0 and summary["timing"]["startup_s"] > 0
-    on_disk = json.loads((out / "summary.json").read_text())
+    on_disk = json.loads((out / "_summary.json").read_text())
     assert on_disk["rows"] == summary["rows"]
 
 
@@ -360,12 +455,12 @@ def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_se
     out = tmp_path / "out"
     s1 = run_job(_cfg(tiny, inp, out, limit=8, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
     assert s1["rows"]["done_now"] == 8 and s1["complete"]
-    parts = {p.name: p.stat().st_mtime_ns for p in (out / "generations").glob("part-*.parquet")}
+    parts = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     s2 = run_job(_cfg(tiny, inp, out, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
     assert s2["rows"]["skipped_already_done"] == 8 and s2["rows"]["done_now"] + s2["rows"]["failed_now"] == 12
     assert s2["complete"]
     for name, mtime in parts.items():  # no recompute: the first run's files are untouched
-        assert (out / "generations" / name).stat().st_mtime_ns == mtime
+        assert (out / name).stat().st_mtime_ns == mtime
     table = _check_exactly_once(out, list(range(20)))
     # sampling seeds depend on (seed, id) only: 1 actor x 4-row tasks == 2 actors x 3-row tasks
     _, mixed_out, _ = mixed_run
@@ -435,7 +530,7 @@ def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, 
                  "--batch-rows", "2", "--max-batch-size", "2", "--max-new-tokens", "6", "--no-warmup"])
     assert killed == ["replica-0"] and sorted(batches) == [0, 1, 2]
     assert code == 0, capsys.readouterr().err[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "_summary.json").read_text())
     assert summary["complete"] is True and summary["error"] is None
     assert summary["rows"]["done_now"] == 6 and summary["rows"]["missing"] == 0
     assert summary["replicas"]["deaths"] == 0  # it died after the scheduler was done with it
@@ -511,51 +606,141 @@ def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_se
 
 
 # ---------------------------------------------------------------------------------------------- subprocesses
-def test_driver_crash_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_session):
-    """SIGKILL the driver (a `jobs/generate.py` joined to the running Ray by --address) after its first
-    part file: the output holds only complete files, and the rerun finishes every row exactly once."""
-    rows = [{"id": i, "prompt": f"Line {i}: four score and seven years ago"} for i in range(16)]
+def _run_until_parts(cmd: list, env: dict, out: pathlib.Path, more_than: int, sig: int) -> int:
+    """Start the job, send ``sig`` once the output holds more than ``more_than`` part files; its exit code."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and len(list(out.glob("part-*.parquet"))) <= more_than:
+            assert proc.poll() is None, "the job ended before it could be stopped"
+            time.sleep(0.2)
+        proc.send_signal(sig)
+        return proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _ids_on_disk(out: pathlib.Path) -> list:
+    return [i for p in out.glob("part-*.parquet") for i in pq.read_table(p).column("id").to_pylist()]
+
+
+def test_driver_sigterm_then_sigkill_then_resume_joins_cluster_by_address(tmp_path, tiny, ray_session):
+    """A `jobs/generate.py` joined to the running Ray by --address: SIGTERM after its first part file
+    (exit 130, its buffered rows written, a summary saying incomplete), then a rerun SIGKILLed after its
+    next part (only complete files, no summary), then a rerun that finishes every row exactly once."""
+    rows = [{"id": i, "prompt": f"Line {i}: four score and seven years ago"} for i in range(20)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
     cmd = [sys.executable, str(GENERATE), "--input", str(inp), "--output", str(out), "--model", tiny,
            "--address", ray_session, "--max-new-tokens", "40", "--batch-rows", "2", "--max-batch-size", "1",
-           "--threads-per-actor", "1", "--no-warmup"]
+           "--threads-per-actor", "1", "--no-warmup", "--part-rows", "4"]
     env = _env_without_ray_address()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline and not list((out / "generations").glob("part-*.parquet")):
-            assert proc.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    done = [pq.read_table(p).column("id").to_pylist() for p in (out / "generations").glob("part-*.parquet")]
-    n_done = sum(len(d) for d in done)
-    assert 0 < n_done < 16 and not (out / "summary.json").exists()
+    assert _run_until_parts(cmd, env, out, 0, signal.SIGTERM) == 130
+    summary = json.loads((out / "_summary.json").read_text())
+    after_term = _ids_on_disk(out)
+    assert not summary["complete"] and "SIGTERM" in summary["error"]
+    assert len(after_term) == len(set(after_term)) == summary["rows"]["done_now"] > 0  # the buffer was flushed
+    n_parts = len(list(out.glob("part-*.parquet")))
+    assert _run_until_parts(cmd, env, out, n_parts, signal.SIGKILL) == -signal.SIGKILL
+    n_done = len(_ids_on_disk(out))
+    assert len(after_term) < n_done < 20 and not (out / "_summary.json").exists()
     p = subprocess.run(cmd + ["-q"], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "_summary.json").read_text())
     assert summary["rows"]["skipped_already_done"] == n_done and summary["complete"]
-    _check_exactly_once(out, list(range(16)))
+    _check_exactly_once(out, list(range(20)))
+
+
+def test_disk_full_in_a_job_fails_clearly_and_the_rerun_completes(tmp_path, tiny, ray_session):
+    """The driver may not write files over 3,000 bytes (RLIMIT_FSIZE, as a full disk): the job exits 1
+    naming the part file it could not write, leaves no part or temporary file; the rerun completes."""
+    import resource
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i} says hello"} for i in range(6)])
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GENERATE), "--input", str(inp), "--output", str(out), "--model", tiny,
+           "--address", ray_session, "--max-new-tokens", "8", "--part-rows", "2", "--threads-per-actor", "1",
+           "--no-warmup", "-q"]
+    env = _env_without_ray_address()
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a failed write returns EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, preexec_fn=small_disk)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "cannot write the part file" in p.stderr and "no partial file is left" in p.stderr
+    assert not list(out.glob("part-*")) and not list(out.glob(".*"))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((out / "_summary.json").read_text())["complete"]
+    _check_exactly_once(out, list(range(6)))
 
 
 def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
-    """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray."""
+    """`python jobs/generate.py` with no address and no $RAY_ADDRESS starts (and stops) a local Ray; the
+    actor gets as many torch threads as the CPUs Ray gives it; the job writes nothing outside --output
+    (HOME and the working directory are empty directories here; the model cache and Ray's temp dir aside)."""
     rows = [{"id": i, "prompt": p} for i, p in enumerate(["Hello there", "Lorem ipsum dolor", ""])]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    env = {**_env_without_ray_address(), "HOME": str(home), "LOGITSPEC_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
-                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6", "--threads-per-actor", "1"],
-                       capture_output=True, text=True, env=_env_without_ray_address(), timeout=300)
+                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6"],
+                       capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     brief = json.loads(p.stdout)
     assert brief["complete"] and brief["rows"]["done_now"] == 2 and brief["rows"]["failed_now"] == 1
     assert "rows 3/3" in p.stderr  # progress in the driver log
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "out" / "_summary.json").read_text())
     assert summary["ray"]["started_here"] is True and summary["timing"]["ray_init_s"] > 0
+    cpus = summary["config"]["cpus_per_actor"] or (os.cpu_count() or 1)
+    assert [r["threads"] for r in summary["replicas"]["startup"]] == [max(1, int(cpus))]
     _check_exactly_once(tmp_path / "out", [0, 1, 2])
+    assert [str(f) for f in home.rglob("*")] == [] and [str(f) for f in cwd.rglob("*")] == []
+
+
+def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, monkeypatch):
+    import pipeline.job
+    from pipeline.cli import build_parser, config_from_args, main
+    from pipeline.plan import job_record
+
+    def no_ray(cfg):
+        raise AssertionError("--dry-run must not start or join Ray")
+
+    monkeypatch.setattr(pipeline.job, "connect_ray", no_ray)
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""} for i in range(10)])
+    out = tmp_path / "out"
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "--batch-rows", "3", "--part-rows", "4"]
+    store = OutputStore(out, pa.int64())  # an earlier run of this job wrote rows 0 and 1
+    store.prepare(job_record(config_from_args(build_parser().parse_args(argv))), overwrite=False)
+    store.write([_out_row(0), _out_row(1)])
+    store.close()
+    before = {f.name: f.stat().st_mtime_ns for f in out.iterdir()}
+    assert main(argv + ["--dry-run"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["rows"] == 10 and plan["already_done"] == 2 and plan["to_generate"] == 7
+    assert plan["rejected_before_generation"] == 1 and plan["batches"] == 3 and plan["part_files_at_least"] == 2
+    assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
+
+
+def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
+    import shutil
+
+    from pipeline.plan import check_model
+
+    model = tmp_path / "custom"
+    shutil.copytree(tiny, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(model_type="custom-tiny", auto_map={"AutoConfig": "custom_config.CustomConfig"})
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "custom_config.py").write_text("raise SystemExit('remote code ran')\n")
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        check_model(str(model))
 
 
 @pytest.mark.slow

@@ -219,7 +219,7 @@ def _job(address: str, model: str, inp, out, *extra: str) -> dict:
             "--max-batch-size", "3", "--batch-rows", "3", "--threads-per-actor", "1", "--cpus-per-actor", "1",
             "-q", *extra]
     assert main(argv) == 0
-    return json.loads((pathlib.Path(out) / "summary.json").read_text())
+    return json.loads((pathlib.Path(out) / "_summary.json").read_text())
 
 
 def _generations(out) -> dict:

@@ -137,19 +137,21 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str | None = "sdpa",
     cpu_kernels: bool = True,
+    trust_remote_code: bool = False,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
     """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
 
     The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
     CPU in float32, compute the decoder's linears with :mod:`logitspec.kernels.skinny` (exact float32,
-    same weights; a few rows cost about one row) when the kernel builds here.
+    same weights; a few rows cost about one row) when the kernel builds here. ``trust_remote_code``:
+    let ``transformers`` run Python code shipped with the model (off unless asked).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(spec, cache_dir)
     t0 = time.monotonic()
-    kwargs: dict = {"dtype": dtype, "local_files_only": True}
+    kwargs: dict = {"dtype": dtype, "local_files_only": True, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
@@ -163,7 +165,7 @@ def load_model(
         swapped = use_skinny_linears(model)  # 0 where the kernel cannot be built
     tokenizer = None
     if _has_tokenizer_files(path):
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, skinny linears=%d, tokenizer=%s, in %.1f s",
