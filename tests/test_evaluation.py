@@ -143,8 +143,11 @@ def test_format_prompt_fills_context_and_input_verbatim():
 
 
 def test_config_file_is_package_data():
-    pyproject = (REPO / "pyproject.toml").read_text()
-    assert "evaluation/*.json" in pyproject
+    import fnmatch
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert any(fnmatch.fnmatch("longbench_config.json", pat) for pat in data.get("logitspec.evaluation", []))
 
 
 class CharTokenizer:
