@@ -31,7 +31,7 @@ class StepRow:
     tokens: np.ndarray  # int64 [n]
     depths: np.ndarray  # int64 [n]
     visible: np.ndarray  # bool [n, n]: node i attends to node j
-    parents: np.ndarray | None = None  # int64 [n]: parent node, -1 for the root (None: a causal chain)
+    parents: np.ndarray  # int64 [n]: parent node, -1 for the root
 
     @classmethod
     def from_tree(cls, prefix_len: int, tree: DraftTree) -> "StepRow":
@@ -86,7 +86,7 @@ def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dt
         host[0, b, :n] = r.tokens
         host[1, b, :n] = r.prefix_len + r.depths
         host[2, b, :n] = r.depths
-        host[3, b, :n] = r.parents if r.parents is not None else np.arange(n) - 1
+        host[3, b, :n] = r.parents
         vis[b, :n, :n] = r.visible
         prefix[b] = r.prefix_len
     ints = to_device(np.concatenate([host.reshape(-1), prefix]), device)  # one transfer: [4 B T + B]
