@@ -138,17 +138,45 @@ class BatchKV:
         for layer in self._layers():
             layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)
 
-    def add_row(self, other: "BatchKV") -> None:
-        """Append the single row of ``other`` (a freshly prefilled sequence) as the last row."""
-        assert other.rows == 1
+    def add_row(self, other: "BatchKV", copies: int = 1) -> None:
+        """Append ``copies`` copies of the single row of ``other`` (a prefilled sequence) as the last
+        rows; ``other`` is copied, never shared, so it can be added again (several samples, a
+        prefix cache)."""
+        assert other.rows == 1 and copies >= 1
+        theirs = [(x.keys.expand(copies, -1, -1, -1), x.values.expand(copies, -1, -1, -1)) for x in other._layers()]
         if self.rows == 0:
-            self.hf, self.lengths = other.hf, list(other.lengths)
-            return
-        width = max(self.columns, other.columns)
-        for mine, theirs in zip(self._layers(), other._layers()):
-            k, v = ([_pad_columns(getattr(x, name), width) for x in (mine, theirs)] for name in ("keys", "values"))
-            mine.set(torch.cat(k, dim=0), torch.cat(v, dim=0), room=64)
-        self.lengths.append(other.lengths[0])
+            self.hf = _cache_of(theirs)
+        else:
+            width = max(self.columns, other.columns)
+            for mine, (k, v) in zip(self._layers(), theirs):
+                keys = torch.cat([_pad_columns(mine.keys, width), _pad_columns(k, width)], dim=0)
+                values = torch.cat([_pad_columns(mine.values, width), _pad_columns(v, width)], dim=0)
+                mine.set(keys, values, room=64)
+        self.lengths += [other.lengths[0]] * copies
+
+    def row_prefix(self, row: int, n: int) -> "BatchKV":
+        """A compact one-row copy of the first ``n`` committed columns of ``row``."""
+        assert 0 <= n <= self.lengths[row]
+        out = BatchKV()
+        out.hf = _cache_of([(x.keys[row:row + 1, :, :n], x.values[row:row + 1, :, :n]) for x in self._layers()], room=0)
+        out.lengths = [n]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value buffers held (spare room included)."""
+        return sum(x._k.nbytes + x._v.nbytes for x in self._layers())
+
+
+def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -> Cache:
+    """A cache whose layer i holds copies of ``layers[i]`` (keys, values) [rows, heads, cols, dim]."""
+    hf = new_cache()
+    for k, v in layers:
+        layer = GrowingLayer()
+        layer.lazy_initialization(k, v)
+        layer.set(k, v, room=room)
+        hf.layers.append(layer)
+    return hf
 
 
 def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
 from .head import NodeLogits
 from .index import NgramSource, SequenceIndex
 from .masks import StepRow
+from .prefix_cache import PrefixCache
+from .session import Session
 from .stats import SequenceStats
 from .target import ForwardResult, TargetForward
 from .tree import DraftTree
@@ -40,21 +42,23 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     stats: dict[str, Any]
     prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+    request_id: int = 0  # the prompt's index in run() / its id from Session.submit
+    sample_index: int = 0  # which of the prompt's n samples
 
 
 @dataclass
 class EngineRun:
     """What one :meth:`Engine.run` call produced."""
 
-    results: list[GenerationResult]  # in input order
-    stats: dict[str, float]  # wall_s, tokens, tokens_per_s, batch_steps, mean_active (rows per forward)
+    results: list[GenerationResult]  # prompt-major: prompt 0's samples 0..n-1, then prompt 1's, ...
+    stats: dict[str, float]  # wall_s, tokens, tokens_per_s, batch_steps, mean_active, ... (see docs/engine.md)
 
 
 @dataclass
 class _Sequence:
     """Decoding state of one request."""
 
-    req: int
+    key: tuple[int, int]  # (request id, sample index)
     prompt_len: int
     max_new: int
     index: SequenceIndex  # prompt + emitted tokens; the last one is the root (not yet cached)
@@ -72,8 +76,11 @@ class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
-                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None):
-        """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
+                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
+                 prefix_cache: PrefixCache | None = None):
+        """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
+        worth per decoding step). ``prefix_cache``: prefilled prompts kept for reuse, shareable
+        between engines over this model. ``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
         from ``logitspec calibrate``'s store or measured quickly on first use. ``sample_on_host``:
         walk sampled trees on the host, computing distributions only at visited nodes (default: on
         CPU); False samples every node where the logits are and waits for the device once a step."""
@@ -83,7 +90,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.bind(model)
         self.max_context = self.target.max_context
         self.eos_ids = _eos_ids(model, tokenizer)
         # State that persists across generate() calls (the engine learns as a long-running job would):
@@ -132,18 +144,10 @@ class Engine:
         """Generate for every prompt; results in input order. Arguments as :meth:`run`."""
         return self.run(prompts, **kwargs).results
 
-    @torch.inference_mode()
-    def run(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
-            top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
-            stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
-            reference: NgramSource | Sequence[NgramSource | None] | None = None) -> EngineRun:
-        """Generate for every prompt: the results in input order and the run's throughput figures.
-
-        ``seed``: an int (request i uses ``seed + i``) or one seed per prompt; a sequence's samples
-        depend only on its own seed, never on which others share its batch. ``reference``: a shared
-        n-gram source (e.g. a :class:`CorpusIndex`) consulted after the sequence's own context,
-        or one per prompt.
-        """
+    def open(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             seed: int = 0, stop: Sequence[str] | str | None = None, apply_chat_template: bool = False) -> Session:
+        """A :class:`~logitspec.session.Session` with these settings for all its prompts: ``submit``
+        prompts at any time, ``step`` to advance the batch and collect finished results."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         params = SamplingParams(temperature, top_p, top_k)
@@ -152,71 +156,60 @@ class Engine:
             raise ValueError("stop strings must be non-empty")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        return Session(self, params, stops, max_new_tokens, seed, apply_chat_template)
+
+    @torch.inference_mode()
+    def run(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
+            top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
+            stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
+            reference: NgramSource | Sequence[NgramSource | None] | None = None, n: int = 1) -> EngineRun:
+        """Generate ``n`` samples for every prompt (one prefill each): results prompt-major, and the
+        run's throughput figures.
+
+        ``seed``: an int (prompt i uses ``seed + i``) or one seed per prompt; sample j of a prompt
+        with seed s uses :func:`~logitspec.session.sample_seed` (s, j), which is s for j = 0. A
+        sequence's samples depend only on its own seed, never on which others share its batch.
+        ``reference``: a shared n-gram source (e.g. a :class:`CorpusIndex`) consulted after the
+        sequence's own context, or one per prompt.
+        """
+        t_start = time.perf_counter()
+        session = self.open(max_new_tokens, temperature, top_p, top_k, 0, stop, apply_chat_template)
         prompts = list(prompts)
         seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
         refs = reference if isinstance(reference, (list, tuple)) else [reference] * len(prompts)
         if len(seeds) != len(prompts) or len(refs) != len(prompts):
             raise ValueError("seed and reference lists must have one entry per prompt")
-        encoded = [self.encode(p, apply_chat_template) for p in prompts]  # all errors before any forward
-        return self._loop(encoded, max_new_tokens, params, stops, seeds, refs)
-
-    # ------------------------------------------------------------------ loop
-    def _loop(self, encoded, max_new_tokens, params, stops, seeds, refs) -> EngineRun:
-        """Continuous batching: admit pending prompts into free slots, step the active rows, release
-        the finished ones."""
-        t_start = time.perf_counter()
-        results: list[GenerationResult | None] = [None] * len(encoded)
-        pending = list(range(len(encoded)))[::-1]
-        active: list[_Sequence] = []
-        kv = BatchKV()
-        steps = 0
-        active_sum = 0
-        while pending or active:
-            while pending and len(active) < self.config.max_batch_size:
-                req = pending.pop()
-                seq = self._admit(req, encoded[req], max_new_tokens, params, stops, seeds[req], refs[req], kv)
-                if seq.finish:
-                    results[req] = self._result(seq, encoded[req])
-                else:
-                    active.append(seq)
-            if not active:
-                continue
-            self._step(active, kv, params, stops)
-            steps += 1
-            active_sum += len(active)
-            still = [i for i, s in enumerate(active) if not s.finish]
-            for s in active:
-                if s.finish:
-                    results[s.req] = self._result(s, encoded[s.req])
-            kv.keep_rows(still)
-            active = [active[i] for i in still]
+        for p, s, r in zip(prompts, seeds, refs):  # all errors before any forward
+            session.submit(p, n=n, seed=s, reference=r)
+        results = sorted(session.drain(), key=lambda r: (r.request_id, r.sample_index))
         wall = time.perf_counter() - t_start
         ntok = sum(len(r.token_ids) for r in results)
-        stats = {"wall_s": wall, "tokens": ntok, "tokens_per_s": ntok / wall if wall else 0.0,
-                 "batch_steps": steps, "mean_active": active_sum / steps if steps else 0.0}
+        stats = {"wall_s": wall, "tokens": ntok, "tokens_per_s": ntok / wall if wall else 0.0, **session.stats,
+                 "max_step_gap_s": max((r.stats["max_step_gap_s"] for r in results), default=0.0)}
+        if self.prefix_cache is not None:
+            stats.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats.items()})
         return EngineRun(results, stats)
 
-    def _admit(self, req, prompt_ids, max_new_tokens, params, stops, seed, ref, kv: BatchKV) -> _Sequence:
-        """Prefill one prompt (in chunks) into its own cache row and emit its first token."""
+    # ------------------------------------------------------------------ loop parts (used by Session)
+    def start_sequence(self, key: tuple[int, int], prompt_ids: list[int], max_new: int, seed: int, ref,
+                       last: NodeLogits, params: SamplingParams, stops) -> _Sequence:
+        """A sequence for a prefilled prompt, its first token picked from ``last`` (the final
+        prompt token's output, [1, V]); the caller adds its KV row unless it already finished."""
         c = self.config
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator().manual_seed(int(seed))
-        seq = _Sequence(req=req, prompt_len=len(prompt_ids),
-                        max_new=min(max_new_tokens, self.max_context - len(prompt_ids)),
+        gen = None if params.greedy else torch.Generator().manual_seed(int(seed))
+        seq = _Sequence(key=key, prompt_len=len(prompt_ids), max_new=max_new,
                         index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
                         sources=[], generator=gen, stats=SequenceStats(), stops=stops)
         seq.sources = [seq.index] + ([ref] if ref is not None else [])
-        t0 = time.perf_counter()
-        row, last = self.target.prefill(prompt_ids, self.prefill_chunk, exact=not params.greedy)
-        seq.stats.prefill_s = time.perf_counter() - t0
-        tok = self._pick(last[0], params, seq)  # last: the final prompt token's output, [1, V]
+        tok = self._pick(last[0], params, seq)
         seq.guesses = self._next_guesses([last], [[0]], [tok])[0]
         self._emit(seq, [tok], stops)
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
-        if not seq.finish:
-            kv.add_row(row)
         return seq
+
+    def decode_step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
+        """One decoding step of every active row (``kv`` row b is ``active[b]``'s)."""
+        self._step(active, kv, params, stops)
 
     def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
         """The next token after a node whose output is ``logits`` (one row)."""
@@ -327,7 +320,8 @@ class Engine:
         seq.index.extend(kept)
         return len(kept)
 
-    def _result(self, seq: _Sequence, prompt_ids) -> GenerationResult:
+    def result(self, seq: _Sequence) -> GenerationResult:
+        """The finished (or stopped) sequence's result."""
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
@@ -335,7 +329,9 @@ class Engine:
                 if s in text:
                     text = text[: text.index(s)]
         stats = seq.stats.as_dict()
-        return GenerationResult(seq.out, text, seq.finish or "length", stats, list(prompt_ids))
+        prompt_ids = seq.index.tokens[:seq.prompt_len]
+        return GenerationResult(seq.out, text, seq.finish or "length", stats, [int(t) for t in prompt_ids],
+                                seq.key[0], seq.key[1])
 
 
 class _StepClock:

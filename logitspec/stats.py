@@ -17,6 +17,16 @@ class SequenceStats:
     verify_s: float = 0.0
     commit_s: float = 0.0
     prefill_s: float = 0.0
+    shared_prefill: bool = False  # the prompt's KV was copied from a sibling sample (n > 1)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
+    max_step_gap_s: float = 0.0  # longest time between two forwards that emitted tokens for the row
+    last_emit_t: float | None = field(default=None, repr=False)
+
+    def mark_emit(self, t: float) -> None:
+        """Note that a forward emitted tokens for the row at ``t`` (``time.perf_counter()``)."""
+        if self.last_emit_t is not None:
+            self.max_step_gap_s = max(self.max_step_gap_s, t - self.last_emit_t)
+        self.last_emit_t = t
 
     def add_step(self, emitted: int, retrieved: bool, tree_size: int = 0, draft_s: float = 0.0,
                  pack_s: float = 0.0, forward_s: float = 0.0, verify_s: float = 0.0, commit_s: float = 0.0) -> None:
@@ -40,6 +50,9 @@ class SequenceStats:
             "retrieval_success": self.retrieved_steps / decode_steps if decode_steps else 0.0,
             "mean_tree_size": sum(self.tree_sizes[1:]) / decode_steps if decode_steps else 0.0,
             "prefill_s": self.prefill_s,
+            "shared_prefill": self.shared_prefill,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "max_step_gap_s": self.max_step_gap_s,
             "draft_s": self.draft_s,
             "pack_s": self.pack_s,
             "forward_s": self.forward_s,

@@ -75,8 +75,13 @@ class TargetForward:
         result of the last token."""
         row = BatchKV.empty_row()
         for start in range(0, len(tokens), chunk):
-            part = tokens[start:start + chunk]
-            cols = row.columns
-            last = self([StepRow.chain(start, part)], row, all_logits=False, exact=exact).logits[0]
-            row.commit([list(range(cols, cols + len(part)))])
+            last = self.extend(row, tokens[start:start + chunk], exact)
         return row, last
+
+    def extend(self, row: BatchKV, tokens: list[int], exact: bool = True) -> NodeLogits:
+        """Run ``tokens`` as one causal chunk after the committed columns of the one-row cache
+        ``row`` and commit them; the output-layer result of the last token ([1, V])."""
+        cols = row.columns
+        last = self([StepRow.chain(row.lengths[0], tokens)], row, all_logits=False, exact=exact).logits[0]
+        row.commit([list(range(cols, cols + len(tokens)))])
+        return last

@@ -1,0 +1,206 @@
+"""The engine's loop as a session that takes new prompts while others decode (continuous batching).
+
+A :class:`Session` (from :meth:`Engine.open`) holds the batch: ``submit`` queues a prompt (its
+``n`` samples share one prefill), and each ``step`` does one iteration:
+
+1. admit prefilled samples into free slots (their first token comes from the prefill's output);
+2. prefill the next waiting prompt: one chunk of ``prefill_chunk`` tokens per iteration while
+   other rows decode (so they are never stalled for a whole long prefill), all of it when none do;
+3. one decoding step of every active row; finished rows are returned and their slots freed.
+
+:meth:`Engine.run` is ``submit`` for every prompt, then ``step`` until the session is idle.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .cache import BatchKV
+from .verify import SamplingParams
+
+
+def sample_seed(seed: int, sample: int) -> int:
+    """The seed of sample ``sample`` of a prompt whose seed is ``seed``: ``seed`` itself for sample 0
+    (so ``n=1`` is unchanged), else a 63-bit hash of (seed, sample) (stable across runs and
+    machines, independent of batch composition)."""
+    if sample == 0:
+        return int(seed)
+    words = np.random.SeedSequence([int(seed) & (2**64 - 1), sample]).generate_state(2, np.uint32)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+@dataclass
+class _Request:
+    """A submitted prompt and its prefill."""
+
+    rid: int
+    ids: list[int]
+    max_new: int
+    seeds: list[int]  # one per sample
+    ref: Any
+    admitted: int = 0  # samples admitted so far
+    row: BatchKV | None = None  # the prompt's KV (one row), filled chunk by chunk
+    last: Any = None  # the last prompt token's output, once prefilled
+    done_tokens: int = 0  # prompt tokens in ``row``
+    prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+
+
+class Session:
+    """Rows in flight on one engine; see the module docstring. Not thread-safe."""
+
+    def __init__(self, engine, params: SamplingParams, stops: list[str], max_new_tokens: int, seed: int,
+                 apply_chat_template: bool):
+        self.engine = engine
+        self.params, self.stops = params, stops
+        self.max_new_tokens, self.seed, self.apply_chat_template = max_new_tokens, seed, apply_chat_template
+        self.kv = BatchKV()
+        self.active: list = []  # decoding sequences, one per KV row
+        self.pending: deque[_Request] = deque()  # waiting for their prefill
+        self.ready: deque[_Request] = deque()  # prefilled, samples waiting for slots
+        self.prefilling: _Request | None = None
+        self.steps = self.active_sum = self.prefill_chunks = self.prefills = 0
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ api
+    def submit(self, prompt, *, n: int = 1, seed: int | None = None, max_new_tokens: int | None = None,
+               reference=None) -> int:
+        """Queue ``prompt`` (string, chat messages or token ids) for ``n`` samples; its request id
+        (0, 1, ... in submission order). ``seed`` defaults to the session's seed + request id; sample
+        j uses :func:`sample_seed` (seed, j). ValueError for bad input, before any forward."""
+        if n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
+        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if max_new < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+        ids = self.engine.encode(prompt, self.apply_chat_template)
+        rid = self._next_id
+        base = self.seed + rid if seed is None else int(seed)
+        self.pending.append(_Request(rid, ids, min(max_new, self.engine.max_context - len(ids)),
+                                     [sample_seed(base, j) for j in range(n)], reference))
+        self._next_id += 1
+        return rid
+
+    @property
+    def busy(self) -> bool:
+        """Whether any submitted prompt has samples not yet finished."""
+        return bool(self.pending or self.ready or self.prefilling or self.active)
+
+    @property
+    def free_slots(self) -> int:
+        """Rows the batch could still take beyond those in flight or prefilled and waiting."""
+        waiting = sum(len(r.seeds) - r.admitted for r in self.ready)
+        queued = sum(len(r.seeds) for r in self.pending) + (len(self.prefilling.seeds) if self.prefilling else 0)
+        return max(0, self.engine.config.max_batch_size - len(self.active) - waiting - queued)
+
+    @torch.inference_mode()
+    def step(self) -> list:
+        """One iteration (admit, one prefill chunk, one decoding step); the results finished in it."""
+        finished: list = []
+        self._fill(finished)
+        if self.active:
+            self.engine.decode_step(self.active, self.kv, self.params, self.stops)
+            self.steps += 1
+            self.active_sum += len(self.active)
+            now = time.perf_counter()
+            for s in self.active:
+                s.stats.mark_emit(now)
+            still = [i for i, s in enumerate(self.active) if not s.finish]
+            finished += [self.engine.result(s) for s in self.active if s.finish]
+            self.kv.keep_rows(still)
+            self.active = [self.active[i] for i in still]
+        return finished
+
+    def drain(self) -> list:
+        """Step until idle; every result finished meanwhile."""
+        out: list = []
+        while self.busy:
+            out += self.step()
+        return out
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """``batch_steps`` (decoding forwards), ``mean_active`` (rows per decoding forward),
+        ``prefills`` (prompts prefilled, fully or partly) and ``prefill_chunks`` (their forwards)."""
+        return {"batch_steps": self.steps, "mean_active": self.active_sum / self.steps if self.steps else 0.0,
+                "prefills": self.prefills, "prefill_chunks": self.prefill_chunks}
+
+    # ------------------------------------------------------------------ loop
+    def _fill(self, finished: list) -> None:
+        """Admit waiting samples; prefill the next prompts while slots are free (one chunk when
+        other rows are decoding, to completion when none are)."""
+        spent = 0  # prompt tokens prefilled in this iteration
+        while True:
+            self._admit_ready(finished)
+            slots = self.engine.config.max_batch_size - len(self.active) - sum(
+                len(r.seeds) - r.admitted for r in self.ready)
+            if slots <= 0 and self.prefilling is None:
+                return
+            if self.prefilling is None:
+                if not self.pending:
+                    return
+                self.prefilling = self._start(self.pending.popleft())
+            req = self.prefilling
+            if req.last is None:
+                size = min(self.engine.prefill_chunk, len(req.ids) - req.done_tokens)
+                if self.active and spent and spent + size > self.engine.prefill_chunk:
+                    return  # rows are decoding: at most one chunk's worth of prompt tokens per step
+                self._prefill_chunk(req)
+                spent += size
+            if req.last is not None:
+                self.ready.append(req)
+                self.prefilling = None
+
+    def _start(self, req: _Request) -> _Request:
+        """Take what the prefix cache holds of the prompt (all of it: nothing left to prefill)."""
+        cache = self.engine.prefix_cache
+        hit = cache.lookup(req.ids, exact=not self.params.greedy) if cache is not None else None
+        if hit is None:
+            req.row = BatchKV.empty_row()
+        else:
+            req.row, req.last, req.done_tokens = hit.row, hit.last, hit.tokens
+            req.cached_tokens = hit.tokens
+        return req
+
+    def _prefill_chunk(self, req: _Request) -> None:
+        """Run the prompt's next chunk; once all is in, keep the last token's output (and store the
+        row in the prefix cache)."""
+        t0 = time.perf_counter()
+        part = req.ids[req.done_tokens:req.done_tokens + self.engine.prefill_chunk]
+        exact = not self.params.greedy
+        last = self.engine.target.extend(req.row, part, exact=exact)
+        req.done_tokens += len(part)
+        self.prefill_chunks += 1
+        self.prefills += req.done_tokens == len(part) + req.cached_tokens
+        if req.done_tokens == len(req.ids):
+            req.last = last
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.store(req.ids, exact, req.row, last)
+        req.prefill_s += time.perf_counter() - t0
+
+    def _admit_ready(self, finished: list) -> None:
+        """Start prefilled samples in free slots; the KV row is copied once per admitted sample."""
+        while self.ready and len(self.active) < self.engine.config.max_batch_size:
+            req = self.ready[0]
+            take = min(len(req.seeds) - req.admitted, self.engine.config.max_batch_size - len(self.active))
+            started = []
+            for j in range(req.admitted, req.admitted + take):
+                seq = self.engine.start_sequence((req.rid, j), req.ids, req.max_new, req.seeds[j], req.ref,
+                                                 req.last, self.params, self.stops)
+                seq.stats.prefill_s = req.prefill_s if j == 0 else 0.0
+                seq.stats.shared_prefill = j > 0
+                seq.stats.cached_prompt_tokens = req.cached_tokens
+                seq.stats.mark_emit(time.perf_counter())
+                (finished.append(self.engine.result(seq)) if seq.finish else started.append(seq))
+            if started:
+                self.kv.add_row(req.row, copies=len(started))
+                self.active += started
+            req.admitted += take
+            if req.admitted == len(req.seeds):
+                self.ready.popleft()
+                req.row = None

@@ -1,0 +1,151 @@
+"""The engine loop: several samples per prompt from one prefill, the streaming session, prefill
+interleaved with decoding, and the prefix cache. Greedy output always equals plain decoding."""
+import pytest
+
+from logitspec import Engine, SpecConfig
+from logitspec.prefix_cache import PrefixCache
+from logitspec.session import sample_seed
+from tiny_models import hf_greedy, repetitive_prompts, tiny_model
+
+N_NEW = 16
+
+
+def _spy(engine) -> list:
+    """Log of the engine's forwards: ("P", chunk tokens) per prefill chunk, ("D", rows) per decoding step."""
+    log = []
+    extend, decode = engine.target.extend, engine.decode_step
+
+    def spy_extend(row, tokens, exact=True):
+        log.append(("P", len(tokens)))
+        return extend(row, tokens, exact)
+
+    def spy_decode(active, *a):
+        log.append(("D", len(active)))
+        return decode(active, *a)
+
+    engine.target.extend, engine.decode_step = spy_extend, spy_decode
+    return log
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+# ---------------------------------------------------------------- n samples per prompt
+def test_greedy_samples_share_one_prefill(llama):
+    prompts = repetitive_prompts(3, seed=4)
+    eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=4, budget="fixed"))
+    log = _spy(eng)
+    run = eng.run(prompts, max_new_tokens=N_NEW, n=3)
+    assert sum(1 for kind, _ in log if kind == "P") == len(prompts)  # each prompt fits one chunk
+    refs = [hf_greedy(llama, p, N_NEW) for p in prompts]
+    assert [(r.request_id, r.sample_index) for r in run.results] == [(i, j) for i in range(3) for j in range(3)]
+    assert [r.token_ids for r in run.results] == [ref for ref in refs for _ in range(3)]
+    assert [r.stats["shared_prefill"] for r in run.results] == [False, True, True] * 3
+    assert all(r.stats["prefill_s"] == 0.0 for r in run.results if r.sample_index > 0)
+    assert all(r.stats["prefill_s"] > 0.0 for r in run.results if r.sample_index == 0)
+
+
+def test_sampled_samples_are_seeded_and_batch_independent():
+    model = tiny_model("qwen2")
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_p=0.95, n=3)
+    both = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4)).generate(prompts, seed=[11, 12], **kw)
+    alone = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2)).generate(prompts[1:], seed=[12], **kw)
+    assert [r.token_ids for r in both[3:]] == [r.token_ids for r in alone]
+    assert len({tuple(r.token_ids) for r in alone}) == 3  # the samples differ from one another
+    single = Engine(model, None, SpecConfig(method="logitspec")).generate(
+        prompts[1:], seed=[12], **{**kw, "n": 1})
+    assert single[0].token_ids == alone[0].token_ids  # sample 0 uses the prompt's seed itself
+    assert sample_seed(12, 0) == 12 and len({sample_seed(12, j) for j in range(50)}) == 50
+
+
+def test_n_below_one_fails_before_any_forward(llama):
+    eng = Engine(llama, None, SpecConfig(method="ar"))
+    log = _spy(eng)
+    with pytest.raises(ValueError, match="n \\(samples per prompt\\)"):
+        eng.generate([[1, 2, 3]], n=0)
+    assert log == []
+
+
+# ---------------------------------------------------------------- streaming session
+def test_session_keeps_the_batch_full_and_equals_run(llama):
+    prompts = repetitive_prompts(8, seed=6)
+    cfg = SpecConfig(method="logitspec", max_batch_size=3, budget="fixed")
+    ref = [r.token_ids for r in Engine(llama, None, cfg).generate(prompts, max_new_tokens=N_NEW)]
+    eng = Engine(llama, None, cfg)
+    log = _spy(eng)
+    session = eng.open(max_new_tokens=N_NEW)
+    feed, results, ids = list(prompts), {}, []
+    while feed or session.busy:
+        while feed and session.free_slots > 0:  # a caller that tops the batch up as rows finish
+            ids.append(session.submit(feed.pop(0)))
+        feeding = bool(feed)
+        n_decodes = sum(1 for kind, _ in log if kind == "D")
+        results.update({r.request_id: r.token_ids for r in session.step()})
+        new = [rows for kind, rows in log if kind == "D"][n_decodes:]
+        if feeding:  # while prompts remain, every decoding step runs a full batch
+            assert new == [3]
+    assert ids == list(range(8))
+    assert [results[i] for i in ids] == ref
+
+
+# ---------------------------------------------------------------- prefill interleaved with decoding
+def test_long_prefill_is_interleaved_with_decoding():
+    model = tiny_model("gemma3")  # sliding window 6: the window wraps inside every chunk
+    short = repetitive_prompts(1, seed=3)[0]
+    long_prompt = (repetitive_prompts(2, seed=8)[1] * 10)[:70]
+    prompts = [short, long_prompt]
+    refs = [hf_greedy(model, p, 40) for p in prompts]
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8)
+    log = _spy(eng)
+    run = eng.run(prompts, max_new_tokens=40)
+    assert [r.token_ids for r in run.results] == refs
+    chunks = [i for i, (kind, n) in enumerate(log) if kind == "P"][1:]  # the long prompt's 9 chunks
+    assert len(chunks) == 9
+    assert all(log[i + 1][0] == "D" for i in chunks[:-1])  # a decoding step after every chunk
+    assert run.stats["max_step_gap_s"] > 0
+    assert all("max_step_gap_s" in r.stats for r in run.results)
+
+
+# ---------------------------------------------------------------- prefix cache
+def test_prefix_cache_shared_by_engines_is_exact_and_counted():
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(4, seed=9)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    cache = PrefixCache(max_bytes=1 << 24, block=8)
+    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=8)
+    assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
+    second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
+                    prefix_cache=cache, prefill_chunk=8)
+    log = _spy(second)
+    run = second.run(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in run.results] == refs
+    assert log and all(kind == "D" for kind, _ in log)  # nothing prefilled again
+    assert run.stats["prefix_hits"] == 4 and run.stats["prefix_misses"] == 4
+    assert run.stats["prefix_hit_rate"] == 0.5
+    assert all(r.stats["cached_prompt_tokens"] == len(p) for r, p in zip(run.results, prompts))
+    with pytest.raises(ValueError, match="another model"):
+        Engine(tiny_model("gemma3"), None, SpecConfig(method="ar"), prefix_cache=cache)
+
+
+def test_prefix_cache_reuses_a_block_prefix_and_evicts_by_bytes():
+    model = tiny_model("gemma3")
+    base = repetitive_prompts(1, seed=10, lengths=(30,))[0]
+    other = base[:20] + [(t + 1) % 90 for t in base[20:27]]  # shares 2 blocks of 8 with ``base``
+    refs = [hf_greedy(model, p, N_NEW) for p in (base, other)]
+    cache = PrefixCache(max_bytes=1 << 24, block=8)
+    eng = Engine(model, None, SpecConfig(method="logitspec", budget="fixed"), prefix_cache=cache, prefill_chunk=8)
+    assert eng.generate([base], max_new_tokens=N_NEW)[0].token_ids == refs[0]
+    log = _spy(eng)
+    res = eng.generate([other], max_new_tokens=N_NEW)[0]
+    assert res.token_ids == refs[1]
+    assert [n for kind, n in log if kind == "P"] == [8, 3]  # only what follows the 16 cached tokens
+    assert res.stats["cached_prompt_tokens"] == 16 and cache.stats["prefix_hits"] == 1
+    one_entry = cache.stats["bytes"] - 1  # room for either entry, not both
+    small = PrefixCache(max_bytes=one_entry, block=8)
+    eng = Engine(model, None, SpecConfig(method="ar"), prefix_cache=small, prefill_chunk=8)
+    eng.generate([base, other, base], max_new_tokens=2)
+    assert small.stats["entries"] == 1 and small.stats["bytes"] <= one_entry
+    assert small.stats["hits"] == 0  # ``base`` was evicted by ``other``
