@@ -138,11 +138,14 @@ class BatchKV:
         for layer in self._layers():
             layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)
 
-    def add_row(self, other: "BatchKV", copies: int = 1) -> None:
+    def add_row(self, other: "BatchKV", copies: int = 1, take: bool = False) -> None:
         """Append ``copies`` copies of the single row of ``other`` (a prefilled sequence) as the last
-        rows; ``other`` is copied, never shared, so it can be added again (several samples, a
-        prefix cache)."""
+        rows. ``other`` is copied, so it can be added again (several samples, a prefix cache),
+        unless ``take``: then an empty cache adopts its buffers (``other`` must not be used after)."""
         assert other.rows == 1 and copies >= 1
+        if take and self.rows == 0 and copies == 1:
+            self.hf, self.lengths = other.hf, list(other.lengths)
+            return
         theirs = [(x.keys.expand(copies, -1, -1, -1), x.values.expand(copies, -1, -1, -1)) for x in other._layers()]
         if self.rows == 0:
             self.hf = _cache_of(theirs)
