@@ -166,9 +166,9 @@ class BatchKV:
         return out
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of the key and value buffers held (spare room included)."""
-        return sum(x._k.nbytes + x._v.nbytes for x in self._layers())
+    def used_bytes(self) -> int:
+        """Bytes of the columns held (spare room excluded)."""
+        return sum(x.keys.nbytes + x.values.nbytes for x in self._layers())
 
 
 def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -> Cache:

@@ -80,9 +80,9 @@ class Engine:
                  prefix_cache: PrefixCache | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
         worth per decoding step). ``prefix_cache``: prefilled prompts kept for reuse, shareable
-        between engines over this model. ``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
-        from ``logitspec calibrate``'s store or measured quickly on first use. ``sample_on_host``:
-        walk sampled trees on the host, computing distributions only at visited nodes (default: on
+        between engines over this model. ``cost_curve``: forward time per new-token count for
+        ``budget="auto"``; by default loaded from ``logitspec calibrate``'s store or measured quickly
+        on first use. ``sample_on_host``: walk sampled trees on the host, computing distributions only at visited nodes (default: on
         CPU); False samples every node where the logits are and waits for the device once a step."""
         self.model = model
         self.target = TargetForward(model, fast_head=fast_head)

@@ -53,7 +53,7 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.block = block
         self.nbytes = 0
-        self.hits = self.prefix_hits = self.misses = 0
+        self.hits = self.partial_hits = self.misses = 0
         self.lookup_tokens = self.hit_tokens = 0
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._by_prefix: dict[bytes, tuple] = {}  # prefix digest -> key of an entry that has it
@@ -95,7 +95,7 @@ class PrefixCache:
                 if owner is not None and owner in self._entries:
                     self._entries.move_to_end(owner)
                     n = (k + 1) * self.block
-                    self.prefix_hits += 1
+                    self.partial_hits += 1
                     self.hit_tokens += n
                     return PrefixHit(self._entries[owner].row.row_prefix(0, n), n)
             self.misses += 1
@@ -104,10 +104,12 @@ class PrefixCache:
     def store(self, ids: list[int], exact: bool, row: BatchKV, last: Any) -> None:
         """Keep a compact copy of the one-row cache ``row`` (holding ``ids``) and ``last``."""
         key = (exact, tuple(ids))
+        nbytes = row.used_bytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
+        if key in self._entries or nbytes > self.max_bytes:  # checked before copying anything
+            return
         copy = row.row_prefix(0, len(ids))
-        nbytes = copy.nbytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
         with self._lock:
-            if key in self._entries or nbytes > self.max_bytes:
+            if key in self._entries:
                 return
             prefixes = self._digests(ids, exact, len(ids))
             self._entries[key] = _Entry(copy, last, nbytes, prefixes)
@@ -126,11 +128,11 @@ class PrefixCache:
 
     @property
     def stats(self) -> dict[str, float]:
-        """Lookups that found the whole prompt (``hits``) or a prefix (``prefix_hits``), ``misses``,
+        """Lookups that found the whole prompt (``hits``) or a block prefix (``partial_hits``), ``misses``,
         ``hit_rate`` (either kind per lookup), ``token_hit_rate`` (prompt tokens not prefilled),
         entries and bytes held."""
-        lookups = self.hits + self.prefix_hits + self.misses
-        return {"hits": self.hits, "prefix_hits": self.prefix_hits, "misses": self.misses,
-                "hit_rate": (self.hits + self.prefix_hits) / lookups if lookups else 0.0,
+        lookups = self.hits + self.partial_hits + self.misses
+        return {"hits": self.hits, "partial_hits": self.partial_hits, "misses": self.misses,
+                "hit_rate": (self.hits + self.partial_hits) / lookups if lookups else 0.0,
                 "token_hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0,
                 "entries": len(self._entries), "bytes": self.nbytes}

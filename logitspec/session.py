@@ -5,7 +5,8 @@ A :class:`Session` (from :meth:`Engine.open`) holds the batch: ``submit`` queues
 
 1. admit prefilled samples into free slots (their first token comes from the prefill's output);
 2. prefill the next waiting prompt: one chunk of ``prefill_chunk`` tokens per iteration while
-   other rows decode (so they are never stalled for a whole long prefill), all of it when none do;
+   other rows decode (so they are never stalled for a whole long prefill); a batch filling up from
+   empty is prefilled until its slots are full;
 3. one decoding step of every active row; finished rows are returned and their slots freed.
 
 :meth:`Engine.run` is ``submit`` for every prompt, then ``step`` until the session is idle.
@@ -132,8 +133,10 @@ class Session:
 
     # ------------------------------------------------------------------ loop
     def _fill(self, finished: list) -> None:
-        """Admit waiting samples; prefill the next prompts while slots are free (one chunk when
-        other rows are decoding, to completion when none are)."""
+        """Admit waiting samples; prefill the next prompts while slots are free: at most one chunk's
+        worth of prompt tokens when rows were decoding before this iteration, otherwise (a batch
+        filling up from empty) until the slots are full."""
+        decoding = bool(self.active)
         spent = 0  # prompt tokens prefilled in this iteration
         while True:
             self._admit_ready(finished)
@@ -148,7 +151,7 @@ class Session:
             req = self.prefilling
             if req.last is None:
                 size = min(self.engine.prefill_chunk, len(req.ids) - req.done_tokens)
-                if self.active and spent and spent + size > self.engine.prefill_chunk:
+                if decoding and spent and spent + size > self.engine.prefill_chunk:
                     return  # rows are decoding: at most one chunk's worth of prompt tokens per step
                 self._prefill_chunk(req)
                 spent += size
@@ -157,7 +160,8 @@ class Session:
                 self.prefilling = None
 
     def _start(self, req: _Request) -> _Request:
-        """Take what the prefix cache holds of the prompt (all of it: nothing left to prefill)."""
+        """Begin the prompt's prefill from what the prefix cache holds of it (the whole prompt: nothing
+        is left to run)."""
         cache = self.engine.prefix_cache
         hit = cache.lookup(req.ids, exact=not self.params.greedy) if cache is not None else None
         if hit is None:

@@ -100,11 +100,19 @@ def test_long_prefill_is_interleaved_with_decoding():
     refs = [hf_greedy(model, p, 40) for p in prompts]
     eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8)
     log = _spy(eng)
-    run = eng.run(prompts, max_new_tokens=40)
-    assert [r.token_ids for r in run.results] == refs
+    session = eng.open(max_new_tokens=40)
+    session.submit(short)
+    done = session.step() + session.step()  # the short row is decoding when the long prompt arrives
+    session.submit(long_prompt)
+    done += session.drain()
+    assert [r.token_ids for r in sorted(done, key=lambda r: r.request_id)] == refs
     chunks = [i for i, (kind, n) in enumerate(log) if kind == "P"][1:]  # the long prompt's 9 chunks
     assert len(chunks) == 9
     assert all(log[i + 1][0] == "D" for i in chunks[:-1])  # a decoding step after every chunk
+    mark = len(log)
+    run = eng.run(prompts, max_new_tokens=40)
+    assert [r.token_ids for r in run.results] == refs
+    assert [kind for kind, _ in log[mark:]].index("D") == 10  # from empty: the batch fills before decoding
     assert run.stats["max_step_gap_s"] > 0
     assert all("max_step_gap_s" in r.stats for r in run.results)
 
@@ -142,7 +150,7 @@ def test_prefix_cache_reuses_a_block_prefix_and_evicts_by_bytes():
     res = eng.generate([other], max_new_tokens=N_NEW)[0]
     assert res.token_ids == refs[1]
     assert [n for kind, n in log if kind == "P"] == [8, 3]  # only what follows the 16 cached tokens
-    assert res.stats["cached_prompt_tokens"] == 16 and cache.stats["prefix_hits"] == 1
+    assert res.stats["cached_prompt_tokens"] == 16 and cache.stats["partial_hits"] == 1
     one_entry = cache.stats["bytes"] - 1  # room for either entry, not both
     small = PrefixCache(max_bytes=one_entry, block=8)
     eng = Engine(model, None, SpecConfig(method="ar"), prefix_cache=small, prefill_chunk=8)
