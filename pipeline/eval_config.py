@@ -157,4 +157,5 @@ class EvalConfig:
     def record(self) -> dict:
         """Settings that decide a row's output (a resumed sweep must use the same; configurations may change)."""
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
+                "max_batch_size": self.max_batch_size,
                 "chat": self.chat, "dtype": self.dtype, "temperature": 0.0}

@@ -87,9 +87,9 @@ def plan_sweep(cfg: EvalConfig) -> SweepPlan:
 class _Sink:
     """Where the scheduler's rows go: the output store and the progress counters."""
 
-    def __init__(self, cfg: EvalConfig, plan: SweepPlan, progress: Progress):
+    def __init__(self, cfg: EvalConfig, plan: SweepPlan, progress: Progress, record: RunRecord):
         self.configs = {c.name: c for c in cfg.configs}
-        self.store, self.progress = plan.store, progress
+        self.store, self.progress, self.record = plan.store, progress, record
 
     def result(self, batch, rows: list[dict], stats: dict) -> None:
         self.store.add(rows)
@@ -99,6 +99,8 @@ class _Sink:
         self.result(None, [sweep_error_row(r, self.configs[c], reason) for r in rows for c in r["configs"]], {})
 
     def tick(self) -> None:
+        if self.progress.t_gen is None and self.record.stats is not None:
+            self.progress.t_gen = self.record.stats.first_dispatch  # tokens/s counts from the first batch sent
         self.store.tick()
         self.progress.tick()
 
@@ -126,7 +128,7 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
         batches += [Batch(len(batches) + k, rows[s:s + size]) for k, s in enumerate(range(0, len(rows), size))]
     pairs = sum(len(r["configs"]) for r in plan.todo)
     progress = Progress(pairs + plan.done_pairs, plan.done_pairs, pairs, cfg.log_interval)
-    sink = _Sink(cfg, plan, progress)
+    sink = _Sink(cfg, plan, progress, record)
     log.info("%d replica(s), %s CPU and %d thread(s) each; %d batches of <= %d rows x %d configurations",
              cfg.actors, resources.num_cpus, resources.threads, len(batches), size, len(cfg.configs))
     sched = Scheduler(tracking_factory, cfg.actors, batches, sink.result, sink.failed, on_event=on_event,

@@ -12,8 +12,8 @@ import ray
 
 from .eval_config import EvalConfig
 from .eval_worker import SweepGenerator
-from .replica import ActorReplica
-from .resources import ReplicaResources, process_memory
+from .replica import ActorReplica, EngineWorker
+from .resources import ReplicaResources
 
 
 def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
@@ -28,10 +28,12 @@ def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
     return engines
 
 
-class EvalWorker:
-    """The actor: loads the model once, builds the engines, warms each up, generates batches of rows."""
+class EvalWorker(EngineWorker):
+    """The actor: loads the model once, builds the engines, warms each up, generates batches of rows
+    (``info`` and ``generate`` as the batch job's actor)."""
 
     def __init__(self, cfg: EvalConfig, threads: int, use_gpu: bool, reference_refs: dict):
+        # EngineWorker's own __init__ builds one engine from a GenerationSpec; this one builds the grid's
         t0 = time.perf_counter()
         import torch
 
@@ -53,14 +55,6 @@ class EvalWorker:
                       "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                       "model_load_s": t_load - t0, "warmup_s": time.perf_counter() - t_load,
                       **model_memory(model), "init_s": time.perf_counter() - t0}
-
-    def info(self) -> dict:
-        return {**self._info, "memory": process_memory()}
-
-    def generate(self, rows: list[dict]) -> tuple[list[dict], dict]:
-        out, stats = self.generator(rows)
-        stats["pid"] = os.getpid()
-        return out, stats
 
 
 def make_eval_replica_factory(cfg: EvalConfig, resources: ReplicaResources):
