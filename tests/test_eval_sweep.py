@@ -54,17 +54,20 @@ def test_report_scores_speeds_and_flags_a_lossless_mismatch():
                {"name": "logitspec", "method": "logitspec", "settings": {}, "baseline": "ar"}]
     rows = [_row("hotpotqa", 0, "ar", "blue sky", [1, 2, 3, 4, 5], 5, 2.0, 1.0),
             _row("hotpotqa", 1, "ar", "green", [6, 7, 8, 9, 10], 5, 2.0, 1.0),
-            _row("hotpotqa", 0, "logitspec", "blue sky", [1, 2, 3, 4, 5], 2, 1.5, 1.0),
-            _row("hotpotqa", 1, "logitspec", "green", [6, 7, 8, 9, 10], 3, 1.5, 1.0)]
+            _row("hotpotqa", 0, "logitspec", "blue sky", [1, 2, 3, 4, 5], 2, 1.0, 0.5),
+            _row("hotpotqa", 1, "logitspec", "green", [6, 7, 8, 9, 10], 3, 1.0, 0.5)]
     report = build_report(rows, data, configs)
     ar, ls = report["datasets"]["hotpotqa"]["ar"], report["datasets"]["hotpotqa"]["logitspec"]
     assert ar["score"] == 50.0  # F1 1 and 0
     assert ar["mat"] == pytest.approx(8 / 8) and ls["mat"] == pytest.approx(8 / 3)
     assert ar["decode_tokens_per_s"] == pytest.approx(8 / 2.0)  # 2 s of decode, 8 tokens after the first two
-    assert ls["decode_speedup"] == pytest.approx(2.0) and ls["e2e_speedup"] == pytest.approx(4 / 3)
+    # ar: 4 s end to end, 2 of them prefill; logitspec: 2 s, 1 of them prefill (the load changed)
+    assert ls["decode_speedup"] == pytest.approx(2.0) and ls["e2e_speedup"] == pytest.approx(2.0)
+    assert ls["e2e_speedup_same_prefill"] == pytest.approx(4 / 3)  # ar's 2 s of prefill + logitspec's 1 s decode
+    assert ls["decode_step_s"] == pytest.approx(1.0 / 3)
     assert ar["prefill_tokens_per_s"] == pytest.approx(100.0)
     assert ls["identical"] and report["lossless"]["all_identical"] and report["lossless"]["all_scores_equal"]
-    rows[3] = _row("hotpotqa", 1, "logitspec", "red", [6, 7, 11], 2, 1.5, 1.0)
+    rows[3] = _row("hotpotqa", 1, "logitspec", "red", [6, 7, 11], 2, 1.0, 0.5)
     report = build_report(rows, data, configs)
     assert not report["lossless"]["all_identical"] and not report["lossless"]["all_scores_equal"]
     assert report["lossless"]["mismatches"] == [{"dataset": "hotpotqa", "config": "logitspec", "key": "hotpotqa/1",
