@@ -111,10 +111,12 @@ class OutputStore:
     taken again."""
 
     def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
-                 part_seconds: float = 60.0):
+                 part_seconds: float = 60.0, schema: pa.Schema | None = None):
+        """``schema``: the rows' schema (default :func:`output_schema` of ``id_type``; the evaluation
+        sweep passes its own, with an ``id`` column of ``id_type``)."""
         self.root = pathlib.Path(root).expanduser()
         self.parts = self.root
-        self.schema = output_schema(id_type)
+        self.schema = output_schema(id_type) if schema is None else schema
         self.part_rows, self.part_seconds = part_rows, part_seconds
         self.written: set = set()
         self.pending: dict = {}  # id -> row, in arrival order

@@ -52,9 +52,12 @@ class EngineWorker:
 class ActorReplica:
     """A replica made of one :class:`EngineWorker` actor."""
 
-    def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict):
+    def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict,
+                 worker: type = EngineWorker):
+        """``worker``: the actor class, built as ``worker(spec, threads, use_gpu, reference_refs)`` with
+        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.eval_replica.EvalWorker`)."""
         self.name = name
-        cls = ray.remote(EngineWorker).options(
+        cls = ray.remote(worker).options(
             num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
             max_restarts=0, max_task_retries=0,  # the scheduler replaces dead replicas and redoes their rows
         )
