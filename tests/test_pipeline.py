@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, GenerationSpec, JobConfig
-from pipeline.inputs import load_input, row_problem
+from pipeline.inputs import open_input, read_columns, row_problem
+from pipeline.rows import scan_ids
 from pipeline.output import OutputStore, read_generations
 from pipeline.worker import row_seed
 from tiny_models import save_tiny_text_model
@@ -117,13 +118,16 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
     pq.write_table(table.slice(2), tmp_path / "dir" / "b.parquet")
     datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
     for name in ("t.parquet", "t.arrow", "t.jsonl", "dir", "ds"):
-        rows = load_input(JobConfig(input=str(tmp_path / name), output="unused"))
-        assert rows.ids == ["a", "b", "c"] and rows.prompts == ["one", "", None], name
-        assert rows.id_type == pa.string()
-    csv_rows = load_input(JobConfig(input=str(tmp_path / "t.csv"), output="unused"))
-    assert csv_rows.prompts == ["one", ""]  # CSV: an empty field is an empty prompt (an error row), not a crash
-    no_ids = load_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row"))
-    assert no_ids.ids == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
+        cfg = JobConfig(input=str(tmp_path / name), output="unused")
+        index = scan_ids(open_input(cfg))
+        assert index.ids.to_pylist() == ["a", "b", "c"] and index.id_type == pa.string(), name
+        assert read_columns(cfg, ["prompt"])["prompt"] == ["one", "", None], name
+    csv = JobConfig(input=str(tmp_path / "t.csv"), output="unused")
+    assert read_columns(csv, ["prompt"])["prompt"] == ["one", ""]  # CSV: an empty field is an empty prompt
+    no_ids = scan_ids(open_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row")))
+    assert no_ids.ids.to_pylist() == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
+    limited = scan_ids(open_input(JobConfig(input=str(tmp_path / "dir"), output="unused", limit=1)))
+    assert limited.ids.to_pylist() == ["a"]
 
 
 @pytest.mark.parametrize("rows, kwargs, message", [
@@ -136,14 +140,15 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
 def test_schema_errors_name_the_problem(tmp_path, rows, kwargs, message):
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     with pytest.raises(ConfigError) as e:
-        load_input(JobConfig(input=str(inp), output="unused", **kwargs))
+        cfg = JobConfig(input=str(inp), output="unused", **kwargs)
+        scan_ids(open_input(cfg), cfg.corpus_column)
     assert message in str(e.value)
 
 
 def test_parquet_column_of_wrong_type_is_a_config_error(tmp_path):
     pq.write_table(pa.table({"id": [1, 2], "prompt": [1.5, 2.5]}), tmp_path / "in.parquet")
     with pytest.raises(ConfigError, match="'prompt' .* has type double"):
-        load_input(JobConfig(input=str(tmp_path / "in.parquet"), output="unused"))
+        open_input(JobConfig(input=str(tmp_path / "in.parquet"), output="unused"))
 
 
 def test_row_problems_and_seeds():
@@ -176,7 +181,7 @@ def test_config_validation():
 
 
 def _out_row(i, **kw) -> dict:
-    return {"id": i, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
+    return {"id": i, "sample": 0, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
             "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
             "method": "ar", "model": "m", "error": None, "corpus": None, **kw}
 
@@ -198,9 +203,11 @@ def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, ca
     store2 = OutputStore(out, pa.int64())
     store2.prepare({"model": "m"}, overwrite=False)
     assert f"{out / 'notes.txt'} is not a file of this job" in caplog.text and (out / "notes.txt").exists()
-    assert store2.written == {1, 2, 3, 4} and not list(out.glob(".*.tmp"))
+    assert store2.keys() == {(1, 0), (2, 0), (3, 0), (4, 0)} and not list(out.glob(".*.tmp"))
+    store2.write([_out_row(2), _out_row(2, sample=1)])  # (2, 0) is on disk: only (2, 1) is written
+    assert store2.keys() == {(1, 0), (2, 0), (2, 1), (3, 0), (4, 0)}
     store2.close()
-    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3, 4]
+    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 2, 3, 4]
     with pytest.raises(ConfigError, match="other settings .*model: was 'm', now 'n'"):
         OutputStore(out, pa.int64()).prepare({"model": "n"}, overwrite=False)
     with pytest.raises(ConfigError, match="ids of type int64"):
@@ -264,7 +271,9 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     its rows count as done and its files move to the dataset layout."""
     out = tmp_path / "old"
     (out / "generations").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=OutputStore(out, pa.int64()).schema),
+    old_schema = OutputStore(out, pa.int64()).schema.remove(1)  # before the sample column existed
+    assert "sample" not in old_schema.names
+    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=old_schema),
                    out / "generations" / "part-aaaa.parquet")
     (out / "job.json").write_text(json.dumps({"model": "m"}))
     (out / "summary.json").write_text("{}")
@@ -272,8 +281,8 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     with pytest.raises(ConfigError, match="other settings"):  # the old job record is still checked
         store.prepare({"model": "n"}, overwrite=False)
     store.prepare({"model": "m"}, overwrite=False)
-    assert store.written == {1, 2}
-    store.write([_out_row(3)])
+    assert store.keys() == {(1, 0), (2, 0)}  # their rows are sample 0
+    store.write([_out_row(3), _out_row(2)])
     store.close()
     assert not (out / "generations").exists() and not (out / "job.json").exists()
     assert not (out / "summary.json").exists() and (out / "_job.json").exists()
