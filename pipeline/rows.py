@@ -24,7 +24,7 @@ class InputIndex:
     """The input's ids in row order (Arrow, int64 or string), and the corpus names its rows use."""
 
     source: InputSource
-    ids: pa.ChunkedArray
+    ids: pa.Array  # one contiguous array (slices and takes of a chunked one cost O(chunks) each)
     id_type: pa.DataType
     generated_ids: bool
     corpora: set = field(default_factory=set)
@@ -45,17 +45,17 @@ def scan_ids(source: InputSource, corpus_column: str | None = None) -> InputInde
             corpora.update(v for v in pc.unique(t.column(corpus_column)).to_pylist() if v is not None)
         n += t.num_rows
     if not source.has_ids:
-        ids = pa.chunked_array([pa.array(np.arange(n, dtype=np.int64))])
+        ids = pa.array(np.arange(n, dtype=np.int64))
         return InputIndex(source, ids, pa.int64(), True, corpora)
     return InputIndex(source, *_checked_ids(chunks, id_col), False, corpora)
 
 
-def _checked_ids(chunks: list, column: str) -> tuple[pa.ChunkedArray, pa.DataType]:
+def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
     kinds = {("int" if pa.types.is_integer(c.type) else "str") for c in chunks if not pa.types.is_null(c.type)}
     if len(kinds) > 1:
         raise ConfigError(f"id column {column!r} mixes integers and strings")
     id_type = pa.string() if kinds == {"str"} else pa.int64()
-    ids = pa.chunked_array([c.cast(id_type) for c in chunks], type=id_type)
+    ids = pa.chunked_array([c.cast(id_type) for c in chunks], type=id_type).combine_chunks()
     if ids.null_count:
         first = int(np.flatnonzero(pc.is_null(ids).to_numpy(zero_copy_only=False))[0])
         raise ConfigError(f"id column {column!r} has a null at row {first}")
@@ -84,7 +84,7 @@ def pending(index: InputIndex, written: pa.Table | None, num_samples: int) -> Pe
         n = len(index)
         return Pending(np.ones(n, dtype=bool), {}, 0, n, n * num_samples)
     keys = written.filter(pc.and_(pc.less(written.column("sample"), num_samples),
-                                  pc.is_in(written.column("id"), value_set=index.ids.combine_chunks())))
+                                  pc.is_in(written.column("id"), value_set=index.ids)))
     keys = keys.group_by(["id", "sample"]).aggregate([])
     per_id = keys.group_by("id").aggregate([("sample", "count")])
     full = per_id.filter(pc.equal(per_id.column("sample_count"), num_samples)).column("id")
@@ -128,10 +128,10 @@ def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
 
 @dataclass
 class Chunk:
-    """Rows of one scanner batch that are still to do: their table, ids and problems."""
+    """Rows of one scanner batch that are still to do: their table, ids (Arrow) and problems."""
 
     table: pa.Table
-    ids: list
+    ids: pa.Array
     problems: list
 
 
@@ -143,13 +143,18 @@ def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterat
     offset = 0
     for t in index.source.batches(cols):
         n = t.num_rows
-        pos = np.flatnonzero(todo[offset:offset + n])
-        if len(pos):
-            sub = t.take(pa.array(pos))
-            expected = index.ids.take(pa.array(pos + offset))
-            if not index.generated_ids and not pc.all(pc.equal(sub.column(roles["id"]), expected)).as_py():
-                raise RuntimeError(f"the input {index.source.source} changed while the job ran (ids differ)")
-            yield Chunk(sub, expected.to_pylist(), prompt_problems(sub, cfg))
+        mask = todo[offset:offset + n]
+        if mask.all():  # the common case: the whole batch, no copy
+            sub, expected = t, index.ids.slice(offset, n)
+        elif mask.any():
+            pos = np.flatnonzero(mask)
+            sub, expected = t.take(pa.array(pos)), index.ids.take(pa.array(pos + offset))
+        else:
+            offset += n
+            continue
+        if not index.generated_ids and not pc.all(pc.equal(sub.column(roles["id"]), expected)).as_py():
+            raise RuntimeError(f"the input {index.source.source} changed while the job ran (ids differ)")
+        yield Chunk(sub, expected, prompt_problems(sub, cfg))
         offset += n
 
 
@@ -157,10 +162,10 @@ def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending) -> tuple[in
     """(rows, keys) still to do that will be error rows without reaching a replica (for ``--dry-run``)."""
     rows = keys = 0
     for c in stream_chunks(index, cfg, todo.todo):
-        for rid, p in zip(c.ids, c.problems):
+        for i, p in enumerate(c.problems):
             if p is not None:
                 rows += 1
-                keys += len(todo.missing.get(rid, range(cfg.num_samples)))
+                keys += len(todo.missing.get(c.ids[i].as_py(), range(cfg.num_samples)))
     return rows, keys
 
 
@@ -171,6 +176,6 @@ def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing
     messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows
     corpora = t.column(cfg.corpus_column).to_pylist() if cfg.corpus_column else [default_corpus] * t.num_rows
     every = list(range(cfg.num_samples))
-    for rid, p, m, c, problem in zip(chunk.ids, prompts, messages, corpora, chunk.problems):
+    for rid, p, m, c, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, chunk.problems):
         prompt = None if problem else row_prompt(p, m, use_messages)
         yield {"id": rid, "prompt": prompt, "corpus": c, "samples": missing.get(rid, every)}, problem

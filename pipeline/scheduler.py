@@ -119,7 +119,9 @@ class Scheduler:
             self._requeue(batch)
         log.warning("%s died (%s); %d batch(es) go back to the queue", name, self._last_error, len(requeue))
         self.on_event("death", name=name, error=self._last_error, requeued=len(requeue))
-        if not slot.ready:
+        if not slot.ready and getattr(err, "actor_init_failed", True):
+            # its __init__ raised (e.g. the model does not fit): a replacement would fail the same way.
+            # A process killed while loading (OOM killer, lost node) is replaced like any dead replica.
             self._start_failures += 1
             if self.stats.first_ready_s is None and self._start_failures >= min(2, self.n + 1):
                 raise JobFailed(f"replicas fail to start: {err}")

@@ -127,7 +127,7 @@ def output_counts(store, data, num_samples: int = 1) -> dict:
     if out is None:
         return c
     keys = out.group_by(["id", "sample"]).aggregate([])
-    ours = pc.and_(pc.is_in(keys.column("id"), value_set=data.ids.combine_chunks()),
+    ours = pc.and_(pc.is_in(keys.column("id"), value_set=data.ids),
                    pc.less(keys.column("sample"), num_samples))
     ok = out.filter(pc.is_null(out.column("error")))
     c.update(in_output=out.num_rows, covered=int(pc.sum(ours).as_py() or 0), duplicates=out.num_rows - keys.num_rows,
