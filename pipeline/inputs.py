@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import pyarrow as pa
 
 from .config import ConfigError, JobConfig
+from .json_rows import PROBLEM, json_names, read_json_rows
+from .row_checks import row_problem, row_prompt  # noqa: F401 - the input's row checks, named here too
 
 TABLE_SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -27,7 +29,6 @@ TABLE_SUFFIXES = {
     ".csv": "csv",
 }
 SCAN_ROWS = 8192  # rows per batch read from the input
-PROBLEM = "__problem__"  # column of a batch read by pipeline.json_rows: why a value could not be typed
 
 
 # ---------------------------------------------------------------------------------------------- one file
@@ -54,8 +55,6 @@ class InputFile:
     def _read(self, present: list[str], strict: tuple) -> Iterator[pa.Table]:
         try:
             if self.fmt == "json-rows":
-                from .json_rows import read_json_rows
-
                 yield from read_json_rows(self.path, present, SCAN_ROWS, strict)
             elif self.fmt == "arrow-stream":
                 with pa.memory_map(str(self.path)) as src:
@@ -76,8 +75,6 @@ class InputFile:
 
     def _read_json(self, present: list[str], strict: tuple) -> Iterator[pa.Table]:
         """Arrow's JSON reader; from the first block it cannot type on, :mod:`pipeline.json_rows`."""
-        from .json_rows import read_json_rows
-
         done = 0
         try:
             for b in _dataset(self.path, "json").to_batches(columns=present, batch_size=SCAN_ROWS):
@@ -152,8 +149,6 @@ def open_file(path: pathlib.Path, split: str | None = None) -> InputFile:
 
 
 def _json_rows_file(path: pathlib.Path) -> InputFile:
-    from .json_rows import json_names
-
     return InputFile(path, "json-rows", json_names(path))
 
 
@@ -263,31 +258,3 @@ def read_columns(cfg: JobConfig, columns: list[str]) -> dict[str, list]:
     """Every row's values of ``columns`` as Python lists: for small inputs (tests, the pipeline benchmark)."""
     tables = list(open_input(cfg).batches(columns))
     return {c: [v for t in tables for v in t.column(c).to_pylist()] for c in columns}
-
-
-# ---------------------------------------------------------------------------------------------- rows
-def row_problem(prompt: Any, messages: Any = None, use_messages: bool = False) -> str | None:
-    """Why this row cannot be generated (checked in the driver, no tokenizer needed), or None."""
-    if use_messages and messages is not None:
-        if not isinstance(messages, list) or not messages:
-            return "messages must be a non-empty list of {role, content} objects"
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return f"malformed message {m!r}: need {{'role': str, 'content': str}}"
-        return None
-    if prompt is None:
-        return "prompt is null" if not use_messages else "prompt and messages are both null"
-    if isinstance(prompt, str):
-        return "empty prompt" if not prompt.strip() else None
-    if isinstance(prompt, list):
-        if not prompt:
-            return "empty prompt"
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None
-        return "a list prompt must hold token ids (integers)"
-    return f"prompt has type {type(prompt).__name__}; expected a string (or a list of token ids)"
-
-
-def row_prompt(prompt: Any, messages: Any, use_messages: bool) -> Any:
-    """What the engine encodes for a row that passed :func:`row_problem`."""
-    return messages if use_messages and messages is not None else prompt

@@ -13,6 +13,9 @@ from typing import Iterator
 import pyarrow as pa
 
 from .config import ConfigError
+from .row_checks import row_problem
+
+PROBLEM = "__problem__"  # the column of a batch read here that says why a value could not be typed
 
 
 def _records(path: pathlib.Path) -> Iterator[dict]:
@@ -52,8 +55,6 @@ def json_names(path: pathlib.Path) -> list[str]:
 
 def _column(values: list) -> tuple[pa.Array, list]:
     """(Arrow array, problem per value): values of a kind Arrow cannot mix in are null with their problem."""
-    from .inputs import row_problem
-
     try:
         return pa.array(values), [None] * len(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -68,8 +69,6 @@ def _column(values: list) -> tuple[pa.Array, list]:
 def read_json_rows(path: pathlib.Path, columns: list[str], rows: int, strict: tuple = ()) -> Iterator[pa.Table]:
     """Tables of ``columns`` (and ``__problem__``), ``rows`` records each. A ``strict`` column (the ids)
     of mixed kinds is a ConfigError (ids are checked, never repaired); other columns' odd values are problems."""
-    from .inputs import PROBLEM
-
     chunk: list[dict] = []
 
     def table() -> pa.Table:

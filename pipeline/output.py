@@ -286,7 +286,7 @@ class OutputStore:
         maybe = pc.is_in(ids, value_set=self.existing.column("id").combine_chunks()).to_pylist()
         if not any(maybe):
             return
-        old = {(i, s) for i, s in zip(self.existing.column("id").to_pylist(), self.existing.column("sample").to_pylist())}
+        old = set(zip(self.existing.column("id").to_pylist(), self.existing.column("sample").to_pylist()))
         for key, m in zip(list(self.pending), maybe):
             if m and key in old:
                 log.warning("row %r sample %d is already in the output; not writing it again", *key)

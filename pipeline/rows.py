@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .config import ConfigError, JobConfig
-from .inputs import PROBLEM, InputSource, is_token_list_type, row_problem, row_prompt
+from .inputs import PROBLEM, InputSource, is_token_list_type
+from .row_checks import row_problem, row_prompt
 
 
 @dataclass
@@ -59,12 +60,20 @@ def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
     if ids.null_count:
         first = int(np.flatnonzero(pc.is_null(ids).to_numpy(zero_copy_only=False))[0])
         raise ConfigError(f"id column {column!r} has a null at row {first}")
-    if pc.count_distinct(ids).as_py() != len(ids):
+    if _has_duplicates(ids):
         counts = pc.value_counts(ids)
         dup = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
         raise ConfigError(f"id column {column!r} has {len(dup)} duplicated value(s), e.g. "
                           f"{', '.join(repr(d) for d in dup.slice(0, 5).to_pylist())}")
     return ids, id_type
+
+
+def _has_duplicates(ids: pa.Array) -> bool:
+    """Integer ids: a sort (several times faster than Arrow's hashing here); strings: Arrow's unique."""
+    if pa.types.is_integer(ids.type):
+        s = np.sort(ids.to_numpy())
+        return bool((s[1:] == s[:-1]).any())
+    return len(pc.unique(ids)) != len(ids)
 
 
 @dataclass

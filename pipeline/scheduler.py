@@ -1,7 +1,8 @@
 """Feeding batches of rows to replicas, and surviving replicas that die.
 
 Batches are taken from an iterator as replicas have room for them (the job streams them from its
-input), so only the batches in flight and those requeued are held. Each replica gets up to ``depth`` batches in flight (one running, the next already queued in the
+input), so only the batches in flight and those requeued are held. Each replica gets up to ``depth``
+batches in flight (one running, the next already queued in the
 actor), so it never waits on the driver. When a replica dies (``RayActorError``: its process was
 killed, crashed or lost its node), every batch it had in flight goes back to the front of the queue
 and a new replica is started in its place (up to ``max_replacements`` times). A batch that was

@@ -165,7 +165,8 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
     return {
         "complete": out["covered"] == total_ids and failure is None,
         "rows": {
-            "total": total_ids, "input_rows": len(data), "num_samples": cfg.num_samples, "done_now": progress.done, "failed_now": progress.failed,
+            "total": total_ids, "input_rows": len(data), "num_samples": cfg.num_samples,
+            "done_now": progress.done, "failed_now": progress.failed,
             "skipped_already_done": progress.skipped, "in_output": out["in_output"],
             "failed_in_output": out["failed"], "not_in_input": out["in_output"] - out["covered"] - out["duplicates"],
             "duplicates_in_output": out["duplicates"], "missing": total_ids - out["covered"],

@@ -25,15 +25,15 @@ def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
     row's sample is the same however the job is split or resumed. Sample 0 keeps the seed rows had
     before samples existed.
     """
-    key = f"{int(base)}\x00{type(row_id).__name__}\x00{row_id}" + (f"\x00{int(sample)}" if sample else "")
-    key = key.encode()
+    key = f"{int(base)}\x00{type(row_id).__name__}\x00{row_id}"
+    key = (key + (f"\x00{int(sample)}" if sample else "")).encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 
 def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None = None,
               n_prompt_tokens: int | None = None, sample: int = 0) -> dict:
-    return {"id": row_id, "sample": sample, "generation": None, "finish_reason": None, "n_prompt_tokens": n_prompt_tokens,
-            "n_new_tokens": None, "steps": None, "mean_accepted": None, "accepted_lengths": None,
+    return {"id": row_id, "sample": sample, "generation": None, "finish_reason": None,
+            "n_prompt_tokens": n_prompt_tokens, "n_new_tokens": None, "steps": None, "mean_accepted": None, "accepted_lengths": None,
             "retrieval_success": None, "wall_s": None, "method": spec.method, "model": spec.model,
             "error": error, "corpus": corpus}
 

@@ -130,6 +130,22 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
     assert limited.ids.to_pylist() == ["a"]
 
 
+def test_json_lines_arrow_cannot_type_are_read_row_by_row(tmp_path):
+    """A number among text prompts past Arrow's first JSON block: the scan switches to pipeline.json_rows
+    (the rows already read are not repeated) and the odd row is a problem, not a failed job."""
+    import numpy as np
+
+    from pipeline.rows import stream_chunks
+
+    rows = [{"id": i, "prompt": f"prompt number {i}"} for i in range(60_000)] + [{"id": 60_000, "prompt": 7}]
+    cfg = JobConfig(input=str(_write_jsonl(tmp_path / "in.jsonl", rows)), output="unused")
+    index = scan_ids(open_input(cfg))
+    assert index.ids.to_pylist() == list(range(60_001))
+    chunks = list(stream_chunks(index, cfg, np.ones(len(index), dtype=bool)))
+    problems = [p for c in chunks for p in c.problems]
+    assert len(problems) == 60_001 and not any(problems[:-1]) and "type int" in problems[-1]
+
+
 @pytest.mark.parametrize("rows, kwargs, message", [
     ([{"id": 1, "text": "x"}], {}, "column 'prompt' (--prompt-column) not found"),
     ([{"id": 1, "prompt": "x"}], {"corpus_column": "corpus"}, "column 'corpus' (--corpus-column) not found"),
