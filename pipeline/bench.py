@@ -24,7 +24,8 @@ import tempfile
 import time
 
 from .config import GenerationSpec, JobConfig
-from .inputs import load_input, row_prompt
+from .inputs import open_input, read_columns, row_prompt
+from .rows import scan_ids
 
 log = logging.getLogger("pipeline.bench")
 
@@ -59,12 +60,12 @@ def main(argv=None) -> int:
                 batch_rows=args.batch_rows, log_interval=60.0)
     cfg0 = JobConfig(output="unused", **base)
     # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
-    data = load_input(cfg0)
-    prompts = [row_prompt(data.prompts[i] if data.prompts else None, None, False) for i in range(len(data.ids))]
+    ids = scan_ids(open_input(cfg0)).ids.to_pylist()
+    prompts = [row_prompt(p, None, False) for p in read_columns(cfg0, [cfg0.prompt_column])[cfg0.prompt_column]]
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    bare = BareRuns(model, tok, gen, list(data.ids), prompts, cfg0.rows_per_batch)
+    bare = BareRuns(model, tok, gen, ids, prompts, cfg0.rows_per_batch)
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray (bare runs at nice 0 too)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="WARNING")

@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=0,
-                     help="base seed; a row's seed is a stable hash of (seed, row id)")
+                     help="base seed; a row's seed is a stable hash of (seed, row id, sample)")
+    gen.add_argument("--num-samples", type=int, default=1,
+                     help="samples per prompt: output rows (id, sample 0..N-1), each with its own seed "
+                          "(use with --temperature > 0; raising it on resume adds the missing samples)")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
@@ -99,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
-        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
+        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements,
+        num_samples=args.num_samples)
 
 
 def dry_run(cfg: JobConfig) -> int:

@@ -89,13 +89,14 @@ class JobConfig:
     log_interval: float = 10.0
     max_replacements: int | None = None  # actor deaths replaced before the job gives up; None: 3 + 2 * actors
     max_row_attempts: int = 2  # a single row that kills its actor this many times becomes an error row
+    num_samples: int = 1  # output rows per input row (id, sample 0..N-1), each with its own seed
 
     def __post_init__(self) -> None:
         if not self.input:
             raise ConfigError("--input is required")
         if not self.output:
             raise ConfigError("--output is required")
-        for name in ("actors", "tp", "max_row_attempts"):
+        for name in ("actors", "tp", "max_row_attempts", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_rows", "threads_per_actor", "limit", "part_rows"):

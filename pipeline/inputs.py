@@ -1,22 +1,26 @@
-"""Reading the job's input table and checking it before any actor starts.
+"""The job's input table, read as a stream of Arrow batches (never whole) and checked before any actor starts.
 
-Accepted inputs: a Parquet, Arrow IPC (file or stream), JSONL/JSON or CSV file; a directory of such
-files (read in sorted path order); or a ``datasets`` dataset saved with ``save_to_disk``. Only the
-columns the job uses are read. Schema problems (missing column, unusable column type, null or
-duplicate ids) raise :class:`ConfigError`; problems of single rows (null, empty or wrongly typed
-prompt, malformed messages) are found by :func:`row_problem` and become error rows.
+Accepted inputs: a Parquet, Arrow IPC (file or stream), JSON lines / JSON or CSV file; a directory of
+such files (read in sorted path order); or a ``datasets`` dataset saved with ``save_to_disk``. Files are
+read with ``pyarrow.dataset`` scanners (Arrow IPC streams with Arrow's stream reader, saved datasets
+through ``datasets``' memory-mapped table), only the columns asked for, batch by batch. A JSON file
+Arrow cannot type (a column holding both strings and numbers, a top-level ``[...]`` array) is read by
+:mod:`pipeline.json_rows` instead, which marks the values of the wrong type as row problems.
+
+Schema problems (missing column, unusable column type) raise :class:`ConfigError` here; ids are checked
+in :mod:`pipeline.rows`, problems of single rows become error rows (:func:`row_problem`).
 """
 from __future__ import annotations
 
-import json
 import pathlib
-from collections import Counter
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import pyarrow as pa
 
 from .config import ConfigError, JobConfig
+from .json_rows import PROBLEM, json_names, read_json_rows
+from .row_checks import row_problem, row_prompt  # noqa: F401 - the input's row checks, named here too
 
 TABLE_SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",
@@ -24,32 +28,142 @@ TABLE_SUFFIXES = {
     ".jsonl": "json", ".ndjson": "json", ".json": "json",
     ".csv": "csv",
 }
+SCAN_ROWS = 8192  # rows per batch read from the input
 
 
+# ---------------------------------------------------------------------------------------------- one file
 @dataclass
-class InputRows:
-    """The job's rows, as Python values of the columns it uses (one entry per input row)."""
+class InputFile:
+    """One input file (or a saved dataset): its format, column names and (typed formats) column types."""
 
-    ids: list
-    id_type: pa.DataType  # int64 or string: the output's id column keeps the input's kind
-    prompts: list | None
-    messages: list | None
-    corpora: list | None
-    source: str
-    generated_ids: bool = False
+    path: pathlib.Path
+    fmt: str  # parquet, arrow, arrow-stream, json, json-rows (pipeline.json_rows), csv, datasets
+    names: list[str]
+    types: dict[str, pa.DataType] = field(default_factory=dict)
+    split: str | None = None
 
-    def __len__(self) -> int:
-        return len(self.ids)
+    def batches(self, columns: list[str], strict: tuple = ()) -> Iterator[pa.Table]:
+        """The file's rows in order, ``SCAN_ROWS`` at a time, as tables of ``columns`` (absent ones null);
+        ``strict``: columns whose values are never turned into row problems (the ids)."""
+        present = [c for c in columns if c in self.names]
+        for t in self._read(present, strict):
+            for c in columns:
+                if c not in t.column_names:
+                    t = t.append_column(c, pa.nulls(t.num_rows))
+            yield t.select(columns + ([PROBLEM] if PROBLEM in t.column_names else []))
+
+    def _read(self, present: list[str], strict: tuple) -> Iterator[pa.Table]:
+        try:
+            if self.fmt == "json-rows":
+                yield from read_json_rows(self.path, present, SCAN_ROWS, strict)
+            elif self.fmt == "arrow-stream":
+                with pa.memory_map(str(self.path)) as src:
+                    for b in pa.ipc.open_stream(src):
+                        yield pa.Table.from_batches([b]).select(present)
+            elif self.fmt == "datasets":
+                table = _load_saved_dataset(self.path, self.split).data.table.select(present)
+                for b in table.to_batches(max_chunksize=SCAN_ROWS):
+                    yield pa.Table.from_batches([b], schema=table.schema)
+            elif self.fmt == "json":
+                yield from self._read_json(present, strict)
+            else:
+                for b in _dataset(self.path, self.fmt).to_batches(columns=present, batch_size=SCAN_ROWS):
+                    yield pa.Table.from_batches([b])
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read {str(self.path)!r} as {self.fmt}: {e}") from None
 
 
-# ---------------------------------------------------------------------------------------------- readers
+    def _read_json(self, present: list[str], strict: tuple) -> Iterator[pa.Table]:
+        """Arrow's JSON reader; from the first block it cannot type on, :mod:`pipeline.json_rows`."""
+        done = 0
+        try:
+            for b in _dataset(self.path, "json").to_batches(columns=present, batch_size=SCAN_ROWS):
+                done += b.num_rows
+                yield pa.Table.from_batches([b])
+            return
+        except pa.ArrowInvalid:
+            self.fmt = "json-rows"  # later passes read it so from the start
+        for t in read_json_rows(self.path, present, SCAN_ROWS, strict):
+            skip = min(done, t.num_rows)
+            done -= skip
+            if skip < t.num_rows:
+                yield t.slice(skip)
+
+
+def _dataset(path: pathlib.Path, fmt: str):
+    """A ``pyarrow.dataset`` of one file (its scanners read batches in file order)."""
+    import pyarrow.dataset as ds
+
+    if fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        fmt = ds.CsvFileFormat(convert_options=pcsv.ConvertOptions(strings_can_be_null=False))
+    elif fmt == "arrow":
+        fmt = "ipc"
+    return ds.dataset(str(path), format=fmt)
+
+
+def _load_saved_dataset(path: pathlib.Path, split: str | None):
+    import datasets
+
+    try:
+        d = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds
+        raise ConfigError(f"cannot load the saved dataset {str(path)!r}: {e}") from None
+    if isinstance(d, datasets.DatasetDict):
+        if split is None:
+            if len(d) != 1:
+                raise ConfigError(f"{str(path)!r} is a DatasetDict with splits {sorted(d)}; pick one with --split")
+            split = next(iter(d))
+        if split not in d:
+            raise ConfigError(f"split {split!r} not in {str(path)!r} (splits: {sorted(d)})")
+        d = d[split]
+    return d.flatten_indices() if getattr(d, "_indices", None) is not None else d
+
+
+def open_file(path: pathlib.Path, split: str | None = None) -> InputFile:
+    """Format, names and types of one file, from its schema (Parquet footer, IPC header, first JSON/CSV block)."""
+    if is_saved_dataset(path):
+        d = _load_saved_dataset(path, split)
+        return InputFile(path, "datasets", list(d.column_names), {f.name: f.type for f in d.data.schema}, split)
+    fmt = TABLE_SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(f"cannot read {str(path)!r}: unknown file type (use "
+                          f"{', '.join(sorted(TABLE_SUFFIXES))} or a saved datasets directory)")
+    if fmt == "json" and _starts_with(path, b"["):
+        return _json_rows_file(path)
+    try:
+        schema = _dataset(path, fmt).schema
+    except (OSError, pa.ArrowException) as e:
+        if fmt == "arrow":
+            try:
+                with pa.memory_map(str(path)) as src:
+                    schema = pa.ipc.open_stream(src).schema
+                return InputFile(path, "arrow-stream", list(schema.names), {f.name: f.type for f in schema})
+            except (OSError, pa.ArrowException):
+                pass
+        if fmt == "json" and isinstance(e, pa.ArrowInvalid):
+            return _json_rows_file(path)
+        raise ConfigError(f"cannot read {str(path)!r} as {fmt}: {e}") from None
+    return InputFile(path, fmt, list(schema.names), {f.name: f.type for f in schema})
+
+
+def _json_rows_file(path: pathlib.Path) -> InputFile:
+    return InputFile(path, "json-rows", json_names(path))
+
+
+def _starts_with(path: pathlib.Path, prefix: bytes) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(4096).lstrip().startswith(prefix)
+
+
 def is_saved_dataset(path: pathlib.Path) -> bool:
     return path.is_dir() and ((path / "dataset_dict.json").is_file()
                               or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()))
 
 
 def _files_of(path: pathlib.Path) -> list[pathlib.Path]:
-    if path.is_file():
+    if path.is_file() or is_saved_dataset(path):
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TABLE_SUFFIXES
                    and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
@@ -58,112 +172,18 @@ def _files_of(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _read_arrow(path: pathlib.Path) -> pa.Table:
-    try:
-        with pa.memory_map(str(path)) as src:
-            return pa.ipc.open_file(src).read_all()
-    except pa.ArrowInvalid:
-        with pa.memory_map(str(path)) as src:
-            return pa.ipc.open_stream(src).read_all()
-
-
-def _read_json_rows(path: pathlib.Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-    else:
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{n}: not valid JSON: {e}") from None
-    for n, r in enumerate(rows, 1):
-        if not isinstance(r, dict):
-            raise ConfigError(f"{path}: record {n} is a {type(r).__name__}, not a JSON object")
-    return rows
-
-
-def _columns_from_table(table: pa.Table, wanted: list[str]) -> dict[str, list]:
-    return {c: table.column(c).to_pylist() for c in wanted if c in table.column_names}
-
-
-def read_table_file(path: pathlib.Path, wanted: list[str]):
-    """(all column names, {wanted column: values}, {column: arrow type (typed formats only)}, rows)."""
-    fmt = TABLE_SUFFIXES.get(path.suffix.lower())
-    if fmt is None:
-        raise ConfigError(f"cannot read {str(path)!r}: unknown file type (use "
-                          f"{', '.join(sorted(TABLE_SUFFIXES))} or a saved datasets directory)")
-    try:
-        if fmt == "json":
-            rows = _read_json_rows(path)
-            names: list[str] = []
-            for r in rows:
-                names.extend(k for k in r if k not in names)
-            return names, {c: [r.get(c) for r in rows] for c in wanted if c in names}, {}, len(rows)
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            schema = pq.read_schema(path)
-            cols = [c for c in wanted if c in schema.names]
-            table = pq.read_table(path, columns=cols)
-        elif fmt == "arrow":
-            table = _read_arrow(path)
-        else:
-            import pyarrow.csv as pcsv
-
-            table = pcsv.read_csv(path, convert_options=pcsv.ConvertOptions(strings_can_be_null=False))
-    except ConfigError:
-        raise
-    except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {str(path)!r} as {fmt}: {e}") from None
-    if fmt == "parquet":
-        names, types = list(schema.names), {f.name: f.type for f in schema}
-    else:
-        names, types = list(table.column_names), {f.name: f.type for f in table.schema}
-    return names, _columns_from_table(table, wanted), types, table.num_rows
-
-
-def read_dataset(path: pathlib.Path, wanted: list[str], split: str | None):
-    import datasets
-
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds
-        raise ConfigError(f"cannot load the saved dataset {str(path)!r}: {e}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None:
-            if len(ds) != 1:
-                raise ConfigError(f"{str(path)!r} is a DatasetDict with splits {sorted(ds)}; pick one with --split")
-            split = next(iter(ds))
-        if split not in ds:
-            raise ConfigError(f"split {split!r} not in {str(path)!r} (splits: {sorted(ds)})")
-        ds = ds[split]
-    names = list(ds.column_names)
-    cols = [c for c in wanted if c in names]
-    types = {f.name: f.type for f in ds.data.schema}
-    values = ds.select_columns(cols).to_dict() if cols else {}
-    return names, values, types, len(ds)
-
-
-# ---------------------------------------------------------------------------------------------- checks
+# ---------------------------------------------------------------------------------------------- the input
 def _is_text_type(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
 
 
-def _is_token_list_type(t: pa.DataType) -> bool:
+def is_token_list_type(t: pa.DataType) -> bool:
     return (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_integer(t.value_type)
 
 
 def _check_column_type(name: str, role: str, t: pa.DataType) -> None:
     ok = {
-        "prompt": _is_text_type(t) or _is_token_list_type(t),
+        "prompt": _is_text_type(t) or is_token_list_type(t),
         "messages": pa.types.is_null(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t))
                                             and pa.types.is_struct(t.value_type)),
         "corpus": _is_text_type(t) or pa.types.is_dictionary(t),
@@ -175,8 +195,34 @@ def _check_column_type(name: str, role: str, t: pa.DataType) -> None:
         raise ConfigError(f"column {name!r} (--{role}-column) has type {t}; expected {want}")
 
 
-def load_input(cfg: JobConfig) -> InputRows:
-    """Read and check ``cfg.input``; raises :class:`ConfigError` naming the problem."""
+@dataclass
+class InputSource:
+    """The input's files and the roles of their columns; :meth:`batches` streams them in row order."""
+
+    source: str
+    files: list[InputFile]
+    roles: dict[str, str]  # role (id, prompt, messages, corpus) -> column name
+    limit: int | None = None
+
+    @property
+    def has_ids(self) -> bool:
+        return any(self.roles["id"] in f.names for f in self.files)
+
+    def batches(self, columns: list[str]) -> Iterator[pa.Table]:
+        """Tables of ``columns`` (absent ones null) over every file in order, at most ``limit`` rows in all."""
+        left = self.limit
+        for f in self.files:
+            for t in f.batches(columns, strict=(self.roles["id"],)):
+                if left is not None:
+                    if left <= 0:
+                        return
+                    t = t.slice(0, left)
+                    left -= t.num_rows
+                yield t
+
+
+def open_input(cfg: JobConfig) -> InputSource:
+    """The files of ``cfg.input`` with their schemas checked (no rows read); ConfigError naming the problem."""
     path = pathlib.Path(cfg.input).expanduser()
     if not path.exists():
         raise ConfigError(f"input {cfg.input!r} does not exist")
@@ -185,107 +231,30 @@ def load_input(cfg: JobConfig) -> InputRows:
         roles["messages"] = cfg.messages_column
     if cfg.corpus_column:
         roles["corpus"] = cfg.corpus_column
-    wanted = list(dict.fromkeys(roles.values()))
-
-    parts = []
-    if is_saved_dataset(path):
-        parts.append((str(path), *read_dataset(path, wanted, cfg.split)))
-    else:
-        for f in _files_of(path):
-            parts.append((str(f), *read_table_file(f, wanted)))
-
-    values: dict[str, list] = {c: [] for c in wanted}
-    present_everywhere = {c: True for c in wanted}
-    for src, names, vals, types, n in parts:
+    files = [open_file(f, cfg.split) for f in _files_of(path)]
+    for f in files:
         for role, col in roles.items():
-            if col in types:
-                _check_column_type(col, role, types[col])
-        for c in wanted:
-            if c in vals:
-                values[c].extend(vals[c])
-            else:
-                present_everywhere[c] = False
-                values[c].extend([None] * n)
-    available = sorted({c for _, names, *_ in parts for c in names})
+            if col in f.types:
+                _check_column_type(col, role, f.types[col])
+    available = sorted({c for f in files for c in f.names})
 
     def require(col: str, flag: str) -> None:
-        if not present_everywhere[col]:
-            missing = [src for src, names, *_ in parts if col not in names]
+        missing = [str(f.path) for f in files if col not in f.names]
+        if missing:
             raise ConfigError(f"column {col!r} ({flag}) not found in {missing[0]!r}"
                               f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''}; "
                               f"available columns: {', '.join(available)}")
 
-    if cfg.messages_column:
-        require(cfg.messages_column, "--messages-column")
-    else:
-        require(cfg.prompt_column, "--prompt-column")
+    require(cfg.messages_column or cfg.prompt_column, "--messages-column" if cfg.messages_column else "--prompt-column")
     if cfg.corpus_column:
         require(cfg.corpus_column, "--corpus-column")
-
-    n_rows = sum(p[-1] for p in parts)
-    generated = not any(cfg.id_column in names for _, names, *_ in parts)
-    if generated:
-        ids: list = list(range(n_rows))
-    else:
+    source = InputSource(str(path), files, roles, cfg.limit)
+    if source.has_ids:
         require(cfg.id_column, "--id-column")
-        ids = values[cfg.id_column]
-    limit = cfg.limit if cfg.limit is not None else n_rows
-    ids = ids[:limit]
-    id_type = _check_ids(ids, cfg.id_column)
-
-    def col(c: str | None) -> list | None:
-        return values[c][:limit] if c and present_everywhere.get(c) else None
-
-    prompts = col(cfg.prompt_column)
-    corpora = col(cfg.corpus_column)
-    if corpora is not None:
-        bad = [(i, v) for i, v in enumerate(corpora) if v is not None and not isinstance(v, str)]
-        if bad:
-            raise ConfigError(f"column {cfg.corpus_column!r} (--corpus-column) must hold strings or nulls; "
-                              f"row {bad[0][0]} holds {bad[0][1]!r}")
-    return InputRows(ids=ids, id_type=id_type, prompts=prompts, messages=col(cfg.messages_column),
-                     corpora=corpora, source=str(path), generated_ids=generated)
+    return source
 
 
-def _check_ids(ids: list, column: str) -> pa.DataType:
-    kinds = set()
-    for i, v in enumerate(ids):
-        if v is None:
-            raise ConfigError(f"id column {column!r} has a null at row {i}")
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ConfigError(f"id column {column!r} must hold integers or strings; row {i} holds {v!r}")
-        kinds.add(int if isinstance(v, int) else str)
-    if len(kinds) > 1:
-        raise ConfigError(f"id column {column!r} mixes integers and strings")
-    dup = [k for k, c in Counter(ids).items() if c > 1]
-    if dup:
-        raise ConfigError(f"id column {column!r} has {len(dup)} duplicated value(s), e.g. "
-                          f"{', '.join(repr(d) for d in dup[:5])}")
-    return pa.string() if kinds == {str} else pa.int64()
-
-
-def row_problem(prompt: Any, messages: Any = None, use_messages: bool = False) -> str | None:
-    """Why this row cannot be generated (checked in the driver, no tokenizer needed), or None."""
-    if use_messages and messages is not None:
-        if not isinstance(messages, list) or not messages:
-            return "messages must be a non-empty list of {role, content} objects"
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                return f"malformed message {m!r}: need {{'role': str, 'content': str}}"
-        return None
-    if prompt is None:
-        return "prompt is null" if not use_messages else "prompt and messages are both null"
-    if isinstance(prompt, str):
-        return "empty prompt" if not prompt.strip() else None
-    if isinstance(prompt, list):
-        if not prompt:
-            return "empty prompt"
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None
-        return "a list prompt must hold token ids (integers)"
-    return f"prompt has type {type(prompt).__name__}; expected a string (or a list of token ids)"
-
-
-def row_prompt(prompt: Any, messages: Any, use_messages: bool) -> Any:
-    """What the engine encodes for a row that passed :func:`row_problem`."""
-    return messages if use_messages and messages is not None else prompt
+def read_columns(cfg: JobConfig, columns: list[str]) -> dict[str, list]:
+    """Every row's values of ``columns`` as Python lists: for small inputs (tests, the pipeline benchmark)."""
+    tables = list(open_input(cfg).batches(columns))
+    return {c: [v for t in tables for v in t.column(c).to_pylist()] for c in columns}

@@ -1,13 +1,15 @@
 """Running a job: plan it (no Ray), start (or join) Ray, share the indexes, run the replicas with the
 scheduler, write the summary.
 
-The stages live in their own modules: :mod:`pipeline.plan` checks the job and decides its rows before Ray
-starts (a bad job fails in seconds with a message naming the problem), :mod:`pipeline.scheduler` feeds
-the replicas and survives their deaths, :mod:`pipeline.summary` builds ``_summary.json``.
+The stages live in their own modules: :mod:`pipeline.plan` checks the job and finds its rows still to do
+before Ray starts (a bad job fails in seconds with a message naming the problem), :mod:`pipeline.rows`
+streams their prompts from the input while the job runs, :mod:`pipeline.scheduler` feeds the replicas
+and survives their deaths, :mod:`pipeline.summary` builds ``_summary.json``.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -15,13 +17,14 @@ import pathlib
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from .config import ConfigError, JobConfig
 from .plan import JobPlan, make_plan
 from .progress import Progress
+from .rows import chunk_rows, stream_chunks
 from .summary import RunRecord, build_summary
-from .worker import error_row
+from .worker import error_rows
 
 log = logging.getLogger("pipeline.job")
 
@@ -111,17 +114,18 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     """
     t0 = time.perf_counter()
     plan = make_plan(cfg)
-    progress = Progress(len(plan.data), plan.skipped, len(plan.todo) + len(plan.rejected), cfg.log_interval)
-    if plan.rejected:
-        plan.store.add(plan.rejected)
-        progress.add(plan.rejected)
-    log.info("input %s: %d rows, %d already in %s, %d to generate, %d rejected before generation",
-             plan.data.source, len(plan.data), plan.skipped, cfg.output, len(plan.todo), len(plan.rejected))
+    todo = plan.todo
+    progress = Progress(len(plan.data) * cfg.num_samples, todo.done, todo.keys, cfg.log_interval)
+    log.info("input %s: %d rows x %d sample(s), %d already in %s, %d to do (%d rows)", plan.data.source.source,
+             len(plan.data), cfg.num_samples, todo.done, cfg.output, todo.keys, todo.rows)
     record = RunRecord()
+    sink = _Sink(cfg, plan, progress, record)
     failure: BaseException | None = None
     try:
-        if plan.todo:
-            run_replicas(cfg, plan, progress, record, on_event, t0)
+        batches = row_batches(cfg, plan, sink.add)
+        first = next(batches, None)  # rows that cannot be generated are written on the way
+        if first is not None:  # else no replica is needed
+            run_replicas(cfg, plan, sink, itertools.chain([first], batches), on_event, t0)
     except BaseException as e:  # noqa: BLE001 - summarize, then re-raise
         failure = e
     finally:
@@ -154,27 +158,48 @@ def flush_rows(plan: JobPlan, failure: BaseException | None) -> BaseException | 
     return failure
 
 
+def row_batches(cfg: JobConfig, plan: JobPlan, on_rejected: Callable[[list[dict]], None]) -> Iterator[list[dict]]:
+    """The rows still to do, ``cfg.rows_per_batch`` at a time, streamed from the input; the rows found
+    unusable on the way (null, empty, wrongly typed prompt ...) go to ``on_rejected`` as error rows."""
+    size, batch = cfg.rows_per_batch, []
+    for chunk in stream_chunks(plan.data, cfg, plan.todo.todo):
+        rejected = []
+        for row, problem in chunk_rows(chunk, cfg, plan.default_corpus, plan.todo.missing):
+            if problem:
+                rejected += error_rows(row, problem, cfg.gen)
+                continue
+            batch.append(row)
+            if len(batch) == size:
+                yield batch
+                batch = []
+        if rejected:
+            on_rejected(rejected)
+    if batch:
+        yield batch
+
+
 class _Sink:
-    """Where the scheduler's rows go: the output store (the one writer) and the progress counters."""
+    """Where finished rows go: the output store (the one writer) and the progress counters."""
 
     def __init__(self, cfg: JobConfig, plan: JobPlan, progress: Progress, record: RunRecord):
         self.cfg, self.store, self.progress, self.record = cfg, plan.store, progress, record
 
     def result(self, batch, rows: list[dict], stats: dict) -> None:
-        self._add(rows)
+        self.add(rows)
+        self.progress.by_replicas += len(rows)
 
     def failed(self, rows: list[dict], reason: str) -> None:
-        self._add([error_row(r["id"], reason, self.cfg.gen, r.get("corpus")) for r in rows])
+        self.add([e for r in rows for e in error_rows(r, reason, self.cfg.gen)])
+        self.progress.by_replicas += sum(len(r.get("samples", (0,))) for r in rows)
 
     def tick(self) -> None:
         self._note_start()
         self.store.tick()
         self.progress.tick()
 
-    def _add(self, rows: list[dict]) -> None:
+    def add(self, rows: list[dict]) -> None:
         self.store.add(rows)
         self.progress.add(rows)
-        self.progress.by_replicas += len(rows)
         self._note_start()
 
     def _note_start(self) -> None:
@@ -183,15 +208,15 @@ class _Sink:
             self.progress.t_gen = stats.first_dispatch
 
 
-def run_replicas(cfg: JobConfig, plan: JobPlan, progress: Progress, record: RunRecord,
+def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list[dict]],
                  on_event: Callable[..., None] | None, t0: float) -> None:
-    """Ray, the shared indexes, the replicas: generate ``plan.todo``; fills ``record`` and the timing."""
+    """Ray, the shared indexes, the replicas: generate ``rows`` (batches); fills the record and timing."""
     import ray
 
     from .replica import make_replica_factory
     from .scheduler import Batch, Scheduler
 
-    timing = plan.timing
+    timing, record = plan.timing, sink.record
     t = time.perf_counter()
     record.ray_info = connect_ray(cfg)
     timing["ray_init_s"] = time.perf_counter() - t
@@ -206,11 +231,9 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, progress: Progress, record: RunR
         made.append(factory(name))
         return made[-1]
 
-    size = cfg.rows_per_batch
-    batches = [Batch(k, plan.todo[s:s + size]) for k, s in enumerate(range(0, len(plan.todo), size))]
-    sink = _Sink(cfg, plan, progress, record)
-    log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; %d batches of <= %d rows",
-             cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, len(batches), size)
+    batches = (Batch(k, b) for k, b in enumerate(rows))
+    log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
+             cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)
     sched = Scheduler(tracking_factory, cfg.actors, batches, sink.result, sink.failed, on_event=on_event,
                       on_tick=sink.tick, max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts)
     record.stats = sched.stats

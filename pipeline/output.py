@@ -11,7 +11,7 @@ Parquet readers (pandas, pyarrow.dataset, Ray Data, DuckDB ``'out/*.parquet'``) 
 with ``_`` or ``.``, so ``pd.read_parquet(out)`` reads the rows. Every file is written to a hidden
 temporary sibling and renamed into place (after fsync): a visible part file is always complete. The
 driver is the only writer and never writes an id twice, so the output holds each input row exactly
-once; rows it has not flushed yet are regenerated after a crash. A directory of the earlier layout
+once per (id, sample); rows it has not flushed yet are regenerated after a crash. A directory of the earlier layout
 (``generations/part-*.parquet``, ``job.json``) is moved to this one when a job resumes it.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .config import ConfigError
@@ -42,6 +43,7 @@ PART_GLOB = "part-*.parquet"
 def output_schema(id_type: pa.DataType) -> pa.Schema:
     return pa.schema([
         ("id", id_type),
+        ("sample", pa.int32()),  # which of the row's --num-samples samples (0 when one per row)
         ("generation", pa.string()),
         ("finish_reason", pa.string()),
         ("n_prompt_tokens", pa.int32()),
@@ -107,8 +109,9 @@ class OutputStore:
 
     ``add(rows)`` buffers; a part is written once ``part_rows`` rows are buffered or ``part_seconds``
     have passed since the last one (checked on ``add`` and ``tick``), and by ``flush()`` (end of a run,
-    stop). ``written`` holds the ids on disk, ``pending`` the buffered ones; an id in either is never
-    taken again."""
+    stop). Rows are keyed by (id, sample): ``existing`` holds the keys on disk when the run started (an
+    Arrow table), ``written`` the keys this run wrote, ``pending`` the buffered rows; a key in any of
+    them is never written again."""
 
     def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
                  part_seconds: float = 60.0, schema: pa.Schema | None = None):
@@ -118,8 +121,9 @@ class OutputStore:
         self.parts = self.root
         self.schema = output_schema(id_type) if schema is None else schema
         self.part_rows, self.part_seconds = part_rows, part_seconds
-        self.written: set = set()
-        self.pending: dict = {}  # id -> row, in arrival order
+        self.existing: pa.Table | None = None  # (id, sample) of the rows on disk at the start
+        self.written: set = set()  # (id, sample) written by this run
+        self.pending: dict = {}  # (id, sample) -> row, in arrival order
         self.parts_written = 0
         self._last_flush = time.monotonic()
         self.lock: OutputLock | None = None
@@ -167,8 +171,7 @@ class OutputStore:
             if not f.name.startswith(("_", ".")) and not f.match(PART_GLOB):
                 log.warning("%s is not a file of this job; it is left alone, but Parquet readers of %s will "
                             "try to read it: move it elsewhere", f, self.root)
-        ids = self.read_existing(columns=("id",))
-        self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
+        self.existing = self.read_existing(columns=("id", "sample"))
 
     def _check_job(self, job_path: pathlib.Path, job: dict) -> None:
         try:
@@ -215,16 +218,19 @@ class OutputStore:
             if (self.root / name).exists() and self.part_files():
                 self._check_job(self.root / name, job)
                 break
-        ids = self.read_existing(columns=("id",))
-        self.written = set(ids.column("id").to_pylist()) if ids is not None else set()
+        self.existing = self.read_existing(columns=("id", "sample"))
 
-    def read_existing(self, columns: Iterable[str] = ("id", "error", "n_new_tokens", "steps", "corpus")
+    def read_existing(self, columns: Iterable[str] = ("id", "sample", "error", "n_new_tokens", "steps", "corpus")
                       ) -> pa.Table | None:
-        """The given columns of every part file (only those columns are read), or None if none."""
+        """The given columns of every part file (only those columns are read), or None if none. Parts
+        written before the ``sample`` column existed hold sample 0."""
         tables = []
         for f in self.part_files():
             try:
-                t = pq.read_table(f, columns=list(columns))
+                names = pq.read_schema(f).names
+                t = pq.read_table(f, columns=[c for c in columns if c in names])
+                if "sample" in columns and "sample" not in names:
+                    t = t.append_column("sample", pa.array([0] * t.num_rows, pa.int32())).select(list(columns))
             except (OSError, pa.ArrowException) as e:
                 raise ConfigError(f"cannot read the existing part file {f}: {e}; it is not a complete part "
                                   f"of this job: delete it or use --overwrite") from None
@@ -232,16 +238,17 @@ class OutputStore:
                 raise ConfigError(f"{f} has ids of type {t.schema.field('id').type}, the input's are "
                                   f"{self.schema.field('id').type}; use --overwrite or another --output")
             tables.append(t)
-        return pa.concat_tables(tables) if tables else None
+        return pa.concat_tables(tables, promote_options="default") if tables else None
 
     # ------------------------------------------------------------------ during the run
     def add(self, rows: Iterable[dict]) -> pathlib.Path | None:
-        """Buffer the rows whose ids are neither written nor buffered; write a part if one is due."""
+        """Buffer the rows whose (id, sample) is neither written nor buffered; write a part if one is due."""
         for r in rows:
-            if r["id"] in self.written or r["id"] in self.pending:
-                log.warning("row %r is already in the output; not writing it again", r["id"])
+            key = (r["id"], r["sample"])
+            if key in self.written or key in self.pending:
+                log.warning("row %r sample %d is already in the output; not writing it again", *key)
                 continue
-            self.pending[r["id"]] = r
+            self.pending[key] = r
         return self.tick()
 
     def tick(self) -> pathlib.Path | None:
@@ -256,8 +263,11 @@ class OutputStore:
         self._last_flush = time.monotonic()
         if not self.pending:
             return None
-        ids = sorted(str(i) for i in self.pending)
-        name = "part-" + hashlib.sha1("\x00".join(ids).encode()).hexdigest()[:16] + ".parquet"
+        self._drop_existing()
+        if not self.pending:
+            return None
+        keys = sorted(f"{i}\x01{s}" for i, s in self.pending)
+        name = "part-" + hashlib.sha1("\x00".join(keys).encode()).hexdigest()[:16] + ".parquet"
         table = pa.Table.from_pylist(list(self.pending.values()), schema=self.schema)
         path = self.root / name
         try:
@@ -269,6 +279,25 @@ class OutputStore:
         self.pending = {}
         self.parts_written += 1
         return path
+
+    def _drop_existing(self) -> None:
+        """Drop buffered rows whose key was on disk when the run started (the plan never sends them)."""
+        if self.existing is None or not self.existing.num_rows:
+            return
+        ids = pa.array([i for i, _ in self.pending], self.schema.field("id").type)
+        maybe = pc.is_in(ids, value_set=self.existing.column("id").combine_chunks()).to_pylist()
+        if not any(maybe):
+            return
+        old = set(zip(self.existing.column("id").to_pylist(), self.existing.column("sample").to_pylist()))
+        for key, m in zip(list(self.pending), maybe):
+            if m and key in old:
+                log.warning("row %r sample %d is already in the output; not writing it again", *key)
+                del self.pending[key]
+
+    def keys(self) -> set:
+        """Every (id, sample) on disk (read from the part files; for tests and checks)."""
+        t = self.read_existing(columns=("id", "sample"))
+        return set(zip(t.column("id").to_pylist(), t.column("sample").to_pylist())) if t is not None else set()
 
     def write(self, rows: list[dict]) -> pathlib.Path | None:
         """Buffer the rows and write everything buffered now."""

@@ -1,8 +1,9 @@
-"""Planning a job, before Ray starts: read the input, check the model, build the reference indexes,
-open the output, and split the rows into those to generate, those rejected now and those already done.
+"""Planning a job, before Ray starts: read and check the input's ids, check the model, build the
+reference indexes, open the output, and find which (id, sample) pairs the output still lacks.
 
-Everything that can be wrong with the flags, the input, the model or the references is found here, so
-a bad job fails in seconds with a message naming the problem (:class:`ConfigError`).
+Everything that can be wrong with the flags, the input's schema and ids, the model or the references is
+found here, so a bad job fails in seconds with a message naming the problem (:class:`ConfigError`).
+The prompts are not read here: :mod:`pipeline.rows` streams them while the job runs.
 """
 from __future__ import annotations
 
@@ -12,24 +13,23 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ConfigError, JobConfig
-from .inputs import InputRows, load_input, row_problem, row_prompt
+from .inputs import open_input
 from .output import OutputStore
-from .worker import error_row
+from .rows import InputIndex, Pending, count_problems, pending, scan_ids
 
 log = logging.getLogger("pipeline.plan")
 
 
 @dataclass
 class JobPlan:
-    """What a job will do: its input, model, indexes and output, and which rows it generates."""
+    """What a job will do: its input's ids, model, indexes and output, and the keys still to do."""
 
-    data: InputRows
+    data: InputIndex
     model_path: pathlib.Path
     references: dict  # corpus name -> index arrays (with their metadata), ready for the object store
     store: OutputStore
-    todo: list[dict] = field(default_factory=list)  # rows to generate: {"id", "prompt", "corpus"}
-    rejected: list[dict] = field(default_factory=list)  # error rows of rows that cannot be generated
-    skipped: int = 0  # input rows already in the output
+    todo: Pending
+    default_corpus: str | None = None  # the corpus of rows without a corpus column (the one --reference)
     timing: dict = field(default_factory=dict)  # validate_s, reference_build_s
 
 
@@ -75,21 +75,20 @@ def job_record(cfg: JobConfig) -> dict:
             "references": {n: p for n, p in cfg.references}}
 
 
-def corpus_of_rows(cfg: JobConfig, data: InputRows) -> list:
-    """Each row's corpus name (selects its reference index); checks the names against --reference."""
+def check_corpora(cfg: JobConfig, data: InputIndex) -> str | None:
+    """Check the corpus names the rows use against --reference; the corpus of rows without that column."""
     names = [n for n, _ in cfg.references]
-    if data.corpora is None:
-        return [names[0] if names else None] * len(data)
-    used = {c for c in data.corpora if c is not None}
-    unused = [n for n in names if n not in used]
+    if not cfg.corpus_column:
+        return names[0] if names else None
+    unused = [n for n in names if n not in data.corpora]
     if unused:
         raise ConfigError(f"--reference {unused[0]!r} names no corpus in column {cfg.corpus_column!r} "
-                          f"(values: {', '.join(sorted(map(str, used))[:10]) or 'none'})")
-    missing = sorted(used - set(names))
+                          f"(values: {', '.join(sorted(map(str, data.corpora))[:10]) or 'none'})")
+    missing = sorted(data.corpora - set(names))
     if names and missing:
         log.warning("rows of corpus %s have no --reference; they draft from their own context only",
-                    ", ".join(missing[:10]))
-    return list(data.corpora)
+                    ", ".join(map(str, missing[:10])))
+    return None
 
 
 def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
@@ -112,30 +111,13 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
     return references
 
 
-def split_rows(plan: JobPlan, cfg: JobConfig, corpora: list) -> None:
-    """Fill ``plan.todo``, ``plan.rejected`` and ``plan.skipped`` from the input and the output so far."""
-    data, done_ids = plan.data, plan.store.written
-    use_messages = cfg.messages_column is not None
-    for i, rid in enumerate(data.ids):
-        if rid in done_ids:
-            plan.skipped += 1
-            continue
-        prompt = data.prompts[i] if data.prompts is not None else None
-        messages = data.messages[i] if data.messages is not None else None
-        problem = row_problem(prompt, messages, use_messages)
-        if problem:
-            plan.rejected.append(error_row(rid, problem, cfg.gen, corpora[i]))
-        else:
-            plan.todo.append({"id": rid, "prompt": row_prompt(prompt, messages, use_messages), "corpus": corpora[i]})
-
-
 def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
-    """Check the job and decide its rows (no Ray). Locks the output, writes ``_job.json`` (new runs) and
-    removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot run.
-    ``dry_run``: the same checks, but the output is only read (no lock, nothing written)."""
+    """Check the job and find its keys still to do (no Ray). Locks the output, writes ``_job.json`` (new
+    runs) and removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot
+    run. ``dry_run``: the same checks, but the output is only read (no lock, nothing written)."""
     t0 = time.perf_counter()
-    data = load_input(cfg)
-    corpora = corpus_of_rows(cfg, data)
+    data = scan_ids(open_input(cfg), cfg.corpus_column)
+    default_corpus = check_corpora(cfg, data)
     model_path = check_model(cfg.gen.model, cfg.gen.trust_remote_code)
     timing = {"validate_s": time.perf_counter() - t0}
     t = time.perf_counter()
@@ -147,24 +129,27 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
             store.inspect(job_record(cfg))
     else:
         store.prepare(job_record(cfg), cfg.overwrite)
-    stale = len(store.written - set(data.ids)) if store.written else 0
+    todo = pending(data, store.existing, cfg.num_samples)
+    stale = (store.existing.num_rows if store.existing is not None else 0) - todo.done
     if stale:
-        log.warning("%d row(s) in %s are not in the input", stale, cfg.output)
-    plan = JobPlan(data, model_path, references, store, timing=timing)
-    split_rows(plan, cfg, corpora)
-    return plan
+        log.warning("%d row(s) in %s are not in the input (or are samples beyond --num-samples)", stale, cfg.output)
+    timing["plan_s"] = time.perf_counter() - t0
+    return JobPlan(data, model_path, references, store, todo, default_corpus, timing=timing)
 
 
 def dry_run_report(cfg: JobConfig, plan: JobPlan, t0: float) -> dict:
-    """What ``--dry-run`` prints: the plan's counts, and the planning's time and peak memory."""
+    """What ``--dry-run`` prints: the plan's counts (the prompts of the rows to do are read and checked
+    too), and the planning's time and peak memory."""
     import math
     import resource
 
-    todo, rejected = len(plan.todo), len(plan.rejected)
-    return {"input": plan.data.source, "output": str(plan.store.root), "rows": len(plan.data),
-            "already_done": plan.skipped, "to_generate": todo, "rejected_before_generation": rejected,
-            "batches": math.ceil(todo / cfg.rows_per_batch), "rows_per_batch": cfg.rows_per_batch,
+    todo = plan.todo
+    rejected, rejected_keys = count_problems(plan.data, cfg, todo)
+    return {"input": plan.data.source.source, "output": str(plan.store.root), "rows": len(plan.data),
+            "num_samples": cfg.num_samples, "already_done": todo.done, "to_generate": todo.keys - rejected_keys,
+            "rows_to_generate": todo.rows - rejected, "rejected_before_generation": rejected_keys,
+            "batches": math.ceil((todo.rows - rejected) / cfg.rows_per_batch), "rows_per_batch": cfg.rows_per_batch,
             "replicas": cfg.actors, "actors": cfg.actors * cfg.tp,
-            "part_files_at_least": math.ceil((todo + rejected) / cfg.part_rows),
+            "part_files_at_least": math.ceil(todo.keys / cfg.part_rows),
             "model_path": str(plan.model_path), "plan_s": round(time.perf_counter() - t0, 2),
             "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

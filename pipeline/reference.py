@@ -28,7 +28,7 @@ import numpy as np
 from logitspec.index import CorpusIndex
 
 from .config import ConfigError
-from .inputs import TABLE_SUFFIXES, is_saved_dataset, read_dataset, read_table_file
+from .inputs import TABLE_SUFFIXES, is_saved_dataset, open_file
 from .output import new_file_mode
 
 log = logging.getLogger("pipeline.reference")
@@ -58,8 +58,7 @@ def read_documents(spec: str) -> list[str]:
         raise ConfigError(f"reference corpus {str(path)!r} does not exist")
     col = column or "text"
     if is_saved_dataset(path):
-        names, values, _, _ = read_dataset(path, [col], None)
-        docs = _column_docs(path, names, values, col)
+        docs = _column_docs(path, col)
     elif path.is_file():
         docs = _docs_of_file(path, col)
     else:
@@ -72,17 +71,17 @@ def read_documents(spec: str) -> list[str]:
     return docs
 
 
-def _column_docs(path, names, values, col) -> list[str]:
-    if col not in names:
-        raise ConfigError(f"reference corpus {str(path)!r} has no column {col!r} (columns: {', '.join(names)}); "
+def _column_docs(path: pathlib.Path, col: str) -> list[str]:
+    f = open_file(path)
+    if col not in f.names:
+        raise ConfigError(f"reference corpus {str(path)!r} has no column {col!r} (columns: {', '.join(f.names)}); "
                           f"name one with {path}#COLUMN")
-    return [v for v in values[col] if isinstance(v, str)]
+    return [v for t in f.batches([col]) for v in t.column(col).to_pylist() if isinstance(v, str)]
 
 
 def _docs_of_file(path: pathlib.Path, col: str) -> list[str]:
     if path.suffix.lower() in TABLE_SUFFIXES:
-        names, values, _, _ = read_table_file(path, [col])
-        return _column_docs(path, names, values, col)
+        return _column_docs(path, col)
     try:
         return [path.read_text(encoding="utf-8")]
     except UnicodeDecodeError:

@@ -13,6 +13,7 @@ import time
 
 import ray
 
+from . import faults
 from .config import GenerationSpec
 from .resources import Replica, ReplicaResources, process_memory
 
@@ -34,9 +35,11 @@ class EngineWorker:
         torch.set_num_threads(threads)
         t_import = time.perf_counter()
         device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-        self.generator, info = set_up(spec, device, reference_refs, Engine,
-                                      load=lambda dtype: load_model(spec.model, dtype=dtype, device=device,
-                                                                    trust_remote_code=spec.trust_remote_code))
+        def load(dtype):
+            faults.at_load()  # test-only: a process killed while loading (pipeline.faults)
+            return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
+
+        self.generator, info = set_up(spec, device, reference_refs, Engine, load=load)
         self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                       "import_s": t_import - t0, **info, "init_s": time.perf_counter() - t0}
 
@@ -44,6 +47,7 @@ class EngineWorker:
         return {**self._info, "memory": process_memory()}
 
     def generate(self, rows: list[dict]) -> tuple[list[dict], dict]:
+        faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.faults)
         out, stats = self.generator(rows)
         stats["pid"] = os.getpid()
         return out, stats
@@ -60,6 +64,7 @@ class ActorReplica:
         cls = ray.remote(worker).options(
             num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
             max_restarts=0, max_task_retries=0,  # the scheduler replaces dead replicas and redoes their rows
+            runtime_env=faults.fault_env(),
         )
         self.actor = cls.remote(spec, resources.threads, resources.num_gpus > 0,
                                 {k: (v,) for k, v in reference_refs.items()})

@@ -1,6 +1,8 @@
 """Feeding batches of rows to replicas, and surviving replicas that die.
 
-Each replica gets up to ``depth`` batches in flight (one running, the next already queued in the
+Batches are taken from an iterator as replicas have room for them (the job streams them from its
+input), so only the batches in flight and those requeued are held. Each replica gets up to ``depth``
+batches in flight (one running, the next already queued in the
 actor), so it never waits on the driver. When a replica dies (``RayActorError``: its process was
 killed, crashed or lost its node), every batch it had in flight goes back to the front of the queue
 and a new replica is started in its place (up to ``max_replacements`` times). A batch that was
@@ -14,7 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
@@ -58,7 +60,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, factory: Callable[[str], Replica], n_replicas: int, batches: list[Batch],
+    def __init__(self, factory: Callable[[str], Replica], n_replicas: int, batches: Iterable[Batch],
                  on_result: Callable[[Batch, list[dict], dict], None],
                  on_failed_rows: Callable[[list[dict], str], None],
                  on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
@@ -66,7 +68,9 @@ class Scheduler:
                  tick_s: float = 1.0):
         self.factory = factory
         self.n = n_replicas
-        self.queue: deque[Batch] = deque(batches)
+        self.queue: deque[Batch] = deque()  # batches to redo (requeued), taken before new ones
+        self.source = iter(batches)
+        self.source_done = False
         self.on_result = on_result
         self.on_failed_rows = on_failed_rows
         self.on_event = on_event or (lambda *a, **k: None)
@@ -79,7 +83,7 @@ class Scheduler:
         self.ready_refs: dict = {}  # ObjectRef -> slot name
         self.task_refs: dict = {}  # ObjectRef -> slot name
         self.stats = SchedulerStats()
-        self._next_key = max((b.key for b in batches), default=-1) + 1
+        self._next_key = -1  # keys of batches split here: negative (the source's are >= 0)
         self._count = 0
         self._initial_ready = 0
         self._start_failures = 0
@@ -116,7 +120,9 @@ class Scheduler:
             self._requeue(batch)
         log.warning("%s died (%s); %d batch(es) go back to the queue", name, self._last_error, len(requeue))
         self.on_event("death", name=name, error=self._last_error, requeued=len(requeue))
-        if not slot.ready:
+        if not slot.ready and getattr(err, "actor_init_failed", True):
+            # its __init__ raised (e.g. the model does not fit): a replacement would fail the same way.
+            # A process killed while loading (OOM killer, lost node) is replaced like any dead replica.
             self._start_failures += 1
             if self.stats.first_ready_s is None and self._start_failures >= min(2, self.n + 1):
                 raise JobFailed(f"replicas fail to start: {err}")
@@ -126,7 +132,7 @@ class Scheduler:
                                 f"is spent; last error: {self._last_error}")
             log.warning("replacement budget spent; going on with %d replica(s)", len(self.slots))
             return
-        if self.queue or any(s.inflight for s in self.slots.values()):
+        if self.has_work() or any(s.inflight for s in self.slots.values()):
             self.stats.replacements += 1
             self._start()
 
@@ -143,12 +149,24 @@ class Scheduler:
             self.queue.appendleft(batch)
 
     def _new_key(self) -> int:
-        self._next_key += 1
-        return self._next_key - 1
+        self._next_key -= 1
+        return self._next_key + 1
+
+    def has_work(self) -> bool:
+        """Batches left to send: requeued ones, or the source not read to its end (which reads ahead one)."""
+        if self.queue:
+            return True
+        if not self.source_done:
+            batch = next(self.source, None)
+            if batch is None:
+                self.source_done = True
+            else:
+                self.queue.append(batch)
+        return bool(self.queue)
 
     def _feed(self) -> None:
         for name, slot in self.slots.items():
-            while slot.ready and self.queue and len(slot.inflight) < self.depth:
+            while slot.ready and len(slot.inflight) < self.depth and self.has_work():
                 batch = self.queue.popleft()
                 ref = slot.replica.submit(batch.rows)
                 slot.inflight.append((ref, batch))
@@ -161,7 +179,7 @@ class Scheduler:
         t0 = time.perf_counter()
         for _ in range(self.n):
             self._start()
-        while self.queue or self.task_refs:
+        while self.task_refs or self.has_work():
             self._feed()
             refs = list(self.ready_refs) + list(self.task_refs)
             if not refs:

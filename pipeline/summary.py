@@ -117,26 +117,27 @@ def _reference_meta(references: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- rows
-def output_counts(store, data) -> dict:
-    """What the output directory holds now: rows, covered input ids, duplicates, tokens and steps."""
+def output_counts(store, data, num_samples: int = 1) -> dict:
+    """What the output directory holds now: rows, covered input keys (id, sample < ``num_samples``),
+    duplicated keys, tokens and steps (Arrow compute over the part files' few columns)."""
     import pyarrow.compute as pc
 
     out = store.read_existing()
-    input_ids = set(data.ids)
-    out_ids = out.column("id").to_pylist() if out is not None else []
-    c = {"in_output": len(out_ids), "covered": sum(1 for i in set(out_ids) if i in input_ids),
-         "duplicates": len(out_ids) - len(set(out_ids)), "failed": 0, "tokens": 0, "steps": 0, "per_corpus": {}}
-    if out is not None:
-        ok = out.filter(pc.is_null(out.column("error")))
-        c["failed"] = out.num_rows - ok.num_rows
-        c["tokens"] = int(pc.sum(ok.column("n_new_tokens")).as_py() or 0)
-        c["steps"] = int(pc.sum(ok.column("steps")).as_py() or 0)
-        for corpus, n, s in zip(ok.column("corpus").to_pylist(), ok.column("n_new_tokens").to_pylist(),
-                                ok.column("steps").to_pylist()):
-            d = c["per_corpus"].setdefault(corpus or "(none)", {"rows": 0, "tokens": 0, "steps": 0})
-            d["rows"] += 1
-            d["tokens"] += n
-            d["steps"] += s
+    c = {"in_output": 0, "covered": 0, "duplicates": 0, "failed": 0, "tokens": 0, "steps": 0, "per_corpus": {}}
+    if out is None:
+        return c
+    keys = out.group_by(["id", "sample"]).aggregate([])
+    ours = pc.and_(pc.is_in(keys.column("id"), value_set=data.ids),
+                   pc.less(keys.column("sample"), num_samples))
+    ok = out.filter(pc.is_null(out.column("error")))
+    c.update(in_output=out.num_rows, covered=int(pc.sum(ours).as_py() or 0), duplicates=out.num_rows - keys.num_rows,
+             failed=out.num_rows - ok.num_rows, tokens=int(pc.sum(ok.column("n_new_tokens")).as_py() or 0),
+             steps=int(pc.sum(ok.column("steps")).as_py() or 0))
+    corpus = pc.fill_null(ok.column("corpus"), "(none)")
+    per = ok.append_column("c", corpus).group_by("c").aggregate(
+        [("c", "count"), ("n_new_tokens", "sum"), ("steps", "sum")])
+    for name, n, t, st in zip(*(per.column(k).to_pylist() for k in ("c", "c_count", "n_new_tokens_sum", "steps_sum"))):
+        c["per_corpus"][name] = {"rows": n, "tokens": t or 0, "steps": st or 0}
     return c
 
 
@@ -158,13 +159,14 @@ def _replicas(cfg, stats) -> dict:
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
     """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``_summary.json``."""
     data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
-    out = output_counts(store, data)
-    total_ids = len(set(data.ids))
+    out = output_counts(store, data, cfg.num_samples)
+    total_ids = len(data) * cfg.num_samples  # (id, sample) keys
     gen_s = timing.get("generation_s")
     return {
         "complete": out["covered"] == total_ids and failure is None,
         "rows": {
-            "total": len(data), "done_now": progress.done, "failed_now": progress.failed,
+            "total": total_ids, "input_rows": len(data), "num_samples": cfg.num_samples,
+            "done_now": progress.done, "failed_now": progress.failed,
             "skipped_already_done": progress.skipped, "in_output": out["in_output"],
             "failed_in_output": out["failed"], "not_in_input": out["in_output"] - out["covered"] - out["duplicates"],
             "duplicates_in_output": out["duplicates"], "missing": total_ids - out["covered"],

@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, GenerationSpec, JobConfig
-from pipeline.inputs import load_input, row_problem
+from pipeline.inputs import open_input, read_columns, row_problem
+from pipeline.rows import scan_ids
 from pipeline.output import OutputStore, read_generations
 from pipeline.worker import row_seed
 from tiny_models import save_tiny_text_model
@@ -117,13 +118,32 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
     pq.write_table(table.slice(2), tmp_path / "dir" / "b.parquet")
     datasets.Dataset(table).save_to_disk(str(tmp_path / "ds"))
     for name in ("t.parquet", "t.arrow", "t.jsonl", "dir", "ds"):
-        rows = load_input(JobConfig(input=str(tmp_path / name), output="unused"))
-        assert rows.ids == ["a", "b", "c"] and rows.prompts == ["one", "", None], name
-        assert rows.id_type == pa.string()
-    csv_rows = load_input(JobConfig(input=str(tmp_path / "t.csv"), output="unused"))
-    assert csv_rows.prompts == ["one", ""]  # CSV: an empty field is an empty prompt (an error row), not a crash
-    no_ids = load_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row"))
-    assert no_ids.ids == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
+        cfg = JobConfig(input=str(tmp_path / name), output="unused")
+        index = scan_ids(open_input(cfg))
+        assert index.ids.to_pylist() == ["a", "b", "c"] and index.id_type == pa.string(), name
+        assert read_columns(cfg, ["prompt"])["prompt"] == ["one", "", None], name
+    csv = JobConfig(input=str(tmp_path / "t.csv"), output="unused")
+    assert read_columns(csv, ["prompt"])["prompt"] == ["one", ""]  # CSV: an empty field is an empty prompt
+    no_ids = scan_ids(open_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row")))
+    assert no_ids.ids.to_pylist() == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
+    limited = scan_ids(open_input(JobConfig(input=str(tmp_path / "dir"), output="unused", limit=1)))
+    assert limited.ids.to_pylist() == ["a"]
+
+
+def test_json_lines_arrow_cannot_type_are_read_row_by_row(tmp_path):
+    """A number among text prompts past Arrow's first JSON block: the scan switches to pipeline.json_rows
+    (the rows already read are not repeated) and the odd row is a problem, not a failed job."""
+    import numpy as np
+
+    from pipeline.rows import stream_chunks
+
+    rows = [{"id": i, "prompt": f"prompt number {i}"} for i in range(60_000)] + [{"id": 60_000, "prompt": 7}]
+    cfg = JobConfig(input=str(_write_jsonl(tmp_path / "in.jsonl", rows)), output="unused")
+    index = scan_ids(open_input(cfg))
+    assert index.ids.to_pylist() == list(range(60_001))
+    chunks = list(stream_chunks(index, cfg, np.ones(len(index), dtype=bool)))
+    problems = [p for c in chunks for p in c.problems]
+    assert len(problems) == 60_001 and not any(problems[:-1]) and "type int" in problems[-1]
 
 
 @pytest.mark.parametrize("rows, kwargs, message", [
@@ -136,14 +156,15 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
 def test_schema_errors_name_the_problem(tmp_path, rows, kwargs, message):
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     with pytest.raises(ConfigError) as e:
-        load_input(JobConfig(input=str(inp), output="unused", **kwargs))
+        cfg = JobConfig(input=str(inp), output="unused", **kwargs)
+        scan_ids(open_input(cfg), cfg.corpus_column)
     assert message in str(e.value)
 
 
 def test_parquet_column_of_wrong_type_is_a_config_error(tmp_path):
     pq.write_table(pa.table({"id": [1, 2], "prompt": [1.5, 2.5]}), tmp_path / "in.parquet")
     with pytest.raises(ConfigError, match="'prompt' .* has type double"):
-        load_input(JobConfig(input=str(tmp_path / "in.parquet"), output="unused"))
+        open_input(JobConfig(input=str(tmp_path / "in.parquet"), output="unused"))
 
 
 def test_row_problems_and_seeds():
@@ -176,7 +197,7 @@ def test_config_validation():
 
 
 def _out_row(i, **kw) -> dict:
-    return {"id": i, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
+    return {"id": i, "sample": 0, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
             "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
             "method": "ar", "model": "m", "error": None, "corpus": None, **kw}
 
@@ -198,9 +219,11 @@ def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, ca
     store2 = OutputStore(out, pa.int64())
     store2.prepare({"model": "m"}, overwrite=False)
     assert f"{out / 'notes.txt'} is not a file of this job" in caplog.text and (out / "notes.txt").exists()
-    assert store2.written == {1, 2, 3, 4} and not list(out.glob(".*.tmp"))
+    assert store2.keys() == {(1, 0), (2, 0), (3, 0), (4, 0)} and not list(out.glob(".*.tmp"))
+    store2.write([_out_row(2), _out_row(2, sample=1)])  # (2, 0) is on disk: only (2, 1) is written
+    assert store2.keys() == {(1, 0), (2, 0), (2, 1), (3, 0), (4, 0)}
     store2.close()
-    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3, 4]
+    assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 2, 3, 4]
     with pytest.raises(ConfigError, match="other settings .*model: was 'm', now 'n'"):
         OutputStore(out, pa.int64()).prepare({"model": "n"}, overwrite=False)
     with pytest.raises(ConfigError, match="ids of type int64"):
@@ -264,7 +287,9 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     its rows count as done and its files move to the dataset layout."""
     out = tmp_path / "old"
     (out / "generations").mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=OutputStore(out, pa.int64()).schema),
+    old_schema = OutputStore(out, pa.int64()).schema.remove(1)  # before the sample column existed
+    assert "sample" not in old_schema.names
+    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=old_schema),
                    out / "generations" / "part-aaaa.parquet")
     (out / "job.json").write_text(json.dumps({"model": "m"}))
     (out / "summary.json").write_text("{}")
@@ -272,8 +297,8 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     with pytest.raises(ConfigError, match="other settings"):  # the old job record is still checked
         store.prepare({"model": "n"}, overwrite=False)
     store.prepare({"model": "m"}, overwrite=False)
-    assert store.written == {1, 2}
-    store.write([_out_row(3)])
+    assert store.keys() == {(1, 0), (2, 0)}  # their rows are sample 0
+    store.write([_out_row(3), _out_row(2)])
     store.close()
     assert not (out / "generations").exists() and not (out / "job.json").exists()
     assert not (out / "summary.json").exists() and (out / "_job.json").exists()
@@ -754,3 +779,111 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     table = read_generations(tmp_path / "out")
     assert all(g for g in table.column("generation").to_pylist())
     assert table.column("model").to_pylist() == ["default"] * 3
+
+
+# ---------------------------------------------------------------------------------------------- fault matrix
+def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_rows: int, *flags: str):
+    """``jobs/generate.py``'s main on ``n_rows`` rows with ``LOGITSPEC_FAULT`` (pipeline.faults) set:
+    (exit code, summary, output table)."""
+    from pipeline.cli import main
+
+    monkeypatch.setenv("LOGITSPEC_FAULT", fault)
+    rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(n_rows)]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    code = main(["--input", str(inp), "--output", str(out), "--model", tiny, "--address", ray_session, "-q",
+                 "--max-batch-size", "2", "--max-new-tokens", "4", "--no-warmup", "--threads-per-actor", "1",
+                 *flags])
+    err = capsys.readouterr().err[-3000:]
+    assert code == 0, err
+    summary = json.loads((out / "_summary.json").read_text())
+    return summary, _check_exactly_once(out, list(range(n_rows)))
+
+
+@pytest.mark.slow
+def test_actor_killed_twice_in_a_row_while_loading_the_model(tmp_path, tiny, ray_session, monkeypatch, capsys):
+    """The first two replica processes are SIGKILLed while they load the model (as an OOM kill would):
+    each is replaced, the third runs the job; exit 0, complete, every row once. (An ``__init__`` that
+    raises still fails the job after two attempts: test_config_errors... / the scheduler's rule.)"""
+    kills = tmp_path / "kills"
+    kills.mkdir()
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, f"load:2:{kills}", 4,
+                                "--batch-rows", "2")
+    assert len(list(kills.iterdir())) == 2
+    assert summary["complete"] is True and summary["rows"]["failed_now"] == 0
+    assert summary["replicas"]["deaths"] == 2 and summary["replicas"]["started"] == 3
+    assert table.column("error").null_count == 4
+
+
+@pytest.mark.slow
+def test_row_that_kills_its_actor_every_time_becomes_an_error_row(tmp_path, tiny, ray_session, monkeypatch, capsys):
+    """Row 2 SIGKILLs any process it is given: its batch is redone, split into single rows after its
+    second death, and the row itself becomes an error row after it killed ``max_row_attempts`` (2)
+    processes; the other rows are generated; exit 0, complete, every row once."""
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, "row:2", 5, "--batch-rows", "2")
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert "the worker process died 2 times while generating this row" in rows[2]["error"]
+    assert all(rows[i]["error"] is None and rows[i]["generation"] for i in (0, 1, 3, 4))
+    assert summary["complete"] is True and summary["rows"]["failed_now"] == 1
+    assert summary["replicas"]["deaths"] == 4  # batch [2, 3] twice, then row 2 alone twice
+
+
+# ---------------------------------------------------------------------------------------------- --num-samples
+def test_samples_have_their_own_stable_seeds(tiny):
+    """A row's samples are sequences of their own: sample s of a row is the same whichever other samples
+    (or rows) share its batch; sample 0 keeps the seed of a one-sample row; samples differ under sampling."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    assert row_seed(0, 7, 0) == row_seed(0, 7) and len({row_seed(0, 7, s) for s in range(4)}) == 4
+    model, tok = load_model(tiny)
+    spec = GenerationSpec(model=tiny, max_new_tokens=8, max_batch_size=4, temperature=0.8, top_p=0.95, seed=3,
+                          warmup=False)
+    gen = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
+    row = {"id": "a", "prompt": "Hello there", "corpus": None}
+    four, _ = gen([{**row, "samples": [0, 1, 2, 3]}, {"id": "b", "prompt": "Lorem ipsum", "corpus": None}])
+    assert [(r["id"], r["sample"]) for r in four] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
+    text = {r["sample"]: r["generation"] for r in four if r["id"] == "a"}
+    assert len(set(text.values())) > 1, "samples of one prompt differ under sampling"
+    one, _ = gen([row])  # no "samples": sample 0 only, as before samples existed
+    later, _ = gen([{**row, "samples": [2]}])  # a resume that only lacks sample 2
+    assert [r["sample"] for r in one] == [0] and one[0]["generation"] == text[0]
+    assert later[0]["generation"] == text[2]
+
+
+def test_pending_keys_per_sample():
+    """Which (id, sample) pairs a resume still has to do: whole rows, and the missing samples of rows
+    partly written; keys of other ids or samples beyond --num-samples do not count."""
+    from pipeline.rows import InputIndex, pending
+
+    index = InputIndex(None, pa.array([10, 11, 12]), pa.int64(), False)
+    written = pa.table({"id": pa.array([10, 10, 11, 99, 12, 12], pa.int64()),
+                        "sample": pa.array([0, 1, 1, 0, 0, 5], pa.int32())})
+    p = pending(index, written, 2)
+    assert p.todo.tolist() == [False, True, True] and p.missing == {11: [0], 12: [1]}
+    assert (p.done, p.rows, p.keys) == (4, 2, 2)
+    assert pending(index, None, 3).keys == 9
+
+
+def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray_session):
+    """``--num-samples``: a first run (2 rows x 2 samples), then a resume with 3 samples per row over 4
+    rows: it adds sample 2 to the first rows and all samples to the others; each (id, sample) once, the
+    first run's samples untouched, the samples of a row distinct under sampling."""
+    from pipeline.job import run_job
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i}: the quick brown fox"} for i in range(4)])
+    out = tmp_path / "out"
+    kw = dict(temperature=0.8, seed=5, batch_rows=2, max_new_tokens=6)
+    s1 = run_job(_cfg(tiny, inp, out, limit=2, num_samples=2, **kw))
+    assert s1["complete"] and s1["rows"]["total"] == 4 and s1["rows"]["done_now"] == 4
+    first = {(r["id"], r["sample"]): r["generation"] for r in read_generations(out).to_pylist()}
+    s2 = run_job(_cfg(tiny, inp, out, num_samples=3, **kw))
+    assert s2["complete"] and s2["rows"]["skipped_already_done"] == 4 and s2["rows"]["done_now"] == 8
+    table = read_generations(out)
+    keys = list(zip(table.column("id").to_pylist(), table.column("sample").to_pylist()))
+    assert sorted(keys) == [(i, s) for i in range(4) for s in range(3)], "every (id, sample) exactly once"
+    got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
+    assert all(got[k] == v for k, v in first.items())
+    assert all(len({got[(i, s)] for s in range(3)}) > 1 for i in range(4))

@@ -1,0 +1,190 @@
+"""The job's rows: the ids (all the driver keeps of the input), which (id, sample) pairs the output still
+lacks, and the stream of rows to generate, read batch by batch from the input.
+
+Planning reads the id (and corpus) column once (:func:`scan_ids`) and checks the ids: nulls, mixed
+kinds, duplicates are :class:`ConfigError`. :func:`pending` compares them with the output's keys;
+:func:`stream_chunks` then reads the prompts of the rows still to do, a scanner batch at a time, and
+finds each row's problem (an error row) with Arrow compute where the column's type allows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .config import ConfigError, JobConfig
+from .inputs import PROBLEM, InputSource, is_token_list_type
+from .row_checks import row_problem, row_prompt
+
+
+@dataclass
+class InputIndex:
+    """The input's ids in row order (Arrow, int64 or string), and the corpus names its rows use."""
+
+    source: InputSource
+    ids: pa.Array  # one contiguous array (slices and takes of a chunked one cost O(chunks) each)
+    id_type: pa.DataType
+    generated_ids: bool
+    corpora: set = field(default_factory=set)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def scan_ids(source: InputSource, corpus_column: str | None = None) -> InputIndex:
+    """Read the id and corpus columns of every row (nothing else) and check the ids."""
+    id_col = source.roles["id"]
+    cols = ([id_col] if source.has_ids else []) + ([corpus_column] if corpus_column else [])
+    chunks, corpora, n = [], set(), 0
+    for t in source.batches(cols):
+        if source.has_ids:
+            chunks.append(t.column(id_col))
+        if corpus_column:
+            corpora.update(v for v in pc.unique(t.column(corpus_column)).to_pylist() if v is not None)
+        n += t.num_rows
+    if not source.has_ids:
+        ids = pa.array(np.arange(n, dtype=np.int64))
+        return InputIndex(source, ids, pa.int64(), True, corpora)
+    return InputIndex(source, *_checked_ids(chunks, id_col), False, corpora)
+
+
+def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
+    kinds = {("int" if pa.types.is_integer(c.type) else "str") for c in chunks if not pa.types.is_null(c.type)}
+    if len(kinds) > 1:
+        raise ConfigError(f"id column {column!r} mixes integers and strings")
+    id_type = pa.string() if kinds == {"str"} else pa.int64()
+    ids = pa.chunked_array([c.cast(id_type) for c in chunks], type=id_type).combine_chunks()
+    if ids.null_count:
+        first = int(np.flatnonzero(pc.is_null(ids).to_numpy(zero_copy_only=False))[0])
+        raise ConfigError(f"id column {column!r} has a null at row {first}")
+    if _has_duplicates(ids):
+        counts = pc.value_counts(ids)
+        dup = counts.field("values").filter(pc.greater(counts.field("counts"), 1))
+        raise ConfigError(f"id column {column!r} has {len(dup)} duplicated value(s), e.g. "
+                          f"{', '.join(repr(d) for d in dup.slice(0, 5).to_pylist())}")
+    return ids, id_type
+
+
+def _has_duplicates(ids: pa.Array) -> bool:
+    """Integer ids: a sort (several times faster than Arrow's hashing here); strings: Arrow's unique."""
+    if pa.types.is_integer(ids.type):
+        s = np.sort(ids.to_numpy())
+        return bool((s[1:] == s[:-1]).any())
+    return len(pc.unique(ids)) != len(ids)
+
+
+@dataclass
+class Pending:
+    """What the output still lacks: the rows with a sample to do, and for rows partly done, which samples."""
+
+    todo: np.ndarray  # bool per input row: some sample of it is still to do
+    missing: dict  # id -> sorted samples still to do, for rows partly in the output
+    done: int  # (id, sample) pairs of this input already in the output
+    rows: int  # rows with something to do
+    keys: int  # (id, sample) pairs still to do
+
+
+def pending(index: InputIndex, written: pa.Table | None, num_samples: int) -> Pending:
+    """Compare the input's ids with the output's (id, sample) keys (``written``; None: empty output)."""
+    if written is None or written.num_rows == 0:
+        n = len(index)
+        return Pending(np.ones(n, dtype=bool), {}, 0, n, n * num_samples)
+    keys = written.filter(pc.and_(pc.less(written.column("sample"), num_samples),
+                                  pc.is_in(written.column("id"), value_set=index.ids)))
+    keys = keys.group_by(["id", "sample"]).aggregate([])
+    per_id = keys.group_by("id").aggregate([("sample", "count")])
+    full = per_id.filter(pc.equal(per_id.column("sample_count"), num_samples)).column("id")
+    todo = ~pc.is_in(index.ids, value_set=full.combine_chunks()).to_numpy(zero_copy_only=False)
+    missing: dict = {}
+    partial = per_id.filter(pc.less(per_id.column("sample_count"), num_samples)).column("id")
+    if len(partial):
+        part = keys.filter(pc.is_in(keys.column("id"), value_set=partial.combine_chunks()))
+        for i, s in zip(part.column("id").to_pylist(), part.column("sample").to_pylist()):
+            missing.setdefault(i, set(range(num_samples))).discard(s)
+        missing = {i: sorted(s) for i, s in missing.items()}
+    rows = int(todo.sum())
+    return Pending(todo, missing, keys.num_rows, rows, len(index) * num_samples - keys.num_rows)
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
+    """Each row's problem (:func:`row_problem`'s message) or None; vectorised for text and token-id columns."""
+    use_messages = cfg.messages_column is not None
+    prompt = t.column(cfg.prompt_column)
+    typ = prompt.type
+    if pa.types.is_null(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_token_list_type(typ):
+        if pa.types.is_null(typ):
+            blank = pa.array([False] * len(prompt))
+        elif is_token_list_type(typ):
+            blank = pc.equal(pc.list_value_length(prompt), 0)
+        else:
+            blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
+        null_msg = "prompt and messages are both null" if use_messages else "prompt is null"
+        problems = pc.if_else(pc.is_null(prompt), null_msg, pc.if_else(blank, "empty prompt", None)).to_pylist()
+    else:  # a column pipeline.json_rows could not type more closely (e.g. lists of floats)
+        problems = [row_problem(p) for p in prompt.to_pylist()]
+    if use_messages:
+        for i, m in enumerate(t.column(cfg.messages_column).to_pylist()):
+            if m is not None:
+                problems[i] = row_problem(None, m, True)
+    if PROBLEM in t.column_names:
+        problems = [p or q for p, q in zip(t.column(PROBLEM).to_pylist(), problems)]
+    return problems
+
+
+@dataclass
+class Chunk:
+    """Rows of one scanner batch that are still to do: their table, ids (Arrow) and problems."""
+
+    table: pa.Table
+    ids: pa.Array
+    problems: list
+
+
+def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterator[Chunk]:
+    """The rows with ``todo`` set, read from the input in order, one scanner batch at a time."""
+    roles = index.source.roles
+    cols = [c for c in (roles["id"] if not index.generated_ids else None, cfg.prompt_column,
+                        cfg.messages_column, cfg.corpus_column) if c]
+    offset = 0
+    for t in index.source.batches(cols):
+        n = t.num_rows
+        mask = todo[offset:offset + n]
+        if mask.all():  # the common case: the whole batch, no copy
+            sub, expected = t, index.ids.slice(offset, n)
+        elif mask.any():
+            pos = np.flatnonzero(mask)
+            sub, expected = t.take(pa.array(pos)), index.ids.take(pa.array(pos + offset))
+        else:
+            offset += n
+            continue
+        if not index.generated_ids and not pc.all(pc.equal(sub.column(roles["id"]), expected)).as_py():
+            raise RuntimeError(f"the input {index.source.source} changed while the job ran (ids differ)")
+        yield Chunk(sub, expected, prompt_problems(sub, cfg))
+        offset += n
+
+
+def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending) -> tuple[int, int]:
+    """(rows, keys) still to do that will be error rows without reaching a replica (for ``--dry-run``)."""
+    rows = keys = 0
+    for c in stream_chunks(index, cfg, todo.todo):
+        for i, p in enumerate(c.problems):
+            if p is not None:
+                rows += 1
+                keys += len(todo.missing.get(c.ids[i].as_py(), range(cfg.num_samples)))
+    return rows, keys
+
+
+def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing: dict) -> Iterator[tuple]:
+    """``(row, problem)`` per row of a chunk; a row is ``{"id", "prompt", "corpus", "samples"}``."""
+    t, use_messages = chunk.table, cfg.messages_column is not None
+    prompts = t.column(cfg.prompt_column).to_pylist()
+    messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows
+    corpora = t.column(cfg.corpus_column).to_pylist() if cfg.corpus_column else [default_corpus] * t.num_rows
+    every = list(range(cfg.num_samples))
+    for rid, p, m, c, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, chunk.problems):
+        prompt = None if problem else row_prompt(p, m, use_messages)
+        yield {"id": rid, "prompt": prompt, "corpus": c, "samples": missing.get(rid, every)}, problem
