@@ -76,8 +76,9 @@ def plan_sweep(cfg: EvalConfig) -> SweepPlan:
                         schema=sweep_schema())
     store.prepare(cfg.record(), cfg.overwrite)
     plan = SweepPlan(data, rows, store, timing={"plan_s": time.perf_counter() - t0})
+    done = store.keys()  # (id, sample): the sweep writes one sample (0) per row and configuration
     for r in rows:
-        missing = [c.name for c in cfg.configs if row_id(r.key, c.name) not in store.written]
+        missing = [c.name for c in cfg.configs if (row_id(r.key, c.name), 0) not in done]
         plan.done_pairs += len(cfg.configs) - len(missing)
         if missing:
             plan.todo.append({**r.as_dict(), "configs": missing})

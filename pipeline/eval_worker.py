@@ -24,7 +24,7 @@ def row_id(key: str, config: str) -> str:
 
 def sweep_schema() -> pa.Schema:
     return pa.schema([
-        ("id", pa.string()), ("key", pa.string()), ("dataset", pa.string()), ("example_id", pa.string()),
+        ("id", pa.string()), ("sample", pa.int32()), ("key", pa.string()), ("dataset", pa.string()), ("example_id", pa.string()),
         ("config", pa.string()), ("method", pa.string()), ("generation", pa.string()),
         ("token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()), ("n_prompt_tokens", pa.int32()),
         ("n_new_tokens", pa.int32()), ("steps", pa.int32()), ("mean_accepted", pa.float64()),
@@ -36,7 +36,7 @@ def sweep_schema() -> pa.Schema:
 
 def sweep_error_row(row: dict, config: SweepConfig, error: str, n_prompt_tokens: int | None = None) -> dict:
     out = dict.fromkeys(sweep_schema().names)
-    out.update(id=row_id(row["key"], config.name), key=row["key"], dataset=row["dataset"],
+    out.update(id=row_id(row["key"], config.name), sample=0, key=row["key"], dataset=row["dataset"],
                example_id=row["example_id"], config=config.name, method=config.method,
                n_prompt_tokens=n_prompt_tokens, truncated=row.get("truncated"), error=error)
     return out
@@ -44,7 +44,7 @@ def sweep_error_row(row: dict, config: SweepConfig, error: str, n_prompt_tokens:
 
 def _ok_row(row: dict, config: SweepConfig, res, share_s: float, n_run: int, peak: int | None) -> dict:
     s = res.stats
-    return {"id": row_id(row["key"], config.name), "key": row["key"], "dataset": row["dataset"],
+    return {"id": row_id(row["key"], config.name), "sample": 0, "key": row["key"], "dataset": row["dataset"],
             "example_id": row["example_id"], "config": config.name, "method": config.method,
             "generation": res.text, "token_ids": list(res.token_ids), "finish_reason": res.finish_reason,
             "n_prompt_tokens": len(res.prompt_token_ids), "n_new_tokens": len(res.token_ids),
