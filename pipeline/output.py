@@ -244,7 +244,7 @@ class OutputStore:
     def add(self, rows: Iterable[dict]) -> pathlib.Path | None:
         """Buffer the rows whose (id, sample) is neither written nor buffered; write a part if one is due."""
         for r in rows:
-            key = (r["id"], r["sample"])
+            key = (r["id"], r.get("sample", 0))  # rows of a schema without samples are sample 0
             if key in self.written or key in self.pending:
                 log.warning("row %r sample %d is already in the output; not writing it again", *key)
                 continue

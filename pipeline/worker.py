@@ -33,9 +33,9 @@ def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
 def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None = None,
               n_prompt_tokens: int | None = None, sample: int = 0) -> dict:
     return {"id": row_id, "sample": sample, "generation": None, "finish_reason": None,
-            "n_prompt_tokens": n_prompt_tokens, "n_new_tokens": None, "steps": None, "mean_accepted": None, "accepted_lengths": None,
-            "retrieval_success": None, "wall_s": None, "method": spec.method, "model": spec.model,
-            "error": error, "corpus": corpus}
+            "n_prompt_tokens": n_prompt_tokens, "n_new_tokens": None, "steps": None, "mean_accepted": None,
+            "accepted_lengths": None, "retrieval_success": None, "wall_s": None, "method": spec.method,
+            "model": spec.model, "error": error, "corpus": corpus}
 
 
 def error_rows(row: dict, error: str, spec: GenerationSpec, n_prompt_tokens: int | None = None) -> list[dict]:
