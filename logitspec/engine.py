@@ -162,9 +162,10 @@ class Engine:
     def run(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
             top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
             stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
-            reference: NgramSource | Sequence[NgramSource | None] | None = None, n: int = 1) -> EngineRun:
-        """Generate ``n`` samples for every prompt (one prefill each): results prompt-major, and the
-        run's throughput figures.
+            reference: NgramSource | Sequence[NgramSource | None] | None = None,
+            n: int | Sequence[int] = 1) -> EngineRun:
+        """Generate ``n`` samples for every prompt (one prefill each; ``n`` may also be one count per
+        prompt): results prompt-major, and the run's throughput figures.
 
         ``seed``: an int (prompt i uses ``seed + i``) or one seed per prompt; sample j of a prompt
         with seed s uses :func:`~logitspec.session.sample_seed` (s, j), which is s for j = 0. A
@@ -177,10 +178,11 @@ class Engine:
         prompts = list(prompts)
         seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
         refs = reference if isinstance(reference, (list, tuple)) else [reference] * len(prompts)
-        if len(seeds) != len(prompts) or len(refs) != len(prompts):
-            raise ValueError("seed and reference lists must have one entry per prompt")
-        for p, s, r in zip(prompts, seeds, refs):  # all errors before any forward
-            session.submit(p, n=n, seed=s, reference=r)
+        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
+        if len(seeds) != len(prompts) or len(refs) != len(prompts) or len(counts) != len(prompts):
+            raise ValueError("seed, reference and n lists must have one entry per prompt")
+        for p, s, r, k in zip(prompts, seeds, refs, counts):  # all errors before any forward
+            session.submit(p, n=k, seed=s, reference=r)
         results = sorted(session.drain(), key=lambda r: (r.request_id, r.sample_index))
         wall = time.perf_counter() - t_start
         ntok = sum(len(r.token_ids) for r in results)

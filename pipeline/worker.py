@@ -13,21 +13,24 @@ import logging
 import time
 from typing import Any
 
+from logitspec.session import sample_seed
+
 from .config import GenerationSpec
 
 log = logging.getLogger("pipeline.worker")
 
 
 def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
-    """The sampling seed of one sample of a row: a stable hash of (``--seed``, row id, sample), in [0, 2**63).
+    """The sampling seed of one sample of a row: sample 0 has a stable hash of (``--seed``, row id), in
+    [0, 2**63); sample j the engine's :func:`~logitspec.session.sample_seed` of that (so one
+    ``Engine.run(..., n=N)`` with the row's seed draws exactly the samples 0..N-1).
 
     It depends on nothing else (not on shards, batches, actors, retries or ``--num-samples``), so a
     row's sample is the same however the job is split or resumed. Sample 0 keeps the seed rows had
     before samples existed.
     """
-    key = f"{int(base)}\x00{type(row_id).__name__}\x00{row_id}"
-    key = (key + (f"\x00{int(sample)}" if sample else "")).encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+    key = f"{int(base)}\x00{type(row_id).__name__}\x00{row_id}".encode()
+    return sample_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1, int(sample))
 
 
 def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None = None,
@@ -103,17 +106,20 @@ class RowGenerator:
 
     def _run(self, rows: list[dict], encoded: list[list[int]]):
         """One ``Engine.run`` over every sample of the rows: its results (row by row, samples in order)
-        and the batch's engine stats. Each sample is its own sequence with its own seed
-        (:func:`row_seed`); with an engine that shares one prefill among a prompt's samples
-        (``Engine.run(..., n=N)``), this is the one call to change."""
+        and the batch's engine stats. A row asking for samples 0..N-1 is one prompt with ``n=N`` (one
+        prefill shared by its samples); a row asking for other samples (a resume that lacks some) is
+        one prompt per sample, each with its own seed (:func:`row_seed`): the same draws either way."""
         spec = self.spec
-        prompts, seeds, refs = [], [], []
+        prompts, seeds, refs, counts = [], [], [], []
         for r, ids in zip(rows, encoded):
             ref = self.references.get(r.get("corpus")) if r.get("corpus") is not None else None
-            for s in samples_of(r):
+            samples = samples_of(r)
+            groups = [(0, len(samples))] if samples == list(range(len(samples))) else [(s, 1) for s in samples]
+            for first, count in groups:
                 prompts.append(ids)
-                seeds.append(row_seed(spec.seed, r["id"], s))
+                seeds.append(row_seed(spec.seed, r["id"], first))
                 refs.append(ref)
+                counts.append(count)
         return self.engine.run(
             prompts, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            top_k=spec.top_k, seed=seeds, stop=list(spec.stop) or None, reference=refs)
+            top_k=spec.top_k, seed=seeds, stop=list(spec.stop) or None, reference=refs, n=counts)

@@ -834,7 +834,8 @@ def test_row_that_kills_its_actor_every_time_becomes_an_error_row(tmp_path, tiny
 # ---------------------------------------------------------------------------------------------- --num-samples
 def test_samples_have_their_own_stable_seeds(tiny):
     """A row's samples are sequences of their own: sample s of a row is the same whichever other samples
-    (or rows) share its batch; sample 0 keeps the seed of a one-sample row; samples differ under sampling."""
+    (or rows) share its batch, and whether it shares its row's prefill (``n=``) or is generated alone (a
+    resume); sample 0 keeps the seed of a one-sample row; samples differ under sampling."""
     from logitspec import Engine
     from logitspec.models import load_model
 
@@ -846,8 +847,9 @@ def test_samples_have_their_own_stable_seeds(tiny):
                           warmup=False)
     gen = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
     row = {"id": "a", "prompt": "Hello there", "corpus": None}
-    four, _ = gen([{**row, "samples": [0, 1, 2, 3]}, {"id": "b", "prompt": "Lorem ipsum", "corpus": None}])
+    four, stats = gen([{**row, "samples": [0, 1, 2, 3]}, {"id": "b", "prompt": "Lorem ipsum", "corpus": None}])
     assert [(r["id"], r["sample"]) for r in four] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
+    assert stats["engine"]["prefills"] == 2, "one prefill per row, shared by its samples"
     text = {r["sample"]: r["generation"] for r in four if r["id"] == "a"}
     assert len(set(text.values())) > 1, "samples of one prompt differ under sampling"
     one, _ = gen([row])  # no "samples": sample 0 only, as before samples existed
