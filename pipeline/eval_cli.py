@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", default="auto", choices=("auto", "never"),
                    help="auto: the chat template for the datasets LongBench prompts as chat, if the tokenizer has one")
     p.add_argument("--max-batch-size", type=int, default=1, help="engine batch (unless --grid max_batch_size=...)")
+    p.add_argument("--prefix-cache-gb", type=float, default=4.0,
+                   help="KV of prefilled rows kept per replica, shared by the configurations' engines, so a "
+                        "row is prefilled once for the whole grid (0: every configuration prefills)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
     p.add_argument("--no-warmup", action="store_true", help="skip each engine's warm-up generation")
     p.add_argument("--trust-remote-code", action="store_true", help="let transformers run the model's own code")
@@ -60,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         data=args.data, output=args.output, model=args.model, methods=split(args.methods), grid=tuple(args.grid),
         datasets=split(args.datasets), limit=args.limit, max_new_tokens=args.max_new_tokens,
         max_length=args.max_length, chat=args.chat, max_batch_size=args.max_batch_size, dtype=args.dtype,
+        prefix_cache_gb=args.prefix_cache_gb,
         warmup=not args.no_warmup, trust_remote_code=args.trust_remote_code, actors=args.actors,
         cpus_per_actor=args.cpus_per_actor, threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows,
         overwrite=args.overwrite, address=args.address, log_interval=args.log_interval,

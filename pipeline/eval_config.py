@@ -111,6 +111,7 @@ class EvalConfig:
     max_length: int | None = None  # prompt tokens kept (middle truncation); None: context - answer - margin
     chat: str = "auto"  # "auto": the dataset's rule when the tokenizer has a template; "never"
     max_batch_size: int = 1  # engine batch unless the grid sets max_batch_size
+    prefix_cache_gb: float = 4.0  # prefilled rows kept for the other configurations (0: none)
     dtype: str = "auto"
     warmup: bool = True
     trust_remote_code: bool = False
@@ -133,6 +134,8 @@ class EvalConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
         if self.max_batch_size < 1 or self.actors < 1:
             raise ConfigError("--max-batch-size and --actors must be >= 1")
+        if not self.prefix_cache_gb >= 0:
+            raise ConfigError(f"--prefix-cache-gb must be >= 0, got {self.prefix_cache_gb}")
         if self.chat not in ("auto", "never"):
             raise ConfigError(f"--chat must be auto or never, got {self.chat!r}")
         if self.dtype not in DTYPES:

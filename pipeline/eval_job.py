@@ -80,8 +80,8 @@ def plan_sweep(cfg: EvalConfig) -> SweepPlan:
     for r in rows:
         missing = [c.name for c in cfg.configs if (row_id(r.key, c.name), 0) not in done]
         plan.done_pairs += len(cfg.configs) - len(missing)
-        if missing:
-            plan.todo.append({**r.as_dict(), "configs": missing})
+        if missing:  # "id": the row as the scheduler and the fault hooks name it
+            plan.todo.append({**r.as_dict(), "id": r.key, "configs": missing})
     return plan
 
 

@@ -40,7 +40,8 @@ def write_report(cfg: EvalConfig, plan, record: RunRecord) -> dict:
     stats = record.stats
     report["run"] = {
         "data": cfg.data, "model": cfg.model, "settings": cfg.record(), "max_batch_size": cfg.max_batch_size,
-        "rows_per_task": cfg.rows_per_batch, "actors": cfg.actors, "truncated_rows": sum(r.truncated for r in plan.rows),
+        "rows_per_task": cfg.rows_per_batch, "actors": cfg.actors,
+        "truncated_rows": sum(r.truncated for r in plan.rows),
         "pairs_generated_now": sum(len(r["configs"]) for r in plan.todo), "pairs_already_done": plan.done_pairs,
         "timing": plan.timing, "load_average": machine_load(),
         "replicas": list(stats.replica_info) if stats is not None else [],

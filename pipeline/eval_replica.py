@@ -1,7 +1,7 @@
 """The sweep's actor: one model, one engine per configuration of the grid.
 
-:func:`make_engines` is the one place that builds the engines of a replica. To prefill each row once
-for all configurations, give them one shared prefix cache there (``Engine(..., prefix_cache=cache)``).
+:func:`make_engines` is the one place that builds the engines of a replica; they share one prefix
+cache (``--prefix-cache-gb``), so each row is prefilled once for all configurations.
 """
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ from .resources import ReplicaResources
 def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
     """``{config name: Engine}``, every engine over the same ``model`` (its weights are loaded once)."""
     from logitspec import Engine
+    from logitspec.prefix_cache import PrefixCache
 
-    shared: dict = {}  # kwargs every engine gets: {"prefix_cache": PrefixCache(...)} shares prefills
+    # what every engine gets: one prefix cache, so a row is prefilled once for all configurations
+    cache_bytes = int(cfg.prefix_cache_gb * 2**30)
+    shared: dict = {"prefix_cache": PrefixCache(cache_bytes)} if cache_bytes > 0 else {}
     engines = {}
     for c in cfg.configs:
         chunk = {"prefill_chunk": c.prefill_chunk} if c.prefill_chunk else {}

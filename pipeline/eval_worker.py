@@ -24,7 +24,8 @@ def row_id(key: str, config: str) -> str:
 
 def sweep_schema() -> pa.Schema:
     return pa.schema([
-        ("id", pa.string()), ("sample", pa.int32()), ("key", pa.string()), ("dataset", pa.string()), ("example_id", pa.string()),
+        ("id", pa.string()), ("sample", pa.int32()),  # sample: always 0 (the batch job's output key is (id, sample))
+        ("key", pa.string()), ("dataset", pa.string()), ("example_id", pa.string()),
         ("config", pa.string()), ("method", pa.string()), ("generation", pa.string()),
         ("token_ids", pa.list_(pa.int32())), ("finish_reason", pa.string()), ("n_prompt_tokens", pa.int32()),
         ("n_new_tokens", pa.int32()), ("steps", pa.int32()), ("mean_accepted", pa.float64()),

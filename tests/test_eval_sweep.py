@@ -140,7 +140,10 @@ def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, 
                            e["_id"]) for e in examples]
             assert cell["score"] == score_examples(exs, [r["generation"] for r in mine])  # the dataset's metric
             assert cell["rows"] == 3 and cell["errors"] == 0 and cell["tokens_per_s"] > 0
-            assert cell["prefill_tokens_per_s"] > 0 and cell["peak_rss_bytes"] > 0 and cell["mat"] >= 1
+            assert cell["peak_rss_bytes"] > 0 and cell["mat"] >= 1
+        # one shared prefix cache: ar (the first configuration) prefilled the rows, logitspec reused them
+        assert cells["ar"]["prefill_tokens_per_s"] > 0
+        assert cells[ls]["prefill_s"] < 0.5 * cells["ar"]["prefill_s"]
         assert cells[ls]["identical"] and cells[ls]["same_score"] and cells[ls]["decode_speedup"] > 0
         assert cells[ls]["mat"] > 1  # the drafts were verified, some accepted
     assert report["lossless"]["all_identical"] and report["lossless"]["all_scores_equal"]
