@@ -21,7 +21,7 @@ from logitspec.evaluation.sweep_rows import sweep_rows
 from .config import ConfigError
 from .eval_config import EvalConfig
 from .eval_worker import row_id, sweep_error_row, sweep_schema
-from .job import connect_ray, final_infos, replica_resources, stop_on_signals
+from .job import connect_ray, drive_replicas, replica_resources
 from .output import OutputStore
 from .plan import check_model
 from .progress import Progress
@@ -109,7 +109,7 @@ class _Sink:
 def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Callable | None = None) -> None:
     """Ray, the replicas and the scheduler over ``plan.todo`` (batches never mix datasets)."""
     from .eval_replica import make_eval_replica_factory
-    from .scheduler import Batch, Scheduler
+    from .scheduler import Batch
 
     job = cfg.job_config(str(plan.store.root))
     t = time.perf_counter()
@@ -117,12 +117,6 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
     plan.timing["ray_init_s"] = time.perf_counter() - t
     resources = replica_resources(job, record.ray_info["started_here"])
     factory = make_eval_replica_factory(cfg, resources)
-    made: list = []
-
-    def tracking_factory(name):
-        made.append(factory(name))
-        return made[-1]
-
     size, batches = cfg.rows_per_batch, []
     for name in plan.data:
         rows = [r for r in plan.todo if r["dataset"] == name]
@@ -132,17 +126,10 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
     sink = _Sink(cfg, plan, progress, record)
     log.info("%d replica(s), %s CPU and %d thread(s) each; %d batches of <= %d rows x %d configurations",
              cfg.actors, resources.num_cpus, resources.threads, len(batches), size, len(cfg.configs))
-    sched = Scheduler(tracking_factory, cfg.actors, batches, sink.result, sink.failed, on_event=on_event,
-                      on_tick=sink.tick, max_replacements=job.replacements)
-    record.stats = sched.stats
     t = time.perf_counter()
     try:
-        with stop_on_signals(sched):
-            sched.run()
-        record.final = final_infos(sched.slots)
+        drive_replicas(factory, cfg.actors, batches, sink, record, on_event, max_replacements=job.replacements)
     finally:
-        for rep in made:
-            rep.kill()
         plan.timing["generation_s"] = time.perf_counter() - t
         progress.tick(force=True)
 

@@ -214,7 +214,7 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     import ray
 
     from .replica import make_replica_factory
-    from .scheduler import Batch, Scheduler
+    from .scheduler import Batch
 
     timing, record = plan.timing, sink.record
     t = time.perf_counter()
@@ -225,19 +225,41 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     refs = {name: ray.put(arrays) for name, arrays in plan.references.items()}  # once per corpus
     timing["reference_put_s"] = time.perf_counter() - t
     factory = make_replica_factory(cfg.gen, resources, refs, tp=cfg.tp)
+    batches = (Batch(k, b) for k, b in enumerate(rows))
+    log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
+             cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)
+    t_sched = time.perf_counter()
+    try:
+        drive_replicas(factory, cfg.actors, batches, sink, record, on_event,
+                       max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts)
+    finally:  # also when stopped or failed: the summary says how far start-up and generation got
+        stats = record.stats
+        if stats is not None:
+            timing["replicas_first_ready_s"] = stats.first_ready_s
+            timing["replicas_all_ready_s"] = stats.all_ready_s
+            if stats.first_dispatch is not None:
+                timing["startup_s"] = stats.first_dispatch - t0
+                timing["generation_s"] = (stats.last_result or time.perf_counter()) - stats.first_dispatch
+        timing["scheduler_s"] = time.perf_counter() - t_sched
+
+
+def drive_replicas(factory: Callable, actors: int, batches, sink, record: RunRecord, on_event: Callable | None,
+                   **scheduler_options) -> None:
+    """Run a :class:`~pipeline.scheduler.Scheduler` over ``batches`` with ``actors`` replicas from
+    ``factory``, results and failures going to ``sink`` (``result``, ``failed``, ``tick``); stops
+    cleanly on SIGINT/SIGTERM, records the scheduler's stats and the replicas' final infos in
+    ``record``, and kills every replica it made, also on failure."""
+    from .scheduler import Scheduler
+
     made: list = []
 
     def tracking_factory(name):
         made.append(factory(name))
         return made[-1]
 
-    batches = (Batch(k, b) for k, b in enumerate(rows))
-    log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
-             cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)
-    sched = Scheduler(tracking_factory, cfg.actors, batches, sink.result, sink.failed, on_event=on_event,
-                      on_tick=sink.tick, max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts)
+    sched = Scheduler(tracking_factory, actors, batches, sink.result, sink.failed, on_event=on_event,
+                      on_tick=sink.tick, **scheduler_options)
     record.stats = sched.stats
-    t_sched = time.perf_counter()
     try:
         with stop_on_signals(sched):
             sched.run()
@@ -245,14 +267,6 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     finally:
         for rep in made:
             rep.kill()
-        # also when stopped or failed: the summary says how far start-up and generation got
-        stats = sched.stats
-        timing["replicas_first_ready_s"] = stats.first_ready_s
-        timing["replicas_all_ready_s"] = stats.all_ready_s
-        if stats.first_dispatch is not None:
-            timing["startup_s"] = stats.first_dispatch - t0
-            timing["generation_s"] = (stats.last_result or time.perf_counter()) - stats.first_dispatch
-        timing["scheduler_s"] = time.perf_counter() - t_sched
 
 
 def final_infos(slots: dict, timeout_s: float = FINAL_INFO_TIMEOUT_S) -> list[dict]:
