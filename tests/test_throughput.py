@@ -97,3 +97,14 @@ def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monke
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     tcmalloc = [p for p in vllm_baseline.TCMALLOC if os.path.exists(p)][:1]
     assert "PYTHONPATH" not in env and env["LD_PRELOAD"] == ":".join(tcmalloc + [str(tmp_path / "lib" / "libiomp5.so")])
+
+
+def test_a_failing_vllm_run_is_reported_and_skipped(tmp_path, capsys):
+    """The real runner script under a python without vLLM: the child fails at its import, the
+    error reaches the user, the table keeps our rows."""
+    import sys
+
+    rows = vllm_baseline.run_all(sys.executable, tmp_path, ["plain"], {1: [[1, 2, 3]]}, 4, 1, [1, 2], ours={},
+                                 threads=1, log=lambda _: None)
+    err = capsys.readouterr().err
+    assert rows == {} and "vLLM plain skipped: vLLM runner (plain) failed" in err and "vllm" in err.lower()

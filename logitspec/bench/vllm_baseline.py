@@ -72,6 +72,7 @@ def run_method(python: pathlib.Path, model_dir, method: str, prompts: dict[int, 
                timeout: float = 1800) -> dict:
     """Run one vLLM method on token-id ``prompts`` (batch size -> its prompts) in a child process;
     its result as :func:`read_result` gives it. RuntimeError with the child's last output if it fails."""
+    python = pathlib.Path(python)
     with tempfile.TemporaryDirectory(prefix="logitspec-vllm-") as tmp:
         req, out = pathlib.Path(tmp, "request.json"), pathlib.Path(tmp, "result.json")
         req.write_text(json.dumps({"model": str(model_dir), "method": method, "dtype": "float32",
@@ -127,8 +128,10 @@ def run_all(python, model_dir, methods, prompts, max_new_tokens, rounds, warmup,
     for m in methods:
         log(f"vLLM {m}: running in {python} ...")
         try:
-            rows.update(table_rows(run_method(python, model_dir, m, prompts, max_new_tokens, rounds, warmup,
-                                                threads), ours))
+            result = run_method(python, model_dir, m, prompts, max_new_tokens, rounds, warmup, threads)
         except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
             print(f"vLLM {m} skipped: {e}", file=sys.stderr)
+            continue
+        log(f"vLLM {m}: engine start-up {result['engine_init_s']:.0f} s (not in tokens/s)")
+        rows.update(table_rows(result, ours))
     return rows
