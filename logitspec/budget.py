@@ -6,6 +6,11 @@ candidate size n, a row keeps its n most probable nodes (always an ancestor-clos
 child is never more probable than its parent), and the expected tokens committed are
 ``1 + sum of their probabilities``. The chosen n maximises ``sum over rows / t(tokens in the forward)``,
 with ``t`` from a measured cost curve (:mod:`logitspec.calibrate`).
+
+At batch (:func:`choose_sizes`) every row is padded to the widest row's node count in the decoder,
+but the output layer runs only for real nodes; with the output layer's own cost per node measured
+(``CostCurve.head``), each row gets its own count: the nodes worth their output-layer time, up to
+the chosen width (rows that are copying get more, rows whose drafts are poor bets get none).
 """
 from __future__ import annotations
 
@@ -69,12 +74,27 @@ class CostCurve:
     budget must not underestimate it.
     """
 
-    def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None):
+    def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None,
+                 head: dict | None = None):
+        """``head``: optional ``{"tokens": [N], "seconds": [s]}``, the output layer alone over N nodes
+        (part of every forward time above, where each row's every node gets output-layer results)."""
         order = np.argsort(tokens)
         self.tokens = [int(tokens[i]) for i in order]
         self.seconds = [float(seconds[i]) for i in order]
         self.batches = {int(b): c if isinstance(c, CostCurve) else CostCurve(c["tokens"], c["seconds"])
                         for b, c in (batches or {}).items()}
+        self.head = None if head is None else CostCurve(head["tokens"], head["seconds"])
+
+    def head_time(self, nodes) -> np.ndarray:
+        """Output-layer seconds for ``nodes`` (array) nodes; 0 without a head curve."""
+        nodes = np.asarray(nodes, dtype=float)
+        if self.head is None:
+            return np.zeros_like(nodes)
+        x, y = np.asarray(self.head.tokens, float), np.asarray(self.head.seconds, float)
+        if len(x) == 1:
+            return y[0] * nodes / x[0]
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])  # linear past the last point, like __call__
+        return np.where(nodes > x[-1], y[-1] + slope * (nodes - x[-1]), np.interp(nodes, x, y))
 
     def __call__(self, n: int) -> float:
         x, y = self.tokens, self.seconds
@@ -107,6 +127,8 @@ class CostCurve:
         d = {"tokens": self.tokens, "seconds": self.seconds}
         if self.batches:
             d["batches"] = {str(b): c.to_dict() for b, c in sorted(self.batches.items())}
+        if self.head is not None:
+            d["head"] = self.head.to_dict()
         return d
 
 
@@ -125,6 +147,33 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
         if score > best:
             best_n, best = n, score
     return best_n
+
+
+def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> list[int]:
+    """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
+
+    ``probs[b]``: row b's draft-node probabilities, sorted descending. For each padded width T, the
+    forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
+    are then taken most probable first (a row's kept nodes are its most probable ones), each
+    prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
+    is :func:`choose_size` for every row.
+    """
+    B = len(probs)
+    best, best_score = [0] * B, B / cost.step(B, 1)
+    top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
+    for width in range(1, 1 + max((len(p) for p in top), default=0)):
+        cand = [p[:width] for p in top]
+        vals = np.concatenate(cand)  # [M]
+        rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
+        order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
+        gain = B + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
+        full = cost.step(B, width + 1) - cost.head_time(B * (width + 1))  # the padded decoder
+        score = gain / (full + cost.head_time(B + np.arange(len(vals) + 1)))
+        k = int(np.argmax(score))
+        if score[k] > best_score * (1 + 1e-12):
+            best_score = score[k]
+            best = np.bincount(rows[order[:k]], minlength=B).tolist()
+    return best
 
 
 def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:

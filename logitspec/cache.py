@@ -138,6 +138,14 @@ class BatchKV:
         for layer in self._layers():
             layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)
 
+    def repeat_row(self, lengths: list[int]) -> None:
+        """Turn this one-row cache into ``len(lengths)`` copies of its row, row b committing its
+        first ``lengths[b]`` columns (the rest are holes); for cost measurements at batch."""
+        assert self.rows == 1 and max(lengths) <= self.columns
+        for layer in self._layers():
+            layer.set(*(t.expand(len(lengths), *t.shape[1:]) for t in (layer.keys, layer.values)), room=64)
+        self.lengths = list(lengths)
+
     def add_row(self, other: "BatchKV", copies: int = 1, take: bool = False) -> None:
         """Append ``copies`` copies of the single row of ``other`` (a prefilled sequence) as the last
         rows. ``other`` is copied, so it can be added again (several samples, a prefix cache),

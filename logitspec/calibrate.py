@@ -20,15 +20,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from .budget import CostCurve
-from .cache import BatchKV, GrowingLayer
+from .cache import GrowingLayer
 from .device import elapsed
 from .masks import StepRow
 from .target import TargetForward
 
 log = logging.getLogger("logitspec.calibrate")
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-BATCH_ROWS = (4, 8)  # batch sizes with a curve of their own (tokens per row)
+BATCH_ROWS = (4, 8, 16, 32)  # batch sizes with a curve of their own (tokens per row)
 BATCH_TOKENS = (1, 2, 3, 4, 6, 8)
+HEAD_NODES = (1, 2, 4, 8, 16, 32, 64, 128)  # output-layer-only points
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class Grid:
     context: int  # cached tokens of row 0 (row r holds 16 r more)
 
 
-CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 64, 256)
-CPU_QUICK = replace(CPU_GRID, tokens=(1, 2, 4, 8, 16, 32), per_row=(1, 2, 4))
+CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 128, 256)
+CPU_QUICK = replace(CPU_GRID, tokens=(1, 2, 4, 8, 16, 32), per_row=(1, 2, 3))
 # a GPU's forward stays flat to far more tokens: the batch sizes it runs, trees up to 64 nodes a row
 GPU_GRID = Grid((1, 2, 4, 8, 16, 32, 64), (8, 32, 64), (1, 2, 4, 8, 16, 32, 64), 64 * 64, 1024)
 
@@ -119,18 +120,35 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     one = measure_rows(target, 1, tokens, context, reps, warmup)
     for b in batch_rows:
         batches[b] = measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup)
-    return CostCurve(one.tokens, one.seconds, batches)
+    head = None
+    if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
+        head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
+    return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None)
+
+
+def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCurve:
+    """Median time of the output layer alone (greedy: the screen where the engine uses it) over n
+    nodes' hidden states, for each n in ``nodes``."""
+    hidden = target.head.weight.shape[1]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max(nodes), hidden, generator=gen).to(target.device, target.dtype)  # [N, H]
+    times = {n: [] for n in nodes}
+    for rep in range(warmup + reps):
+        for n in nodes:
+            dt = elapsed(lambda: target.head.output(x[:n], exact=False), target.device)
+            if rep >= warmup:
+                times[n].append(dt)
+    return CostCurve(list(nodes), [statistics.median(times[n]) for n in nodes])
 
 
 def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: int, warmup: int) -> CostCurve:
     """Median forward time of ``rows`` rows (row r caching ``context + 16 r`` tokens) adding n tokens
     each, for each n in ``tokens`` (interleaved over ``warmup + reps`` rounds)."""
     vocab = target.vocab_size
-    kv = BatchKV()
-    for r in range(rows):
-        n_ctx = min(context + 16 * r, target.max_context - max(tokens) - 1)
-        row, _ = target.prefill([(7 * i + 3 + r) % vocab for i in range(n_ctx)], chunk=n_ctx)
-        kv.add_row(row)
+    lengths = [min(context + 16 * r, target.max_context - max(tokens) - 1) for r in range(rows)]
+    # one prefill, copied to every row: the cost depends on the cached lengths, not the tokens
+    kv, _ = target.prefill([(7 * i + 3) % vocab for i in range(max(lengths))], chunk=max(lengths))
+    kv.repeat_row(lengths)
     times = {n: [] for n in tokens}
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
@@ -151,8 +169,8 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
-            if set(rows) <= {int(b) for b in d.get("batches") or {}}:
-                return CostCurve(d["tokens"], d["seconds"], d.get("batches"))
+            if set(rows) <= {int(b) for b in d.get("batches") or {}} and (not rows or not target.head.fast or "head" in d):
+                return CostCurve(d["tokens"], d["seconds"], d.get("batches"), d.get("head"))
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import calibrate
-from .budget import AcceptanceStats, CostCurve, choose_size, top_nodes
+from .budget import AcceptanceStats, CostCurve, choose_sizes, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
 from .device import to_device
@@ -292,13 +292,14 @@ class Engine:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
         probs = [self.acceptance.node_probs(t, st) for t, st in zip(trees, states)]
         most = max(len(t) - 1 for t in trees)
-        n = choose_size([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
-        # explore: rates are learned only from verified nodes, so after 16 draft-free steps verify a
-        # couple of nodes once, or a pessimistic estimate could never recover
-        self._steps_without_drafts = self._steps_without_drafts + 1 if n == 0 else 0
-        if self._steps_without_drafts > 16:
-            n, self._steps_without_drafts = min(2, most), 0
-        return [top_nodes(t, p, n) for t, p in zip(trees, probs)]
+        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
+        # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
+        # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
+        # pessimistic estimate could never recover
+        self._steps_without_drafts = self._steps_without_drafts + 1 if not any(sizes) else 0
+        if self._steps_without_drafts > 16 * len(trees):
+            sizes, self._steps_without_drafts = [min(2, most)] * len(trees), 0
+        return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
 
     def _emit(self, seq: _Sequence, tokens: list[int], stops) -> int:
         """Append accepted tokens, stopping at EOS, a stop string or the length limit; returns

@@ -147,15 +147,17 @@ class Head:
         cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores."""
         if self.fast:
             out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
-            h = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select]  # [N, H]
-            if self.screen is not None and not exact:
-                return self.screen(h)
-            # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
-            # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
-            logits = torch.mm(self.weight, h.T).T if h.device.type == "cpu" else h @ self.weight.T  # [N, V]
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-        else:
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
-            logits = out.logits.reshape(-1, out.logits.shape[-1])[select]
+            return self.output(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select], exact)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
+
+    def output(self, h: torch.Tensor, exact: bool = True) -> NodeLogits:
+        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``)."""
+        if self.screen is not None and not exact:
+            return self.screen(h)
+        # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
+        # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
+        logits = torch.mm(self.weight, h.T).T if h.device.type == "cpu" else h @ self.weight.T  # [N, V]
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         return NodeLogits(logits, exact=True)

@@ -1,6 +1,7 @@
 import numpy as np
+import pytest
 
-from logitspec.budget import AcceptanceStats, CostCurve, choose_size, top_nodes
+from logitspec.budget import AcceptanceStats, CostCurve, choose_size, choose_sizes, top_nodes
 from logitspec.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
@@ -75,3 +76,51 @@ def test_choose_size_uses_the_batch_curve():
     assert choose_size(probs, tokens_only, 2) >= 1  # 16 tokens of one row look cheap
     batched = CostCurve(tokens_only.tokens, tokens_only.seconds, batches={8: {"tokens": [1, 2, 3], "seconds": [1.2, 1.9, 2.6]}})
     assert choose_size(probs, batched, 2) == 0  # 8 rows x 2 tokens measured 1.58x 8 x 1: drafts do not pay
+
+
+def _score(probs, cost, sizes):
+    """Expected tokens per second of a per-row choice, as choose_sizes models it."""
+    B, width = len(probs), 1 + max(sizes)
+    gain = B + sum(p[:n].sum() for p, n in zip(probs, sizes))
+    return gain / (cost.step(B, width) - cost.head_time(B * width) + cost.head_time(B + sum(sizes)))
+
+
+def test_choose_sizes_without_a_head_curve_is_choose_size_for_every_row():
+    c = CostCurve([1, 8, 16, 64], [1.0, 1.05, 1.6, 6.0], batches={4: {"tokens": [1, 2, 3], "seconds": [1.2, 1.5, 2.1]}})
+    probs = [np.array([0.9, 0.8, 0.7]), np.array([0.3, 0.1, 0.05]), np.array([0.6, 0.2, 0.1]), np.array([0.2, 0.1, 0.0])]
+    n = choose_size(probs, c, 3)
+    assert n >= 1 and choose_sizes(probs, c, 3) == [n] * 4
+
+
+def test_copying_rows_get_nodes_and_the_rest_none():
+    """At batch the padded decoder costs little more per token, the output layer a lot per node:
+    only the rows whose drafts are good bets verify them."""
+    head = {"tokens": [1, 64], "seconds": [0.02, 0.02 * 64]}  # 20 ms a node
+    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3, 4], "seconds": [0.3, 0.5, 0.7, 0.9]}}, head=head)
+    copying, poor = np.array([0.95, 0.9, 0.85]), np.array([0.1, 0.05, 0.02])
+    probs = [copying, poor] * 4
+    sizes = choose_sizes(probs, c, 3)
+    assert sizes[::2] == [sizes[0]] * 4 and sizes[0] >= 2 and sizes[1::2] == [0] * 4
+    uniform = choose_size(probs, c, 3)  # every row as many nodes: the poor rows' output layer wasted
+    assert _score(probs, c, sizes) > _score(probs, c, [uniform] * 8) and _score(probs, c, sizes) > _score(probs, c, [0] * 8)
+
+
+def test_choose_sizes_falls_back_to_plain_decoding_when_nothing_pays():
+    head = {"tokens": [1, 64], "seconds": [0.01, 0.64]}
+    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3], "seconds": [0.3, 0.6, 0.9]}}, head=head)
+    probs = [np.array([0.9, 0.8, 0.7])] + [np.array([0.3, 0.1, 0.05])] * 7
+    assert choose_sizes(probs, c, 3) == [0] * 8  # a width of 2 doubles the decoder for all 8 rows
+    assert CostCurve(**c.to_dict()).head_time(32) == c.head_time(32) == pytest.approx(0.32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_choose_sizes_is_never_worse_than_plain_or_uniform(seed):
+    rng = np.random.default_rng(seed)
+    head = {"tokens": [1, 8, 64], "seconds": [0.02, 0.05, 0.3]}
+    c = CostCurve([1, 8, 64], [0.08, 0.12, 0.7], batches={
+        4: {"tokens": [1, 2, 3, 4], "seconds": [0.1, 0.15, 0.2, 0.25]},
+        16: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.35, 0.5, 0.65]}}, head=head)
+    for B in (1, 4, 6, 16, 24):
+        probs = [np.sort(np.cumprod(rng.uniform(0.0, 1.0, 4)))[::-1] for _ in range(B)]
+        best = _score(probs, c, choose_sizes(probs, c, 4))
+        assert all(best >= _score(probs, c, [n] * B) * (1 - 1e-9) for n in range(5))

@@ -85,3 +85,26 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     calibrate.load_or_measure(target, 3)  # the stored curve has no batch curve: measured again
     calibrate.load_or_measure(target, 4)  # covered by the 4-row curve
     assert calls == [(), (4,)]
+
+
+def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
+    """The rows of a batch measurement are copies of one prefilled row with their own committed
+    lengths: a step on them equals the same step on rows prefilled apart."""
+    from logitspec.cache import BatchKV
+    from logitspec.masks import StepRow
+
+    target = TargetForward(tiny_model("llama"))
+    toks = [(7 * i + 3) % target.vocab_size for i in range(20)]
+    lengths = [12, 20, 16]
+    tiled, _ = target.prefill(toks, chunk=20)
+    tiled.repeat_row(lengths)
+    apart = BatchKV()
+    for n in lengths:
+        apart.add_row(target.prefill(toks[:n], chunk=n)[0])
+    step = [StepRow.chain(n, [5, 6]) for n in lengths]
+    a = target(step, tiled, all_logits=True).nodes.scores
+    b = target(step, apart, all_logits=True).nodes.scores
+    assert torch.allclose(a, b, atol=1e-5) and tiled.lengths == lengths
+    c = calibrate.measure(target, tokens=(1, 2), context=8, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1,))
+    assert c.head is not None and c.head.tokens[0] == 1 and all(s > 0 for s in c.head.seconds)
+    assert calibrate.measure(target, tokens=(1,), context=8, reps=1, warmup=0, batch_rows=()).head is None

@@ -85,6 +85,21 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     assert (mean_tree > 1.0) == expect_drafts, mean_tree
 
 
+def test_per_row_budget_at_batch_is_lossless(family_case):
+    """A decoder whose padded width is nearly free and an output layer that costs per node: rows
+    get their own node counts (some none), and the output stays plain greedy."""
+    from logitspec.budget import CostCurve
+
+    family, model, prompts, refs = family_case
+    rows = {4: {"tokens": [1, 2, 4, 8], "seconds": [1.0, 1.05, 1.1, 1.2]}}
+    curve = CostCurve([1, 64], [1.0, 2.0], batches=rows, head={"tokens": [1, 64], "seconds": [0.05, 3.2]})
+    engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4), cost_curve=curve)
+    res = engine.generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+    sizes = [n for r in res for n in r.stats["accepted_lengths"]]
+    assert max(sizes) > 1  # drafts were verified and accepted
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_skinny_kernels_and_screened_head_equal_stock_generate(family):
     """The CPU fast paths (skinny linears in the decoder, screened greedy head) against stock

@@ -3,8 +3,11 @@
 ``logitspec throughput --batch-sizes 1,4,8 --methods ar,logitspec`` runs the same prompts through
 ``Engine.run`` for every (batch size, method), rounds interleaved so machine noise hits all
 alike, after a warm-up on a built-in prompt that is not measured, and prints a table of median
-tokens/s and the ratio to ``ar``. Engines live for all rounds: from the second round on, a
-``logitspec`` engine's learned acceptance rates include the earlier rounds' (same) prompts.
+tokens/s and the ratio to ``ar``. A batch size larger than the prompt list runs the list repeated
+until every row is filled (batch 24 over 6 prompts: each four times). Engines live for all rounds:
+from the second round on, a ``logitspec`` engine's learned acceptance rates include the earlier
+rounds' (same) prompts. ``--baselines vllm`` adds vLLM's CPU backend on the same token ids
+(:mod:`logitspec.bench.vllm_baseline`).
 """
 from __future__ import annotations
 
@@ -14,13 +17,21 @@ import statistics
 import time
 
 from ..config import SpecConfig
+from . import vllm_baseline
 from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
+
+BASELINES = ("vllm",)
+
+
+def batch_prompts(prompts: list, batch_size: int) -> list:
+    """What batch size ``batch_size`` runs: ``prompts``, repeated as often as needed to fill its rows."""
+    return list(prompts) * max(1, -(-batch_size // len(prompts)))
 
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
         configs: dict[str, SpecConfig] | None = None) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
-    batch size, MAT of the last round and whether the outputs equal ``ar``'s."""
+    batch size, MAT of the last round, the last round's new token ids and whether they equal ``ar``'s."""
     from ..engine import Engine
 
     configs = configs or {}
@@ -36,7 +47,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
         for k in keys:
-            done = engines[k].run(prompts, max_new_tokens=max_new_tokens)
+            done = engines[k].run(batch_prompts(prompts, k[1]), max_new_tokens=max_new_tokens)
             tps[k].append(done.stats["tokens_per_s"])
             outputs[k] = [x.token_ids for x in done.results]
             mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
@@ -49,7 +60,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
                 "method": m, "batch_size": b, "tokens_per_s": t, "vs_ar": t / base if base else None,
                 "mat": mats[(m, b)],
                 "same_as_ar": outputs[(m, b)] == outputs[("ar", b)] if ("ar", b) in outputs else None,
-                "rounds": tps[(m, b)],
+                "rounds": tps[(m, b)], "token_ids": outputs[(m, b)],
             }
     return table
 
@@ -58,8 +69,9 @@ def render(table: dict) -> str:
     lines = ["| batch | method | tokens/s | vs ar | MAT | output == ar |", "|---|---|---|---|---|---|"]
     for row in table.values():
         vs = f"{row['vs_ar']:.2f}x" if row["vs_ar"] else "-"
+        mat = f"{row['mat']:.2f}" if row["mat"] is not None else "-"
         lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | "
-                     f"{row['mat']:.2f} | {row['same_as_ar']} |")
+                     f"{mat} | {row['same_as_ar']} |")
     return "\n".join(lines)
 
 
@@ -73,6 +85,13 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None, help="write the table as JSON here")
+    p.add_argument("--baselines", default="", help="other engines to run on the same prompts: 'vllm' (vLLM's "
+                   "CPU backend, float32, in its own environment; skipped with a message when absent)")
+    p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default "
+                   "~/.cache/logitspec/vllm-venv/bin/python)")
+    p.add_argument("--vllm-methods", default="plain,ngram",
+                   help=f"vLLM methods to run, of {','.join(vllm_baseline.METHODS)} (ngram: 5 drafted tokens; "
+                        "suffix needs arctic-inference in vLLM's environment)")
     p.set_defaults(func=_main)
 
 
@@ -82,15 +101,51 @@ def _main(args) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for m in methods:
         SpecConfig(method=m)  # fail fast on a typo
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    sizes = parse_sizes(args.batch_sizes)
+    baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+    if set(baselines) - set(BASELINES):
+        raise ValueError(f"unknown baselines {sorted(set(baselines) - set(BASELINES))}; known: {', '.join(BASELINES)}")
+    vllm_methods = vllm_baseline.parse_methods(args.vllm_methods) if baselines else []
+    vllm_python = None
+    if "vllm" in baselines:
+        vllm_python, why = vllm_baseline.find_python(args.vllm_python)
+        if vllm_python is None:
+            print(why)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
     table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds)
+    if vllm_python is not None:
+        table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
     print(render(table))
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(table, indent=1))
+        slim = {k: {f: v for f, v in row.items() if f != "token_ids"} for k, row in table.items()}
+        pathlib.Path(args.out).write_text(json.dumps(slim, indent=1))
     return 0
+
+
+def _add_vllm(table, python, methods, model, tok, prompts, sizes, args) -> dict:
+    """``table`` with vLLM's rows for the same token ids added, ordered by batch size."""
+    import torch
+
+    ids = [tok(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
+    warm_ids = tok(warm).input_ids if isinstance(warm, str) else list(warm)
+    table = {**table, **vllm_baseline.run_all(
+        python, model.config._name_or_path, methods, {b: batch_prompts(ids, b) for b in sizes},
+        args.max_new_tokens, args.rounds, warm_ids, table, threads=torch.get_num_threads())}
+    return {k: table[k] for k in sorted(table, key=lambda k: table[k]["batch_size"])}
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``1,6,24`` -> [1, 6, 24]; ValueError unless all are positive integers."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--batch-sizes must be positive integers separated by commas, got {text!r}")
+    return sizes
