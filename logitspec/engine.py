@@ -27,7 +27,8 @@ from .masks import StepRow
 from .stats import SequenceStats
 from .target import ForwardResult, TargetForward
 from .tree import DraftTree
-from .verify import SamplingParams, accept, decide, probs_from_logits, sample_token
+from .sampling import draw, walk
+from .verify import SamplingParams, decide
 
 log = logging.getLogger("logitspec.engine")
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
@@ -72,14 +73,19 @@ class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
-                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None):
+                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
+                 screened_sampling: bool = True):
         """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
         from ``logitspec calibrate``'s store or measured quickly on first use. ``sample_on_host``:
         walk sampled trees on the host, computing distributions only at visited nodes (default: on
-        CPU); False samples every node where the logits are and waits for the device once a step."""
+        CPU); False samples every node where the logits are and waits for the device once a step.
+        ``screened_sampling``: the host walk draws from the greedy screen's half-precision scores,
+        float32 logits only where its bound cannot decide (:mod:`logitspec.sampling`); False draws
+        from full float32 rows (the same distribution, other draws for a seed; slower)."""
         self.model = model
         self.target = TargetForward(model, fast_head=fast_head)
         self.sample_on_host = self.target.device.type == "cpu" if sample_on_host is None else sample_on_host
+        self.screened_sampling = screened_sampling
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
@@ -208,9 +214,10 @@ class Engine:
                         sources=[], generator=gen, stats=SequenceStats(), stops=stops)
         seq.sources = [seq.index] + ([ref] if ref is not None else [])
         t0 = time.perf_counter()
-        row, last = self.target.prefill(prompt_ids, self.prefill_chunk, exact=not params.greedy)
+        row, last = self.target.prefill(prompt_ids, self.prefill_chunk, exact=self._exact(params),
+                                        argmax=params.greedy)
         seq.stats.prefill_s = time.perf_counter() - t0
-        tok = self._pick(last[0], params, seq)  # last: the final prompt token's output, [1, V]
+        tok = self._pick(last, params, seq)  # last: the final prompt token's output, [1, V]
         seq.guesses = self._next_guesses([last], [[0]], [tok])[0]
         self._emit(seq, [tok], stops)
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
@@ -219,10 +226,15 @@ class Engine:
         return seq
 
     def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
-        """The next token after a node whose output is ``logits`` (one row)."""
+        """The next token after the one node whose output is ``logits``."""
         if params.greedy:
-            return int(logits.argmax)
-        return sample_token(probs_from_logits(logits.scores, params), seq.generator)
+            return int(logits.argmax[0])
+        return draw(logits, 0, params, seq.generator)
+
+    def _exact(self, params: SamplingParams) -> bool:
+        """Whether the step needs float32 rows of every node: sampling, unless the host walk draws
+        from the screen (where there is none, the head gives float32 rows anyway)."""
+        return not params.greedy and not (self.sample_on_host and self.screened_sampling)
 
     def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
         """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
@@ -231,7 +243,7 @@ class Engine:
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         clock.lap("draft_s")
         cols = kv.columns
-        fwd = self.target(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
+        fwd = self.target(rows, kv, all_logits=True, exact=self._exact(params), argmax=params.greedy)  # n_b per row
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
         paths, bonus, guesses = self._accept(active, trees, fwd, params)
         clock.lap("verify_s")
@@ -262,7 +274,7 @@ class Engine:
         if params.greedy or not self.sample_on_host:
             paths, bonus, top = self._decide(active, trees, fwd, params)
         else:
-            picks = [accept(t, lg, params, s.generator) for s, t, lg in zip(active, trees, fwd.logits)]
+            picks = [walk(t, lg, params, s.generator) for s, t, lg in zip(active, trees, fwd.logits)]
             paths, bonus, top = [p for p, _ in picks], [b for _, b in picks], None
         for s, tree, path in zip(active, trees, paths):
             self.acceptance.update(tree, path, s.streak)
