@@ -15,12 +15,14 @@ import time
 
 from ..config import SpecConfig
 from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
+from .samples import Decoding, add_decoding_options, decoding_from_args, run_samples
 
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
-        configs: dict[str, SpecConfig] | None = None) -> dict:
+        configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding()) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
-    batch size, MAT of the last round and whether the outputs equal ``ar``'s."""
+    batch size, MAT of the last round and whether the outputs equal ``ar``'s (sampled: the same
+    draws from the same seeds). ``decoding``: greedy, or sampled with ``num_samples`` per prompt."""
     from ..engine import Engine
 
     configs = configs or {}
@@ -36,7 +38,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
         for k in keys:
-            done = engines[k].run(prompts, max_new_tokens=max_new_tokens)
+            done = run_samples(engines[k], prompts, max_new_tokens, decoding)
             tps[k].append(done.stats["tokens_per_s"])
             outputs[k] = [x.token_ids for x in done.results]
             mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
@@ -73,6 +75,7 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None, help="write the table as JSON here")
+    add_decoding_options(p)
     p.set_defaults(func=_main)
 
 
@@ -83,13 +86,14 @@ def _main(args) -> int:
     for m in methods:
         SpecConfig(method=m)  # fail fast on a typo
     sizes = [int(x) for x in args.batch_sizes.split(",")]
+    decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
-    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds)
+    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, decoding=decoding)
     print(render(table))
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
+    print(f"\n{len(prompts)} prompts, {decoding.describe()}, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(table, indent=1))
