@@ -74,18 +74,21 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
                  fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
-                 screened_sampling: bool = True):
+                 screened_sampling: bool = True, history: NgramSource | None = None):
         """``cost_curve``: forward time per new-token count for ``budget="auto"``; by default loaded
         from ``logitspec calibrate``'s store or measured quickly on first use. ``sample_on_host``:
         walk sampled trees on the host, computing distributions only at visited nodes (default: on
         CPU); False samples every node where the logits are and waits for the device once a step.
         ``screened_sampling``: the host walk draws from the greedy screen's half-precision scores,
         float32 logits only where its bound cannot decide (:mod:`logitspec.sampling`); False draws
-        from full float32 rows (the same distribution, other draws for a seed; slower)."""
+        from full float32 rows (the same distribution, other draws for a seed; slower). ``history``: a
+        :class:`~logitspec.history.HistorySource` fed with every finished row's answer and consulted
+        after the row's own context and its reference."""
         self.model = model
         self.target = TargetForward(model, fast_head=fast_head)
         self.sample_on_host = self.target.device.type == "cpu" if sample_on_host is None else sample_on_host
         self.screened_sampling = screened_sampling
+        self.history = history
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
@@ -212,7 +215,7 @@ class Engine:
                         max_new=min(max_new_tokens, self.max_context - len(prompt_ids)),
                         index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
                         sources=[], generator=gen, stats=SequenceStats(), stops=stops)
-        seq.sources = [seq.index] + ([ref] if ref is not None else [])
+        seq.sources = [seq.index] + [s for s in (ref, self.history) if s is not None]
         t0 = time.perf_counter()
         row, last = self.target.prefill(prompt_ids, self.prefill_chunk, exact=self._exact(params),
                                         argmax=params.greedy)
@@ -347,6 +350,8 @@ class Engine:
                 if s in text:
                     text = text[: text.index(s)]
         stats = seq.stats.as_dict()
+        if self.history is not None:
+            self.history.add(seq.out)
         return GenerationResult(seq.out, text, seq.finish or "length", stats, list(prompt_ids))
 
 
