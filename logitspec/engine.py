@@ -29,7 +29,8 @@ from .session import Session
 from .stats import SequenceStats
 from .target import ForwardResult, TargetForward
 from .tree import DraftTree
-from .verify import SamplingParams, accept, decide, probs_from_logits, sample_token
+from .sampling import draw, walk
+from .verify import SamplingParams, decide
 
 log = logging.getLogger("logitspec.engine")
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
@@ -77,16 +78,24 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
                  fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, screened_sampling: bool = True,
+                 history: NgramSource | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
         worth per decoding step). ``prefix_cache``: prefilled prompts kept for reuse, shareable
         between engines over this model. ``cost_curve``: forward time per new-token count for
         ``budget="auto"``; by default loaded from ``logitspec calibrate``'s store or measured quickly
-        on first use. ``sample_on_host``: walk sampled trees on the host, computing distributions only at visited nodes (default: on
-        CPU); False samples every node where the logits are and waits for the device once a step."""
+        on first use. ``sample_on_host``: walk sampled trees on the host, computing distributions
+        only at visited nodes (default: on CPU); False samples every node where the logits are and
+        waits for the device once a step. ``screened_sampling``: the host walk draws from the greedy
+        screen's half-precision scores, float32 logits only where its bound cannot decide
+        (:mod:`logitspec.sampling`); False draws from full float32 rows (the same distribution, other
+        draws for a seed; slower). ``history``: a :class:`~logitspec.history.HistorySource` fed with
+        every finished row's answer and consulted after the row's own context and its reference."""
         self.model = model
         self.target = TargetForward(model, fast_head=fast_head)
         self.sample_on_host = self.target.device.type == "cpu" if sample_on_host is None else sample_on_host
+        self.screened_sampling = screened_sampling
+        self.history = history
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
@@ -202,8 +211,8 @@ class Engine:
         seq = _Sequence(key=key, prompt_len=len(prompt_ids), max_new=max_new,
                         index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
                         sources=[], generator=gen, stats=SequenceStats(), stops=stops)
-        seq.sources = [seq.index] + ([ref] if ref is not None else [])
-        tok = self._pick(last[0], params, seq)
+        seq.sources = [seq.index] + [s for s in (ref, self.history) if s is not None]
+        tok = self._pick(last, params, seq)  # last: the final prompt token's output, [1, V]
         seq.guesses = self._next_guesses([last], [[0]], [tok])[0]
         self._emit(seq, [tok], stops)
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
@@ -214,10 +223,19 @@ class Engine:
         self._step(active, kv, params, stops)
 
     def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
-        """The next token after a node whose output is ``logits`` (one row)."""
+        """The next token after the one node whose output is ``logits``."""
         if params.greedy:
-            return int(logits.argmax)
-        return sample_token(probs_from_logits(logits.scores, params), seq.generator)
+            return int(logits.argmax[0])
+        return draw(logits, 0, params, seq.generator)
+
+    def _exact(self, params: SamplingParams) -> bool:
+        """Whether the step needs float32 rows of every node: sampling, unless the host walk draws
+        from the screen (where there is none, the head gives float32 rows anyway)."""
+        return not params.greedy and not (self.sample_on_host and self.screened_sampling)
+
+    def output_mode(self, params: SamplingParams) -> tuple[bool, bool]:
+        """The head's (``exact``, ``argmax``) flags for sequences sampled with ``params``."""
+        return self._exact(params), params.greedy
 
     def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
         """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
@@ -226,7 +244,7 @@ class Engine:
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         clock.lap("draft_s")
         cols = kv.columns
-        fwd = self.target(rows, kv, all_logits=True, exact=not params.greedy)  # per row, n_b nodes
+        fwd = self.target(rows, kv, all_logits=True, exact=self._exact(params), argmax=params.greedy)  # n_b per row
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
         paths, bonus, guesses = self._accept(active, trees, fwd, params)
         clock.lap("verify_s")
@@ -257,7 +275,7 @@ class Engine:
         if params.greedy or not self.sample_on_host:
             paths, bonus, top = self._decide(active, trees, fwd, params)
         else:
-            picks = [accept(t, lg, params, s.generator) for s, t, lg in zip(active, trees, fwd.logits)]
+            picks = [walk(t, lg, params, s.generator) for s, t, lg in zip(active, trees, fwd.logits)]
             paths, bonus, top = [p for p, _ in picks], [b for _, b in picks], None
         for s, tree, path in zip(active, trees, paths):
             self.acceptance.update(tree, path, s.streak)
@@ -332,6 +350,8 @@ class Engine:
                 if s in text:
                     text = text[: text.index(s)]
         stats = seq.stats.as_dict()
+        if self.history is not None:
+            self.history.add(seq.out)
         prompt_ids = seq.index.tokens[:seq.prompt_len]
         return GenerationResult(seq.out, text, seq.finish or "length", stats, [int(t) for t in prompt_ids],
                                 seq.key[0], seq.key[1])

@@ -12,10 +12,12 @@ whole decoder at one token and grows with every verified node. Two things make i
   argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
   approximate logits serve ranking only (LogitSpec's next-next guesses).
 
-Sampling needs the full float32 distribution and gets it. The screen is for float32 weights on CPU
-only; elsewhere (a GPU, or half precision) the output layer is one plain GEMM in the model's dtype
-over the selected nodes. ``fast=False`` uses the model's own forward (needed when the output layer
-is sharded, e.g. DeepSpeed AutoTP).
+Sampling on the host draws from the screen too (:mod:`logitspec.sampling`: float32 logits only
+where the bound cannot decide, only at the nodes a tree walk visits); with ``exact`` it gets the
+full float32 rows (the device path, ``Engine(screened_sampling=False)``). The screen is for float32
+weights on CPU only; elsewhere (a GPU, or half precision) the output layer is one plain GEMM in the
+model's dtype over the selected nodes. ``fast=False`` uses the model's own forward (needed when the
+output layer is sharded, e.g. DeepSpeed AutoTP).
 """
 from __future__ import annotations
 
@@ -35,21 +37,29 @@ ROUNDING_SLACK = 1e-4
 
 @dataclass
 class NodeLogits:
-    """Output-layer results for the N selected nodes of one forward."""
+    """Output-layer results for the N selected nodes of one forward. Screened results (``exact``
+    False) carry the nodes' hidden states and the screen, so that exact float32 values can be
+    computed later for the nodes that need them (the argmax, or a sampled draw:
+    :func:`~logitspec.sampling.draw`)."""
 
     scores: torch.Tensor  # [N, V]: float32 logits if ``exact``, else approximations for ranking only
     exact: bool
-    screened_argmax: torch.Tensor | None = None  # [N] int64, given when ``scores`` are approximate
+    screened_argmax: torch.Tensor | None = None  # [N] int64: the exact argmax of screened scores, once known
+    hidden: torch.Tensor | None = None  # [N, H] float32: the nodes' hidden states, with screened scores
+    screen: "ScreenedArgmax | None" = None  # the screen that produced ``scores``, when not exact
 
     @property
     def argmax(self) -> torch.Tensor:
-        """[N] int64: the float32 argmax token of each node (the greedy choice); computed from
-        ``scores`` only when asked (sampling never asks)."""
+        """[N] int64: the float32 argmax token of each node (the greedy choice); computed when first
+        asked (sampling never asks)."""
+        if self.screened_argmax is None and self.screen is not None:
+            self.screened_argmax = self.screen.exact_argmax(self.scores, self.hidden)
         return self.screened_argmax if self.screened_argmax is not None else self.scores.argmax(dim=-1)
 
     def __getitem__(self, rows: slice) -> "NodeLogits":
         arg = self.screened_argmax[rows] if self.screened_argmax is not None else None
-        return NodeLogits(self.scores[rows], self.exact, arg)
+        hidden = self.hidden[rows] if self.hidden is not None else None
+        return NodeLogits(self.scores[rows], self.exact, arg, hidden, self.screen)
 
 
 class ScreenedArgmax:
@@ -98,9 +108,18 @@ class ScreenedArgmax:
     def supported(weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or has_fbgemm())
 
-    def __call__(self, x: torch.Tensor) -> NodeLogits:
-        """``x`` [N, H] float32 hidden states -> exact argmax [N] and approximate logits [N, V]."""
+    def __call__(self, x: torch.Tensor, argmax: bool = True) -> NodeLogits:
+        """``x`` [N, H] float32 hidden states -> approximate logits [N, V] and the exact argmax [N]
+        (``argmax=False``: computed only if asked; sampling draws from the screen instead)."""
         approx = self.approx_logits(x)  # [N, V]
+        out = NodeLogits(approx, exact=False, hidden=x, screen=self)
+        if argmax:
+            out.screened_argmax = self.exact_argmax(approx, x)
+        return out
+
+    def exact_argmax(self, approx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[N] int64: the float32 argmax of ``W @ x`` per row of ``x`` [N, H], from its screened
+        logits ``approx`` [N, V]: only tokens within twice the bound of the best are rescored."""
         best = approx.max(dim=1).values  # [N]
         margin = 2 * self.bound_per_norm * x.norm(dim=1)  # [N]
         rows, toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)  # [K] each
@@ -113,7 +132,7 @@ class ScreenedArgmax:
         lost = torch.nonzero(arg == vocab).squeeze(1)  # rows without a candidate (non-finite input)
         if len(lost):
             arg[lost] = torch.mm(self.weight, x[lost].T).argmax(dim=0)
-        return NodeLogits(approx, exact=False, screened_argmax=arg)
+        return arg
 
 
 def has_fbgemm() -> bool:
@@ -142,19 +161,24 @@ class Head:
             if not self.softcap and ScreenedArgmax.supported(self.weight):
                 self.screen = ScreenedArgmax(self.weight)
 
-    def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True) -> NodeLogits:
+    def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True,
+                 argmax: bool = True) -> NodeLogits:
         """Output-layer results of the flat node indices ``select`` [N] into the [B, T] batch; the
-        cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores."""
+        cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores, with
+        the exact argmax unless ``argmax=False`` (sampling: draws from the screen, see
+        :mod:`logitspec.sampling`)."""
         if self.fast:
             out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
-            return self.output(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select], exact)
+            return self.output(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select], exact,
+                               argmax)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
         return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
 
-    def output(self, h: torch.Tensor, exact: bool = True) -> NodeLogits:
-        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``)."""
+    def output(self, h: torch.Tensor, exact: bool = True, argmax: bool = True) -> NodeLogits:
+        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``); ``exact``,
+        ``argmax`` as for :meth:`__call__`."""
         if self.screen is not None and not exact:
-            return self.screen(h)
+            return self.screen(h, argmax=argmax)
         # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
         # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
         logits = torch.mm(self.weight, h.T).T if h.device.type == "cpu" else h @ self.weight.T  # [N, V]

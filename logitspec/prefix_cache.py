@@ -42,7 +42,7 @@ class PrefixHit:
 
 
 class PrefixCache:
-    """Bounded LRU store of prefilled prompt rows, keyed by token ids (and the output's exactness)."""
+    """Bounded LRU store of prefilled prompt rows, keyed by token ids and the kind of output kept."""
 
     def __init__(self, max_bytes: int, block: int = 512):
         """``max_bytes``: the KV (and last-output) bytes held at most; ``block``: prefixes are
@@ -68,9 +68,9 @@ class PrefixCache:
                                  "over the same model object")
             self._model = weakref.ref(model)
 
-    def _digests(self, ids: list[int], exact: bool, upto: int) -> list[bytes]:
+    def _digests(self, ids: list[int], kind: int, upto: int) -> list[bytes]:
         """Digests of ``ids[:k * block]`` for k = 1 .. (largest with k * block <= ``upto``)."""
-        h = hashlib.blake2b(bytes([exact]), digest_size=16)
+        h = hashlib.blake2b(bytes([kind]), digest_size=16)
         out = []
         arr = np.asarray(ids, dtype=np.int64)
         for end in range(self.block, upto + 1, self.block):
@@ -78,9 +78,10 @@ class PrefixCache:
             out.append(h.copy().digest())
         return out
 
-    def lookup(self, ids: list[int], exact: bool) -> PrefixHit | None:
-        """The cached KV of ``ids`` (whole prompt) or of its longest cached block prefix, or None."""
-        key = (exact, tuple(ids))
+    def lookup(self, ids: list[int], kind: int) -> PrefixHit | None:
+        """The cached KV of ``ids`` (whole prompt) or of its longest cached block prefix, or None;
+        ``kind`` tells apart outputs kept for different uses (the session's head flags)."""
+        key = (kind, tuple(ids))
         with self._lock:
             self.lookup_tokens += len(ids)
             entry = self._entries.get(key)
@@ -89,7 +90,7 @@ class PrefixCache:
                 self.hits += 1
                 self.hit_tokens += len(ids)
                 return PrefixHit(entry.row.row_prefix(0, len(ids)), len(ids), entry.last)
-            digests = self._digests(ids, exact, len(ids) - 1)
+            digests = self._digests(ids, kind, len(ids) - 1)
             for k in range(len(digests) - 1, -1, -1):
                 owner = self._by_prefix.get(digests[k])
                 if owner is not None and owner in self._entries:
@@ -101,9 +102,9 @@ class PrefixCache:
             self.misses += 1
             return None
 
-    def store(self, ids: list[int], exact: bool, row: BatchKV, last: Any) -> None:
+    def store(self, ids: list[int], kind: int, row: BatchKV, last: Any) -> None:
         """Keep a compact copy of the one-row cache ``row`` (holding ``ids``) and ``last``."""
-        key = (exact, tuple(ids))
+        key = (kind, tuple(ids))
         nbytes = row.used_bytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
         if key in self._entries or nbytes > self.max_bytes:  # checked before copying anything
             return
@@ -111,7 +112,7 @@ class PrefixCache:
         with self._lock:
             if key in self._entries:
                 return
-            prefixes = self._digests(ids, exact, len(ids))
+            prefixes = self._digests(ids, kind, len(ids))
             self._entries[key] = _Entry(copy, last, nbytes, prefixes)
             self.nbytes += nbytes
             for d in prefixes:

@@ -17,6 +17,10 @@ docs/engine.md, "Exact sampling from the screen"):
 
 A draw is a function of the float32 logits and ``u`` only: never of the screen's rounding, the
 candidate set's size, or the other rows of the batch (whose count picks the float16 pass).
+
+The engine's host walk (:func:`walk`) calls :func:`draw` at the nodes it visits only; a node whose
+output is full float32 rows (no screen: soft-capped logits, half precision, ``exact`` forwards) is
+drawn from them as before.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from typing import Iterator
 
 import torch
 
-from .verify import SamplingParams
+from .tree import DraftTree
+from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
 
 GROW = (64, 1024, 16384)  # candidate set sizes tried before the whole vocabulary
 CHUNK = 8192  # rows of the weight gathered at once when rescoring
@@ -152,26 +157,18 @@ def screened_sample(approx: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     return int(sup.tokens[quantile(sup, u)])
 
 
-class ScreenedNodes:
-    """Sampling output of N nodes: screened scores for all of them (one float16 pass), and exact
-    draws computed only for the nodes a tree walk visits (:meth:`sample`)."""
+def draw(nodes, node: int, params: SamplingParams, generator: torch.Generator) -> int:
+    """The target's token after ``node`` of ``nodes`` (a :class:`~logitspec.head.NodeLogits`), drawn
+    with ``params`` and one uniform from ``generator``: from the screen where ``nodes`` carry it
+    (hidden states and screened scores), else from the node's full float32 row (token-id order)."""
+    if nodes.exact or nodes.hidden is None:
+        return sample_token(probs_from_logits(nodes.scores[node], params), generator)
+    x = nodes.hidden[node]  # [H]
+    bound = nodes.screen.bound_per_norm * float(x.norm())
+    return screened_sample(nodes.scores[node], x, nodes.screen.weight, bound, params, generator)
 
-    exact = False
 
-    def __init__(self, screen, hidden: torch.Tensor, scores: torch.Tensor | None = None):
-        """``screen``: a :class:`~logitspec.head.ScreenedArgmax`; ``hidden`` [N, H] float32."""
-        self.screen = screen
-        self.hidden = hidden
-        self.scores = screen.approx_logits(hidden) if scores is None else scores  # [N, V], ranking only
-
-    def __getitem__(self, rows: slice) -> "ScreenedNodes":
-        return ScreenedNodes(self.screen, self.hidden[rows], self.scores[rows])
-
-    def __len__(self) -> int:
-        return self.hidden.shape[0]
-
-    def sample(self, node: int, params: SamplingParams, generator: torch.Generator) -> int:
-        """The target's token after ``node``, drawn exactly with ``params`` from ``generator``."""
-        x = self.hidden[node]  # [H]
-        bound = self.screen.bound_per_norm * float(x.norm())
-        return screened_sample(self.scores[node], x, self.screen.weight, bound, params, generator)
+def walk(tree: DraftTree, nodes, params: SamplingParams, generator: torch.Generator) -> tuple[list[int], int]:
+    """Sampled acceptance of ``tree`` (:func:`~logitspec.verify.accept_path`): a draw at each node the
+    walk visits, none at the others. Returns (accepted node indices from the root, bonus token)."""
+    return accept_path(tree, lambda node: draw(nodes, node, params, generator))

@@ -163,7 +163,7 @@ class Session:
         """Begin the prompt's prefill from what the prefix cache holds of it (the whole prompt: nothing
         is left to run)."""
         cache = self.engine.prefix_cache
-        hit = cache.lookup(req.ids, exact=not self.params.greedy) if cache is not None else None
+        hit = cache.lookup(req.ids, self._output_kind()) if cache is not None else None
         if hit is None:
             req.row = BatchKV.empty_row()
         else:
@@ -171,20 +171,25 @@ class Session:
             req.cached_tokens = hit.tokens
         return req
 
+    def _output_kind(self) -> int:
+        """Which kind of last-token output this session's prefills keep (the prefix cache's key)."""
+        exact, argmax = self.engine.output_mode(self.params)
+        return 2 * exact + argmax
+
     def _prefill_chunk(self, req: _Request) -> None:
         """Run the prompt's next chunk; once all is in, keep the last token's output (and store the
         row in the prefix cache)."""
         t0 = time.perf_counter()
         part = req.ids[req.done_tokens:req.done_tokens + self.engine.prefill_chunk]
-        exact = not self.params.greedy
-        last = self.engine.target.extend(req.row, part, exact=exact)
+        exact, argmax = self.engine.output_mode(self.params)
+        last = self.engine.target.extend(req.row, part, exact=exact, argmax=argmax)
         req.done_tokens += len(part)
         self.prefill_chunks += 1
         self.prefills += req.done_tokens == len(part) + req.cached_tokens
         if req.done_tokens == len(req.ids):
             req.last = last
             if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.store(req.ids, exact, req.row, last)
+                self.engine.prefix_cache.store(req.ids, self._output_kind(), req.row, last)
         req.prefill_s += time.perf_counter() - t0
 
     def _admit_ready(self, finished: list) -> None:

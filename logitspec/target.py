@@ -51,11 +51,13 @@ class TargetForward:
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
 
-    def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True) -> ForwardResult:
+    def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
+                 argmax: bool = True) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
         padding); per row, the output layer's results for all its nodes, or its last node only.
-        ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores). Queues
-        the work on the model's device without waiting for it."""
+        ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores; with
+        ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
+        the model's device without waiting for it."""
         t0 = time.perf_counter()
         packed = pack(rows, kv.columns, self.windows, self.dtype, self.device)  # masks [B, 1, T, L + T]
         T = packed.ids.shape[1]
@@ -66,22 +68,24 @@ class TargetForward:
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)  # one transfer
         select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact)  # [N, V]
+        nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact, argmax=argmax)  # [N, V]
         spans = [(int(a), int(a) + n) for a, n in zip(starts, sizes)]
         return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
 
-    def prefill(self, tokens: list[int], chunk: int, exact: bool = True) -> tuple[BatchKV, NodeLogits]:
+    def prefill(self, tokens: list[int], chunk: int, exact: bool = True,
+                argmax: bool = True) -> tuple[BatchKV, NodeLogits]:
         """A one-row cache holding ``tokens`` (run in causal chunks of ``chunk``), and the output-layer
-        result of the last token."""
+        result of the last token (``exact``, ``argmax`` as for :meth:`__call__`)."""
         row = BatchKV.empty_row()
         for start in range(0, len(tokens), chunk):
-            last = self.extend(row, tokens[start:start + chunk], exact)
+            last = self.extend(row, tokens[start:start + chunk], exact, argmax)
         return row, last
 
-    def extend(self, row: BatchKV, tokens: list[int], exact: bool = True) -> NodeLogits:
+    def extend(self, row: BatchKV, tokens: list[int], exact: bool = True, argmax: bool = True) -> NodeLogits:
         """Run ``tokens`` as one causal chunk after the committed columns of the one-row cache
         ``row`` and commit them; the output-layer result of the last token ([1, V])."""
         cols = row.columns
-        last = self([StepRow.chain(row.lengths[0], tokens)], row, all_logits=False, exact=exact).logits[0]
+        last = self([StepRow.chain(row.lengths[0], tokens)], row, all_logits=False, exact=exact,
+                    argmax=argmax).logits[0]
         row.commit([list(range(cols, cols + len(tokens)))])
         return last

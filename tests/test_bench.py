@@ -11,6 +11,7 @@ from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, bench, 
 from logitspec.bench import report as br
 from logitspec.bench.methods import _accept_lengths, split_top
 from logitspec.bench.questions import TASKS, first_turns
+from logitspec.bench.samples import Decoding
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -284,9 +285,9 @@ def test_warm_up_runs_on_a_prompt_that_is_never_measured(tmp_path, one_thread, m
 
     calls = []
     for cls in (methods.EngineRunner, methods.HFRunner):
-        def spy(self, prompts, max_new_tokens, _run=cls.run):
+        def spy(self, prompts, max_new_tokens, seeds=None, _run=cls.run):
             calls.append([tuple(p) for p in prompts])
-            return _run(self, prompts, max_new_tokens)
+            return _run(self, prompts, max_new_tokens, seeds)
         monkeypatch.setattr(cls, "run", spy)
     summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods="logitspec,hf", max_new_tokens=6,
                     warmup_tokens=4, progress=False)
@@ -310,6 +311,48 @@ def test_resume_keeps_complete_units(tmp_path, one_thread):
     assert s["resumed"]["kept_question_turns"] == 2 and s["methods"]["pld"]["lossless"] == 1.0
     with pytest.raises(ValueError, match="cannot resume"):
         bench((model, None), qs, tmp_path, resume=True, **{**kw, "max_new_tokens": 7})
+
+
+def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread):
+    """Two samples per question-turn, seeded alike for every method: the engine's methods draw the
+    same tokens as ``ar`` (one uniform per emitted token), HF's draws are not compared; resumable."""
+    model, qs = _tiny_model(), _tiny_questions()
+    kw = dict(methods="logitspec,hf", max_new_tokens=8, warmup_tokens=4, progress=False,
+              decoding=Decoding(temperature=0.9, top_p=0.95, num_samples=2, seed=3))
+    summary = bench((model, None), qs, tmp_path, **kw)
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * 4 * 2  # methods x question-turns x samples
+    ar = [r for r in records if r["method"] == "ar"]
+    assert [r["sample"] for r in ar] == [0, 1] * 4
+    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ar[::2], ar[1::2]))  # other seeds, other draws
+    ms = summary["methods"]
+    assert ms["logitspec"]["lossless"] == 1.0 and ms["hf"]["lossless"] is None
+    assert ms["ar"]["speedup"]["overall"] == 1.0 and ms["logitspec"]["mat"]["overall"] > 1.0
+    # the second turn sees sample 0's first-turn answer, the same prompt for every method and sample
+    assert len({r["prompt_tokens"] for r in records if r["turn"] == 1}) == 1
+    md = (tmp_path / "report.md").read_text()
+    assert "sampled (temperature 0.9, top-p 0.95), 2 sample(s) per prompt, seed 3" in md
+    assert "no test of the distribution" in md
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:6]) + "\n")  # the first unit only
+    again = bench((model, None), qs, tmp_path, resume=True, **kw)
+    assert again["resumed"]["kept_question_turns"] == 1
+    assert (tmp_path / "results.jsonl").read_text().splitlines()[:6] == lines[:6]
+    resumed = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in resumed if r["method"] == "ar"] == [r["token_ids"] for r in ar]  # same seeds
+    with pytest.raises(ValueError, match="cannot resume"):
+        bench((model, None), qs, tmp_path, resume=True, **{**kw, "decoding": Decoding(0.9, 0.95, 0, 2, seed=4)})
+
+
+def test_decoding_needs_a_temperature_for_sampling_options(tmp_path):
+    from logitspec.cli import main
+
+    with pytest.raises(ValueError, match="temperature > 0"):
+        Decoding(num_samples=2)
+    with pytest.raises(ValueError, match="top_p"):
+        Decoding(temperature=1.0, top_p=0.0)
+    assert main(["bench", "--top-k", "8", "--out", str(tmp_path)]) == 2  # before any model or questions load
+    assert Decoding(0.8, 0.95, 0, 4, 0).seeds(2, 3) == [8, 12, 16]
 
 
 def test_batched_run_and_cli(tmp_path, one_thread):
@@ -360,6 +403,9 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     assert table["ar@1"]["vs_ar"] == 1.0 and table["ar@2"]["mat"] == 1.0
     assert table["pld@2"]["vs_ar"] == pytest.approx(table["pld@2"]["tokens_per_s"] / table["ar@2"]["tokens_per_s"])
     assert "| 2 | pld |" in throughput.render(table)
+    sampled = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [2], max_new_tokens=6, rounds=1,
+                             decoding=Decoding(temperature=0.8, num_samples=2))
+    assert len(seen[-1]) == 2 * len(prompts) and sampled["pld@2"]["same_as_ar"] is True  # the same draws
 
 
 def test_calibrate_cli_stores_prints_and_plots_the_curve(tmp_path, one_thread, monkeypatch, capsys):

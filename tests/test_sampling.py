@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from logitspec.head import ScreenedArgmax
-from logitspec.sampling import ScreenedNodes, exact_logits, screened_sample, top_k_support, top_p_support
+from logitspec.sampling import exact_logits, screened_sample, top_k_support, top_p_support
 from logitspec.verify import SamplingParams, probs_from_logits
+from chi2 import chi2, chi2_limit
 
 pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
@@ -35,22 +36,6 @@ def _reference_support(z, params):
     mass = np.exp((np.array([float(z[v]) for v in keep], dtype=np.float64) - float(z[keep[0]])) / params.temperature)
     before = np.concatenate([[0.0], np.cumsum(mass)[:-1]])
     return set(np.array(keep)[before < params.top_p * mass.sum()].tolist())
-
-
-def _chi2_limit(df):
-    """The 99.9% quantile of chi-square with ``df`` degrees of freedom (Wilson-Hilferty)."""
-    a = 2.0 / (9 * df)
-    return df * (1 - a + 3.09 * a ** 0.5) ** 3
-
-
-def _chi2(counts, probs, n):
-    expected = probs * n
-    big = expected > 5
-    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum()
-    rest = expected[~big].sum()
-    if rest > 0:
-        stat += (counts[~big].sum() - rest) ** 2 / rest
-    return stat, int(big.sum()) - 1 + (rest > 0)
 
 
 PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.8),
@@ -90,8 +75,8 @@ def test_draws_follow_the_target_distribution(params):
     n = 3000
     counts = np.bincount([screened_sample(a, x, w, bound, params, gen) for _ in range(n)], minlength=64)
     assert counts[probs == 0].sum() == 0
-    stat, df = _chi2(counts, probs, n)
-    assert stat < _chi2_limit(df), (stat, df)
+    stat, df = chi2(counts, probs, n)
+    assert stat < chi2_limit(df), (stat, df)
 
 
 def test_undecided_nucleus_falls_back_to_the_full_row_and_stays_exact():
@@ -111,5 +96,5 @@ def test_undecided_nucleus_falls_back_to_the_full_row_and_stays_exact():
     n = 1600
     for p in (params, SamplingParams(1.0)):  # temperature only: most quantiles lie past the candidates
         counts = np.bincount([screened_sample(a, x, w, bound, p, gen) for _ in range(n)], minlength=80)
-        stat, df = _chi2(counts, probs_from_logits(z, p).double().numpy(), n)
-        assert stat < _chi2_limit(df), (stat, df)
+        stat, df = chi2(counts, probs_from_logits(z, p).double().numpy(), n)
+        assert stat < chi2_limit(df), (stat, df)

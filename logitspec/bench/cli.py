@@ -8,6 +8,7 @@ from .questions import DEFAULT_QUESTIONS, load_questions
 from .report import TASK_LABELS
 from .results import rerender
 from .run import bench
+from .samples import add_decoding_options, decoding_from_args, decoding_options
 
 QUICK = {"per_task": 1, "max_new_tokens": 16, "methods": "ar,logitspec,hf"}
 DESCRIPTION = "Spec-Bench tables for our methods and the baselines users would pick instead."
@@ -28,7 +29,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default 64)")
     p.add_argument("--max-batch-size", type=int, default=1, help="engine batch size; a unit is that many questions")
     p.add_argument("--capacity", type=int, default=None, help="SpecConfig.capacity for the engine methods")
-    p.add_argument("--top-k", type=int, default=None, help="SpecConfig.top_k for the engine methods")
+    p.add_argument("--guesses", type=int, default=None,
+                   help="SpecConfig.top_k for the engine methods: LogitSpec's next-next guesses per step")
+    add_decoding_options(p)
     p.add_argument("--out", default="bench_out", help="output directory (default bench_out)")
     p.add_argument("--quick", action="store_true",
                    help="CI preset: 1 question per task, 16 new tokens, methods ar,logitspec,hf "
@@ -51,6 +54,7 @@ def bench_command(args) -> int:
         if summary.get("partial"):
             print(f"partial: {summary['partial']}")
         return 0
+    decoding = decoding_from_args(args)  # bad sampling values fail before the model loads
     quick = QUICK if args.quick else {}
     per_task = args.per_task if args.per_task is not None else quick.get("per_task")
     max_new = args.max_new_tokens if args.max_new_tokens is not None else quick.get("max_new_tokens", 64)
@@ -62,7 +66,7 @@ def bench_command(args) -> int:
 
         torch.set_num_threads(args.threads)
     summary = bench(args.model, args.questions, args.out, methods, per_task, categories, max_new_tokens=max_new,
-                    max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.top_k,
+                    max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.guesses, decoding=decoding,
                     warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, progress=not args.no_progress,
                     resume=args.resume,
                     command=_command_line(args, per_task, max_new, methods),
@@ -83,10 +87,11 @@ def _command_line(args, per_task, max_new, methods) -> str:
     if args.categories:
         parts += ["--categories", args.categories]
     parts += ["--max-new-tokens", str(max_new)]
-    for opt in ("max_batch_size", "capacity", "top_k", "threads"):
+    for opt in ("max_batch_size", "capacity", "guesses", "threads"):
         v = getattr(args, opt)
         if v is not None and not (opt == "max_batch_size" and v == 1):
             parts += ["--" + opt.replace("_", "-"), str(v)]
+    parts += decoding_options(decoding_from_args(args))
     if args.no_warmup:
         parts.append("--no-warmup")
     elif args.warmup_tokens != 16:

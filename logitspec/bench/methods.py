@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
 from .report import TIME_PARTS
+from ..session import sample_seed
+from .samples import Decoding, run_samples
 
 REFERENCE = "ar"
 HF_METHODS = ("hf", "hf-pld")
@@ -92,18 +94,21 @@ def _sync(device) -> None:
 
 
 class EngineRunner:
-    """One of our engine's methods; one ``generate`` call per unit."""
+    """One of our engine's methods; one ``Engine.run`` call per unit."""
 
-    def __init__(self, model, tokenizer, config):
+    def __init__(self, model, tokenizer, config, decoding: Decoding = Decoding()):
         from ..engine import Engine
 
         self.engine = Engine(model, tokenizer, config)
+        self.decoding = decoding
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[dict]]:
+    def run(self, prompts: list[list[int]], max_new_tokens: int,
+            seeds: list[int] | None = None) -> tuple[float, list[dict]]:
+        """Wall time and one output per sample, prompt-major (:func:`~logitspec.bench.samples.run_samples`)."""
         dev = self.engine.target.device
         _sync(dev)
         t0 = time.perf_counter()
-        results = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+        results = run_samples(self.engine, prompts, max_new_tokens, self.decoding, seeds).results
         _sync(dev)
         wall = time.perf_counter() - t0
         outs = []
@@ -120,17 +125,24 @@ class EngineRunner:
 
 
 class HFRunner:
-    """``model.generate`` greedy (optionally with prompt lookup), one prompt at a time.
+    """``model.generate`` (optionally with prompt lookup), one prompt (and sample) at a time: greedy,
+    or sampled with the same settings as the engine (``torch.manual_seed`` per sample: HF's own draws,
+    not comparable token for token with the engine's).
 
     Forwards are counted with a public forward pre-hook; per-forward accepted lengths are read from
     the ``position_ids`` each forward receives (the sequence length after forward i is the next
     forward's first position + 1), and left out when a forward does not receive them.
     """
 
-    def __init__(self, model, tokenizer, eos_ids: set[int], overrides: dict, base: str):
+    def __init__(self, model, tokenizer, eos_ids: set[int], overrides: dict, base: str,
+                 decoding: Decoding = Decoding()):
         self.model = model
         self.tokenizer = tokenizer
+        self.decoding = decoding
         self.kwargs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        if not decoding.greedy:
+            self.kwargs.update(do_sample=True, temperature=decoding.temperature, top_p=decoding.top_p,
+                               top_k=decoding.top_k or None)
         if base == "hf-pld":
             self.kwargs["prompt_lookup_num_tokens"] = 10
         self.kwargs.update(overrides)
@@ -140,42 +152,54 @@ class HFRunner:
         self.kwargs["pad_token_id"] = eos[0] if eos else 0
         self.eos = set(eos)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, list[dict]]:
+    def run(self, prompts: list[list[int]], max_new_tokens: int,
+            seeds: list[int] | None = None) -> tuple[float, list[dict]]:
+        """Wall time and one output per sample, prompt-major."""
+        n = self.decoding.num_samples
+        seeds = self.decoding.seeds(0, len(prompts)) if seeds is None else seeds
+        outs, total = [], 0.0
+        for ids, seed in zip(prompts, seeds):
+            for j in range(n):
+                wall, out = self._generate(ids, max_new_tokens, sample_seed(seed, j))
+                total += wall
+                outs.append(out)
+        return total, outs
+
+    def _generate(self, ids: list[int], max_new_tokens: int, seed: int) -> tuple[float, dict]:
+        """One ``generate`` call: its wall time and output (forwards counted by a pre-hook)."""
         import torch
 
         dev = next(self.model.parameters()).device
-        outs, total = [], 0.0
-        for ids in prompts:
-            starts: list = []  # first position of each forward (a 1-element tensor: no device sync here)
+        starts: list = []  # first position of each forward (a 1-element tensor: no device sync here)
 
-            def hook(module, args, kwargs):
-                pos = kwargs.get("position_ids")
-                starts.append(pos.reshape(-1)[:1].clone() if pos is not None else None)
+        def hook(module, args, kwargs):
+            pos = kwargs.get("position_ids")
+            starts.append(pos.reshape(-1)[:1].clone() if pos is not None else None)
 
-            x = torch.tensor([ids], device=dev)
-            handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
-            try:
-                _sync(dev)
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
-                                              **self.kwargs)
-                _sync(dev)
-                wall = time.perf_counter() - t0
-            finally:
-                handle.remove()
-            new = out[0, len(ids):].tolist()
-            starts = [int(p) if p is not None else None for p in starts]
-            total += wall
-            outs.append({
-                "token_ids": new,
-                "text": self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None,
-                "finish_reason": "stop" if new and new[-1] in self.eos else "length",
-                "steps": len(starts), "decode_steps": max(len(starts) - 1, 0),
-                "accept_lengths": _accept_lengths(starts, len(ids), len(new)),
-                "wall_time": wall,
-            })
-        return total, outs
+        x = torch.tensor([ids], device=dev)
+        if not self.decoding.greedy:
+            torch.manual_seed(seed)
+        handle = self.model.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            _sync(dev)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                          **self.kwargs)
+            _sync(dev)
+            wall = time.perf_counter() - t0
+        finally:
+            handle.remove()
+        new = out[0, len(ids):].tolist()
+        starts = [int(p) if p is not None else None for p in starts]
+        return wall, {
+            "token_ids": new,
+            "text": self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None,
+            "finish_reason": "stop" if new and new[-1] in self.eos else "length",
+            "steps": len(starts), "decode_steps": max(len(starts) - 1, 0),
+            "accept_lengths": _accept_lengths(starts, len(ids), len(new)),
+            "wall_time": wall,
+        }
 
 
 def _accept_lengths(starts: list[int | None], prompt_len: int, new_tokens: int) -> list[int] | None:

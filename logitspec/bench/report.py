@@ -118,12 +118,19 @@ def time_split(records: Sequence[dict]) -> dict[str, float] | None:
     return split
 
 
+def _key(r: dict) -> tuple:
+    return r["question_id"], r.get("turn", 0), r.get("sample", 0)
+
+
 def lossless(records: Sequence[dict], reference: str = "ar") -> dict[str, float | None]:
-    """Per method, the fraction of question-turns whose tokens equal the reference's."""
-    ref = {(r["question_id"], r.get("turn", 0)): r.get("token_ids") for r in records if r["method"] == reference}
+    """Per method, the fraction of question-turns (and samples) whose tokens equal the reference's;
+    None for a method whose records say they are not comparable (``same_as_ar`` None: HF sampling)."""
+    ref = {_key(r): r.get("token_ids") for r in records if r["method"] == reference}
     by_method: dict[str, list[bool]] = defaultdict(list)
     for r in records:
-        key = (r["question_id"], r.get("turn", 0))
+        key = _key(r)
+        if "same_as_ar" in r and r["same_as_ar"] is None:
+            continue
         if "token_ids" in r and ref.get(key) is not None:
             by_method[r["method"]].append(list(r["token_ids"]) == list(ref[key]))
         elif "same_as_ar" in r and r["same_as_ar"] is not None:
@@ -206,7 +213,7 @@ def render_report(summary: dict) -> str:
     lines.append(
         f"{summary.get('questions', '?')} questions, {sum(counts.values()) if counts else '?'} question-turns ("
         + ", ".join(f"{TASK_LABELS.get(t, t)} {counts.get(t, '?')}" for t in tasks)
-        + f"), greedy, max_new_tokens {s.get('max_new_tokens', '?')}, "
+        + f"), {s.get('decoding', 'greedy')}, max_new_tokens {s.get('max_new_tokens', '?')}, "
         f"batch size {s.get('max_batch_size', 1)}, reference `{summary.get('reference', 'ar')}`. "
         "All methods ran in one process on the same prompts, interleaved per question after a warm-up.")
     lines.append("")
@@ -222,8 +229,8 @@ def render_report(summary: dict) -> str:
         lines.append(f"| `{m}` | " + " | ".join(_f(v["mat"].get(c)) for c in cols) + " |")
     lines += ["", "## Details", "",
               "Speedup (totals) = total tokens / total time relative to the reference's; Spec-Bench = its "
-              "`speed.py` (mean speed / reference mean speed). Lossless = share of question-turns whose "
-              "tokens equal the reference's. Time split = share of wall time (engine methods only).", "",
+              "`speed.py` (mean speed / reference mean speed). " + _lossless_note(s) + " Time split = share of "
+              "wall time (engine methods only).", "",
               "| Method | speedup (totals) | speedup (Spec-Bench) | retrieval success | mean tree size | lossless "
               "| " + " | ".join(SPLIT_COLUMNS) + " |", "|---" * (6 + len(SPLIT_COLUMNS)) + "|"]
     for m, v in ms.items():
@@ -258,6 +265,15 @@ def render_report(summary: dict) -> str:
         lines += [""] + [f"![{p}]({p})" for p in plots]
     lines.append("")
     return "\n".join(lines)
+
+
+def _lossless_note(settings: dict) -> str:
+    if not settings.get("temperature"):
+        return "Lossless = share of question-turns whose tokens equal the reference's."
+    return ("Sampled: lossless = share of samples whose tokens equal the reference's from the same seed (the "
+            "engine draws one uniform per emitted token, so its methods agree up to float rounding at a "
+            "draw's edge); it is no test of the distribution (tests/test_engine_sampling.py is), and HF's "
+            "draws are its own (–).")
 
 
 # ----------------------------------------------------------------------------------------- plots

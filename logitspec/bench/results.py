@@ -9,6 +9,9 @@ from . import report
 from .methods import REFERENCE
 from .questions import task_order
 
+# settings an older summary may lack: the values it ran with
+DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "sampling_top_k": 0, "num_samples": 1, "seed": 0}
+
 
 def write_outputs(summary: dict, out_dir) -> None:
     """Plots, ``summary.json`` and ``report.md`` from a summary (re-runnable on an old summary)."""
@@ -35,7 +38,7 @@ def rerender(out_dir) -> dict:
     summary = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else {"reference": REFERENCE}
     ref = summary.get("reference", REFERENCE)
     names = (summary.get("settings") or {}).get("methods") or list(dict.fromkeys(r["method"] for r in records))
-    done = [r for r in records if r["method"] == ref]
+    done = [r for r in records if r["method"] == ref and r.get("sample", 0) == 0]  # one per question-turn
     counts: dict[str, int] = {}
     for r in done:
         counts[r["task"]] = counts.get(r["task"], 0) + 1
@@ -53,15 +56,17 @@ def rerender(out_dir) -> dict:
 
 
 def resumable(out: pathlib.Path, summary: dict, names: list[str]) -> dict:
-    """``{(question_id, turn): {method: record}}`` of the complete question-turns in ``out``'s results."""
+    """``{(question_id, turn): {method: [record per sample]}}`` of the complete question-turns in
+    ``out``'s results."""
     path = out / "results.jsonl"
     if not path.is_file():
         return {}
     meta = out / "summary.json"
     if meta.is_file():
         old = json.loads(meta.read_text(encoding="utf-8")).get("settings", {})
-        for key in ("methods", "max_new_tokens", "max_batch_size", "capacity", "top_k"):
-            if key in old and old[key] != summary["settings"][key]:
+        for key in ("methods", "max_new_tokens", "max_batch_size", "capacity", "top_k", "temperature", "top_p",
+                    "sampling_top_k", "num_samples", "seed"):
+            if old.get(key, DEFAULTS.get(key)) != summary["settings"].get(key, DEFAULTS.get(key)):
                 raise ValueError(f"cannot resume {out}: its {key} was {old[key]!r}, now {summary['settings'][key]!r}")
     by_key: dict = {}
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -69,5 +74,7 @@ def resumable(out: pathlib.Path, summary: dict, names: list[str]) -> dict:
             r = json.loads(line)
         except ValueError:
             continue  # a line cut short when the run died
-        by_key.setdefault((r["question_id"], r.get("turn", 0)), {})[r["method"]] = r
-    return {k: v for k, v in by_key.items() if set(v) >= set(names)}
+        by_key.setdefault((r["question_id"], r.get("turn", 0)), {}).setdefault(r["method"], {})[r.get("sample", 0)] = r
+    n = summary["settings"].get("num_samples", 1)
+    return {k: {m: [rs[j] for j in range(n)] for m, rs in v.items()} for k, v in by_key.items()
+            if all(len(v.get(m, ())) == n for m in names)}

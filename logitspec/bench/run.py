@@ -27,6 +27,7 @@ from .provenance import code_version, load_average, machine_info
 from .questions import (DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order,
                         warmup_question)
 from .results import resumable, write_outputs
+from .samples import Decoding
 
 
 def bench(model="default", questions=None, out_dir="bench_out", methods: str | Sequence[str] = DEFAULT_METHODS,
@@ -67,7 +68,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
               top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
               model_name: str = "?", command: str | None = None, settings: dict | None = None,
-              resume: bool = False) -> dict:
+              resume: bool = False, decoding: Decoding = Decoding()) -> dict:
     """Run every method on every question-turn, write ``results.jsonl``, ``summary.json``, ``report.md``
     and PNG plots into ``out_dir``, and return the summary.
 
@@ -75,12 +76,13 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
     those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``warmup``: one
     call per method first, ``warmup_tokens`` long, on a built-in prompt that is not measured. ``resume``
     keeps the complete units already in ``out_dir/results.jsonl`` (same settings required) and runs
-    the rest, in the same rotation.
+    the rest, in the same rotation. ``decoding``: greedy (the default) or sampled, with
+    ``num_samples`` records per question-turn (each sample seeded alike for every method).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     specs = parse_methods(methods)
-    runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k)
+    runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k, decoding)
     names = [s.name for s in specs]
     build = PromptBuilder(tokenizer, runners[REFERENCE].engine.encode)
     out = pathlib.Path(out_dir)
@@ -90,7 +92,9 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
         "methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
         "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
         "warmup_prompt": "built-in, not measured" if warmup else None,
-        "temperature": 0.0, "chat_template": build.chat, **(settings or {})})
+        "temperature": decoding.temperature, "top_p": decoding.top_p, "sampling_top_k": decoding.top_k,
+        "num_samples": decoding.num_samples, "seed": decoding.seed, "decoding": decoding.describe(),
+        "chat_template": build.chat, **(settings or {})})
     kept = resumable(out, summary, names) if resume else {}
     if kept:
         summary["resumed"] = {"at": summary["started"], "kept_question_turns": len(kept)}
@@ -104,7 +108,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
         # as many prompts as the first unit has, so a batching engine warms up its batched path
         warm = _warm_up(runners, names, [prompt] * len(groups[0]), min(warmup_tokens, max_new_tokens), bar)
     with open(out / "results.jsonl", "w", encoding="utf-8") as f:
-        records = _run_units(runners, names, build, groups, kept, max_new_tokens, f, bar)
+        records = _run_units(runners, names, build, groups, kept, max_new_tokens, f, bar, decoding)
     bar.close()
     summary["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     summary["load_average"]["end"] = load_average()
@@ -116,7 +120,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods:
 
 
 def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int, capacity: int | None,
-                  top_k: int | None) -> dict[str, Any]:
+                  top_k: int | None, decoding: Decoding) -> dict[str, Any]:
     """One runner per method: the engine methods first (the HF baselines take the reference's EOS ids)."""
     from ..config import SpecConfig
 
@@ -128,11 +132,12 @@ def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int
     runners: dict[str, Any] = {}
     for s in specs:  # build every config first: a bad variant fails before any forward
         if not s.is_hf:
-            runners[s.name] = EngineRunner(model, tokenizer, SpecConfig(method=s.base, **{**base_cfg, **s.overrides}))
+            cfg = SpecConfig(method=s.base, **{**base_cfg, **s.overrides})
+            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding)
     eos = runners[REFERENCE].engine.eos_ids
     for s in specs:
         if s.is_hf:
-            runners[s.name] = HFRunner(model, tokenizer, eos, s.overrides, s.base)
+            runners[s.name] = HFRunner(model, tokenizer, eos, s.overrides, s.base, decoding)
     return runners
 
 
@@ -172,22 +177,24 @@ def _warm_up(runners: dict, names: list[str], prompts: list[list[int]], tokens: 
 
 
 def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: list[list[Question]], kept: dict,
-               max_new_tokens: int, f, bar) -> list[dict]:
+               max_new_tokens: int, f, bar, decoding: Decoding) -> list[dict]:
     """Every unit by every method; a unit's records are written to ``f`` whole, in method order."""
     records: list[dict] = []
     unit = 0
+    width = max(len(g) for g in groups)  # seeds: prompt k of unit u is the run's (u * width + k)-th
     for group in groups:
         answers: dict[Any, list] = {q.question_id: [] for q in group}
         for turn in range(max(len(q.turns) for q in group)):
             qs = [q for q in group if turn < len(q.turns)]
             old = [kept.get((q.question_id, turn)) for q in qs]
             if all(old):  # done before: keep its records (and the reference's answers)
-                unit_records = {name: [rs[name] for rs in old] for name in names}
+                unit_records = {name: [r for rs in old for r in rs[name]] for name in names}
                 bar.update(len(qs) * len(names))
             else:
                 prompts = [build(q, turn, answers[q.question_id]) for q in qs]
-                unit_records = _run_unit(runners, names, qs, turn, unit, prompts, max_new_tokens, bar)
-            for q, r in zip(qs, unit_records[REFERENCE]):
+                seeds = decoding.seeds(unit * width, len(qs))
+                unit_records = _run_unit(runners, names, qs, turn, unit, prompts, max_new_tokens, bar, seeds)
+            for q, r in zip(qs, unit_records[REFERENCE][::decoding.num_samples]):  # the next turn sees sample 0
                 answers[q.question_id].append(r["token_ids"])
             for name in names:  # written in method order, whatever order they ran in
                 for r in unit_records[name]:
@@ -199,19 +206,23 @@ def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: li
 
 
 def _run_unit(runners: dict, names: list[str], qs: list[Question], turn: int, unit: int, prompts: list[list[int]],
-              max_new_tokens: int, bar) -> dict[str, list[dict]]:
-    """One unit by every method back to back, the order rotated by one method per unit."""
+              max_new_tokens: int, bar, seeds: list[int]) -> dict[str, list[dict]]:
+    """One unit by every method back to back, the order rotated by one method per unit; a record per
+    question and sample. Sampled, ``same_as_ar`` says whether a method drew the same tokens as ``ar``
+    from the same seed (the engine draws one uniform per emitted token); HF's draws are its own (None)."""
     order = names[unit % len(names):] + names[: unit % len(names)]
     unit_records = {}
     for pos, name in enumerate(order):
         bar.set_postfix_str(f"{qs[0].task} q{qs[0].question_id} t{turn + 1} {name}", refresh=False)
-        wall, outs = runners[name].run(prompts, max_new_tokens)
-        unit_records[name] = [
-            _record(name, q, turn, unit, pos, p, o, wall, len(qs)) for q, p, o in zip(qs, prompts, outs)]
+        wall, outs = runners[name].run(prompts, max_new_tokens, seeds)
+        n = len(outs) // len(qs)  # samples per question
+        unit_records[name] = [_record(name, qs[i // n], turn, unit, pos, prompts[i // n], o, wall, len(outs), i % n)
+                              for i, o in enumerate(outs)]
         bar.update(len(qs))
     for name in names:
+        comparable = runners[name].decoding.greedy or isinstance(runners[name], EngineRunner)
         for r, a in zip(unit_records[name], unit_records[REFERENCE]):
-            r["same_as_ar"] = r["token_ids"] == a["token_ids"]
+            r["same_as_ar"] = r["token_ids"] == a["token_ids"] if comparable else None
     return unit_records
 
 
@@ -222,9 +233,9 @@ def _count_turns(questions: Sequence[Question]) -> dict[str, int]:
     return counts
 
 
-def _record(name, q: Question, turn, unit, pos, prompt, o: dict, wall, n) -> dict:
+def _record(name, q: Question, turn, unit, pos, prompt, o: dict, wall, n, sample: int = 0) -> dict:
     r = {"method": name, "question_id": q.question_id, "category": q.category, "task": q.task, "turn": turn,
-         "unit": unit, "order": pos, "prompt_tokens": len(prompt), "new_tokens": len(o["token_ids"]),
+         "sample": sample, "unit": unit, "order": pos, "prompt_tokens": len(prompt), "new_tokens": len(o["token_ids"]),
          "wall_time": o.get("wall_time", wall), "unit_wall_time": wall if n > 1 else None, "batch": n}
     r.update({k: v for k, v in o.items() if k != "wall_time"})
     r["tokens_per_s"] = r["new_tokens"] / r["wall_time"] if r["wall_time"] > 0 else None

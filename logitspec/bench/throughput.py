@@ -19,6 +19,7 @@ import time
 from ..config import SpecConfig
 from . import vllm_baseline
 from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
+from .samples import Decoding, add_decoding_options, decoding_from_args, run_samples
 
 BASELINES = ("vllm",)
 
@@ -29,9 +30,11 @@ def batch_prompts(prompts: list, batch_size: int) -> list:
 
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
-        configs: dict[str, SpecConfig] | None = None) -> dict:
+        configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding()) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
-    batch size, MAT of the last round, the last round's new token ids and whether they equal ``ar``'s."""
+    batch size, MAT of the last round, the last round's new token ids and whether they equal ``ar``'s
+    (sampled: the same draws from the same seeds). ``decoding``: greedy, or sampled with
+    ``num_samples`` per prompt."""
     from ..engine import Engine
 
     configs = configs or {}
@@ -47,7 +50,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
         for k in keys:
-            done = engines[k].run(batch_prompts(prompts, k[1]), max_new_tokens=max_new_tokens)
+            done = run_samples(engines[k], batch_prompts(prompts, k[1]), max_new_tokens, decoding)
             tps[k].append(done.stats["tokens_per_s"])
             outputs[k] = [x.token_ids for x in done.results]
             mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
@@ -92,6 +95,7 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--vllm-methods", default="plain,ngram",
                    help=f"vLLM methods to run, of {','.join(vllm_baseline.METHODS)} (ngram: 5 drafted tokens; "
                         "suffix needs arctic-inference in vLLM's environment)")
+    add_decoding_options(p)
     p.set_defaults(func=_main)
 
 
@@ -111,15 +115,19 @@ def _main(args) -> int:
         vllm_python, why = vllm_baseline.find_python(args.vllm_python)
         if vllm_python is None:
             print(why)
+    decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
-    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds)
+    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, decoding=decoding)
     if vllm_python is not None:
-        table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
+        if not decoding.greedy:
+            print("vLLM baseline skipped: it is compared under greedy decoding only")
+        else:
+            table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
     print(render(table))
-    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
+    print(f"\n{len(prompts)} prompts, {decoding.describe()}, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out:
         slim = {k: {f: v for f, v in row.items() if f != "token_ids"} for k, row in table.items()}
