@@ -15,9 +15,9 @@ def _spy(engine) -> list:
     log = []
     extend, decode = engine.target.extend, engine.decode_step
 
-    def spy_extend(row, tokens, exact=True):
+    def spy_extend(row, tokens, **flags):
         log.append(("P", len(tokens)))
-        return extend(row, tokens, exact)
+        return extend(row, tokens, **flags)
 
     def spy_decode(active, *a):
         log.append(("D", len(active)))
