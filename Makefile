@@ -8,7 +8,7 @@ demo: setup
 	.venv/bin/python jobs/generate.py --input data/sample_prompts.jsonl --output out/sample
 
 test: setup
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest -q -ra --durations=15
 
 test-fast: setup
 	LOGITSPEC_SKIP_SLOW=1 .venv/bin/python -m pytest -q -ra -m "not slow"

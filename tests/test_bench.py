@@ -384,10 +384,11 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     from logitspec.bench import throughput
     from logitspec.engine import Engine
 
-    seen = []
+    seen, counts = [], []
 
     def spy(self, prompts, _run=Engine.run, **kw):
         seen.append([tuple(p) for p in prompts])
+        counts.append(kw.get("n", 1))
         return _run(self, prompts, **kw)
 
     monkeypatch.setattr(Engine, "run", spy)
@@ -405,7 +406,8 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     assert "| 2 | pld |" in throughput.render(table)
     sampled = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [2], max_new_tokens=6, rounds=1,
                              decoding=Decoding(temperature=0.8, num_samples=2))
-    assert len(seen[-1]) == 2 * len(prompts) and sampled["pld@2"]["same_as_ar"] is True  # the same draws
+    assert len(seen[-1]) == len(prompts) and counts[-1] == 2  # a prompt's samples share its prefill (n=2)
+    assert sampled["pld@2"]["same_as_ar"] is True and len(sampled["pld@2"]["token_ids"]) == 2 * len(prompts)
 
 
 def test_calibrate_cli_stores_prints_and_plots_the_curve(tmp_path, one_thread, monkeypatch, capsys):
