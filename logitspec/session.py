@@ -205,7 +205,10 @@ class Session:
                 seq.stats.shared_prefill = j > 0
                 seq.stats.cached_prompt_tokens = req.cached_tokens
                 seq.stats.mark_emit(time.perf_counter())
-                (finished.append(self.engine.result(seq)) if seq.finish else started.append(seq))
+                if seq.finish:
+                    finished.append(self.engine.result(seq))
+                else:
+                    started.append(seq)
             if started:  # the row is handed over when no other sample needs it (a prefix cache keeps a copy)
                 self.kv.add_row(req.row, copies=len(started), take=req.admitted + take == len(req.seeds))
                 self.active += started
