@@ -154,16 +154,46 @@ class BatchKV:
         if take and self.rows == 0 and copies == 1:
             self.hf, self.lengths = other.hf, list(other.lengths)
             return
-        theirs = [(x.keys.expand(copies, -1, -1, -1), x.values.expand(copies, -1, -1, -1)) for x in other._layers()]
-        if self.rows == 0:
-            self.hf = _cache_of(theirs)
+        self.add_rows([(other, 0, copies)])
+
+    def add_rows(self, sources: list[tuple["BatchKV", int, int]]) -> None:
+        """Append, in order, ``copies`` copies of row ``row`` of ``cache`` for each
+        ``(cache, row, copies)`` in ``sources`` (the sources are copied, not changed): one
+        concatenation per layer however many rows are added."""
+        added = [n for src, r, copies in sources for n in [src.lengths[r]] * copies]
+        width = max([self.columns] + added)
+        parts: list[list[torch.Tensor]] = []  # per layer: keys and values blocks [rows, heads, width, dim]
+        if not any(src.columns for src, _, _ in sources):  # rows with no columns yet (nothing prefilled)
+            if self.rows == 0:
+                self.hf = new_cache()
+            self.lengths += added
+            return
+        runs: list[tuple[BatchKV, list[int]]] = []  # consecutive sources from one cache: one gather
+        for src, r, copies in sources:
+            if not runs or runs[-1][0] is not src:
+                runs.append((src, []))
+            runs[-1][1].extend([r] * copies)
+        for src, rows in runs:
+            idx = to_device(np.asarray(rows, dtype=np.int64), src._device())
+            for i, x in enumerate(src._layers()):
+                if len(parts) <= i:
+                    parts.append([])
+                parts[i].append(tuple(_pad_columns(t.index_select(0, idx)[:, :, :width], width)
+                                      for t in (x.keys, x.values)))
+        mine = list(self._layers()) if self.rows else []
+        layers = []
+        for i, blocks in enumerate(parts):
+            if len(blocks) != len(runs):
+                raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
+            keys = [_pad_columns(mine[i].keys, width)] if mine else []
+            values = [_pad_columns(mine[i].values, width)] if mine else []
+            layers.append((torch.cat(keys + [k for k, _ in blocks]), torch.cat(values + [v for _, v in blocks])))
+        if mine:
+            for layer, (k, v) in zip(mine, layers):
+                layer.set(k, v, room=64)
         else:
-            width = max(self.columns, other.columns)
-            for mine, (k, v) in zip(self._layers(), theirs):
-                keys = torch.cat([_pad_columns(mine.keys, width), _pad_columns(k, width)], dim=0)
-                values = torch.cat([_pad_columns(mine.values, width), _pad_columns(v, width)], dim=0)
-                mine.set(keys, values, room=64)
-        self.lengths += [other.lengths[0]] * copies
+            self.hf = _cache_of(layers)
+        self.lengths += added
 
     def row_prefix(self, row: int, n: int) -> "BatchKV":
         """A compact one-row copy of the first ``n`` committed columns of ``row``."""
@@ -172,6 +202,12 @@ class BatchKV:
         out.hf = _cache_of([(x.keys[row:row + 1, :, :n], x.values[row:row + 1, :, :n]) for x in self._layers()], room=0)
         out.lengths = [n]
         return out
+
+    @property
+    def column_bytes(self) -> int:
+        """Bytes of one column of one row (keys and values of every layer)."""
+        return sum((x.keys.nbytes + x.values.nbytes) // max(1, x.keys.shape[0] * x.keys.shape[2])
+                   for x in self._layers() if x.keys.shape[2])
 
     @property
     def used_bytes(self) -> int:

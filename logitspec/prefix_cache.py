@@ -102,13 +102,13 @@ class PrefixCache:
             self.misses += 1
             return None
 
-    def store(self, ids: list[int], kind: int, row: BatchKV, last: Any) -> None:
-        """Keep a compact copy of the one-row cache ``row`` (holding ``ids``) and ``last``."""
+    def store(self, ids: list[int], kind: int, row: BatchKV, last: Any, index: int = 0) -> None:
+        """Keep a compact copy of row ``index`` of ``row`` (holding ``ids``) and ``last``."""
         key = (kind, tuple(ids))
-        nbytes = row.used_bytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
+        nbytes = len(ids) * row.column_bytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
         if key in self._entries or nbytes > self.max_bytes:  # checked before copying anything
             return
-        copy = row.row_prefix(0, len(ids))
+        copy = row.row_prefix(index, len(ids))
         with self._lock:
             if key in self._entries:
                 return

@@ -4,9 +4,9 @@ A :class:`Session` (from :meth:`Engine.open`) holds the batch: ``submit`` queues
 ``n`` samples share one prefill), and each ``step`` does one iteration:
 
 1. admit prefilled samples into free slots (their first token comes from the prefill's output);
-2. prefill the next waiting prompt: one chunk of ``prefill_chunk`` tokens per iteration while
+2. prefill the next waiting prompts: one chunk of ``prefill_chunk`` tokens per iteration while
    other rows decode (so they are never stalled for a whole long prefill); a batch filling up from
-   empty is prefilled until its slots are full;
+   empty is prefilled until its slots are full; short prompts are prefilled several to a forward;
 3. one decoding step of every active row; finished rows are returned and their slots freed.
 
 :meth:`Engine.run` is ``submit`` for every prompt, then ``step`` until the session is idle.
@@ -45,7 +45,8 @@ class _Request:
     seeds: list[int]  # one per sample
     ref: Any
     admitted: int = 0  # samples admitted so far
-    row: BatchKV | None = None  # the prompt's KV (one row), filled chunk by chunk
+    row: BatchKV | None = None  # the prompt's KV (one row, filled chunk by chunk; or a group's cache)
+    row_index: int = 0  # the prompt's row in ``row``
     last: Any = None  # the last prompt token's output, once prefilled
     done_tokens: int = 0  # prompt tokens in ``row``
     prefill_s: float = 0.0
@@ -135,17 +136,25 @@ class Session:
     def _fill(self, finished: list) -> None:
         """Admit waiting samples; prefill the next prompts while slots are free: at most one chunk's
         worth of prompt tokens when rows were decoding before this iteration, otherwise (a batch
-        filling up from empty) until the slots are full."""
+        filling up from empty) until the slots are full. Short fresh prompts are prefilled together,
+        several rows in one forward (:meth:`_prefill_group`)."""
         decoding = bool(self.active)
-        spent = 0  # prompt tokens prefilled in this iteration
+        spent = 0  # prompt tokens prefilled in this iteration (padding included)
         while True:
             self._admit_ready(finished)
             slots = self.engine.config.max_batch_size - len(self.active) - sum(
                 len(r.seeds) - r.admitted for r in self.ready)
             if slots <= 0 and self.prefilling is None:
                 return
+            budget = self.engine.prefill_chunk - spent if decoding and spent else self.engine.prefill_chunk
             if self.prefilling is None:
                 if not self.pending:
+                    return
+                group = self._take_group(slots, budget)
+                if group:
+                    spent += self._prefill_group(group)
+                    continue
+                if decoding and spent:
                     return
                 self.prefilling = self._start(self.pending.popleft())
             req = self.prefilling
@@ -159,9 +168,52 @@ class Session:
                 self.ready.append(req)
                 self.prefilling = None
 
+    def _take_group(self, slots: int, budget: int) -> list[_Request]:
+        """Waiting prompts from the front of the queue to prefill in one forward: those the prefix
+        cache does not hold at all, each short enough for one chunk, while the padded forward
+        (rows x longest prompt) stays within ``budget`` tokens and their samples within ``slots``.
+        Whole cache hits found on the way go straight to ``ready``. Empty when the front prompt
+        must go alone (a partial cache hit, or a prompt longer than a chunk)."""
+        group: list[_Request] = []
+        longest = samples = 0
+        while self.pending and samples < slots:
+            req = self.pending[0]
+            width = max(longest, len(req.ids))
+            if (len(group) + 1) * width > budget or (group and samples + len(req.seeds) > slots):
+                break
+            self._start(self.pending.popleft())
+            if req.last is not None:  # the whole prompt was cached: nothing to run
+                self.ready.append(req)
+                continue
+            if req.done_tokens:  # partly cached: it continues alone from its cached prefix (begun already)
+                self.pending.appendleft(req)
+                break
+            group.append(req)
+            longest, samples = width, samples + len(req.seeds)
+        return group
+
+    def _prefill_group(self, group: list[_Request]) -> int:
+        """Prefill the prompts of ``group`` (none cached, each within one chunk) in one forward;
+        they become ready, sharing the group's cache. The forward's time is shared evenly among
+        them. Tokens run, padding included."""
+        t0 = time.perf_counter()
+        exact, argmax = self.engine.output_mode(self.params)
+        rows, lasts = self.engine.target.prefill_rows([r.ids for r in group], exact=exact, argmax=argmax)
+        share = (time.perf_counter() - t0) / len(group)
+        for b, (req, last) in enumerate(zip(group, lasts)):
+            req.row, req.row_index, req.last, req.done_tokens, req.prefill_s = rows, b, last, len(req.ids), share
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.store(req.ids, self._output_kind(), rows, last, index=b)
+            self.ready.append(req)
+        self.prefill_chunks += 1
+        self.prefills += len(group)
+        return len(group) * max(len(r.ids) for r in group)
+
     def _start(self, req: _Request) -> _Request:
         """Begin the prompt's prefill from what the prefix cache holds of it (the whole prompt: nothing
-        is left to run)."""
+        is left to run); a request already begun is returned as it is."""
+        if req.row is not None:
+            return req
         cache = self.engine.prefix_cache
         hit = cache.lookup(req.ids, self._output_kind()) if cache is not None else None
         if hit is None:
@@ -193,12 +245,15 @@ class Session:
         req.prefill_s += time.perf_counter() - t0
 
     def _admit_ready(self, finished: list) -> None:
-        """Start prefilled samples in free slots; the KV row is copied once per admitted sample."""
+        """Start prefilled samples in free slots; their KV rows are added to the batch in one go (a
+        prompt's row once per admitted sample)."""
+        sources: list[tuple[BatchKV, int, int]] = []
+        take = False  # one whole one-row prefill into an empty batch: adopt its buffers, no copy
         while self.ready and len(self.active) < self.engine.config.max_batch_size:
             req = self.ready[0]
-            take = min(len(req.seeds) - req.admitted, self.engine.config.max_batch_size - len(self.active))
+            count = min(len(req.seeds) - req.admitted, self.engine.config.max_batch_size - len(self.active))
             started = []
-            for j in range(req.admitted, req.admitted + take):
+            for j in range(req.admitted, req.admitted + count):
                 seq = self.engine.start_sequence((req.rid, j), req.ids, req.max_new, req.seeds[j], req.ref,
                                                  req.last, self.params, self.stops)
                 seq.stats.prefill_s = req.prefill_s if j == 0 else 0.0
@@ -209,10 +264,16 @@ class Session:
                     finished.append(self.engine.result(seq))
                 else:
                     started.append(seq)
-            if started:  # the row is handed over when no other sample needs it (a prefix cache keeps a copy)
-                self.kv.add_row(req.row, copies=len(started), take=req.admitted + take == len(req.seeds))
+            if started:
+                sources.append((req.row, req.row_index, len(started)))
+                take = (not self.kv.rows and len(sources) == 1 and len(started) == 1 and req.row.rows == 1
+                        and req.admitted + count == len(req.seeds))
                 self.active += started
-            req.admitted += take
+            req.admitted += count
             if req.admitted == len(req.seeds):
                 self.ready.popleft()
                 req.row = None
+        if len(sources) == 1 and take:  # the row is handed over when no other sample needs it
+            self.kv.add_row(sources[0][0], take=True)
+        elif sources:
+            self.kv.add_rows(sources)

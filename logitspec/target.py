@@ -81,6 +81,17 @@ class TargetForward:
             last = self.extend(row, tokens[start:start + chunk], exact, argmax)
         return row, last
 
+    def prefill_rows(self, prompts: list[list[int]], exact: bool = True,
+                     argmax: bool = True) -> tuple[BatchKV, list[NodeLogits]]:
+        """Prefill several prompts from scratch in one forward (short prompts, each one causal
+        chunk): a cache whose row b holds prompt b (columns past its length are holes), and per
+        prompt the output-layer result of its last token ([1, V])."""
+        batch = BatchKV()
+        batch.lengths = [0] * len(prompts)
+        out = self([StepRow.chain(0, p) for p in prompts], batch, all_logits=False, exact=exact, argmax=argmax)
+        batch.commit([list(range(len(p))) for p in prompts])
+        return batch, out.logits
+
     def extend(self, row: BatchKV, tokens: list[int], exact: bool = True, argmax: bool = True) -> NodeLogits:
         """Run ``tokens`` as one causal chunk after the committed columns of the one-row cache
         ``row`` and commit them; the output-layer result of the last token ([1, V])."""

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from logitspec.cache import BatchKV
+from logitspec.cache import BatchKV, _cache_of
 from logitspec.masks import StepRow, layer_windows, pack_step
 from logitspec.tree import DraftTree
 from tiny_models import VOCAB, tiny_model
@@ -96,3 +96,31 @@ def test_growing_layer_appends_in_place_and_matches_concatenation():
     assert torch.equal(keys, torch.cat([torch.cat(ref_k, dim=2)[:, :, :7], k], dim=2))
     layer.crop(-3)
     assert layer.get_seq_length() == 6
+
+
+def test_add_rows_gathers_rows_of_several_caches_like_one_at_a_time():
+    g = torch.Generator().manual_seed(1)
+
+    def cache(lengths):  # random keys/values, rows holding ``lengths`` columns (holes past them)
+        kv = BatchKV()
+        width = max(lengths)
+        layers = [(torch.randn(len(lengths), 2, width, 4, generator=g), torch.randn(len(lengths), 2, width, 4,
+                                                                                   generator=g)) for _ in range(3)]
+        kv.hf, kv.lengths = _cache_of(layers), list(lengths)
+        return kv
+
+    group, single, base = cache([3, 7, 5]), cache([9]), cache([4, 6])
+    sources = [(group, 2, 2), (group, 0, 1), (single, 0, 1), (group, 1, 3)]
+    together, apart = cache([4, 6]), cache([4, 6])
+    for layer_a, layer_b in zip(together.hf.layers, base.hf.layers):  # the same starting rows
+        layer_a.set(layer_b.keys, layer_b.values)
+    for layer_a, layer_b in zip(apart.hf.layers, base.hf.layers):
+        layer_a.set(layer_b.keys, layer_b.values)
+    together.add_rows(sources)
+    for src, r, copies in sources:
+        apart.add_row(src.row_prefix(r, src.lengths[r]), copies=copies)
+    assert together.lengths == apart.lengths == [4, 6, 5, 5, 3, 9, 7, 7, 7]
+    for a, b in zip(together.hf.layers, apart.hf.layers):
+        for row, n in enumerate(together.lengths):  # committed columns equal; holes may differ
+            assert torch.equal(a.keys[row, :, :n], b.keys[row, :, :n])
+            assert torch.equal(a.values[row, :, :n], b.values[row, :, :n])

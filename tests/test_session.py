@@ -11,20 +11,30 @@ N_NEW = 16
 
 
 def _spy(engine) -> list:
-    """Log of the engine's forwards: ("P", chunk tokens) per prefill chunk, ("D", rows) per decoding step."""
+    """Log of the engine's forwards: ("P", chunk tokens) per prefill chunk of one prompt, ("G", [prompt
+    lengths]) per forward prefilling several short prompts together, ("D", rows) per decoding step."""
     log = []
-    extend, decode = engine.target.extend, engine.decode_step
+    extend, prefill_rows, decode = engine.target.extend, engine.target.prefill_rows, engine.decode_step
 
     def spy_extend(row, tokens, **flags):
         log.append(("P", len(tokens)))
         return extend(row, tokens, **flags)
 
+    def spy_prefill_rows(prompts, **flags):
+        log.append(("G", [len(p) for p in prompts]))
+        return prefill_rows(prompts, **flags)
+
     def spy_decode(active, *a):
         log.append(("D", len(active)))
         return decode(active, *a)
 
-    engine.target.extend, engine.decode_step = spy_extend, spy_decode
+    engine.target.extend, engine.target.prefill_rows, engine.decode_step = spy_extend, spy_prefill_rows, spy_decode
     return log
+
+
+def _prompts_prefilled(log) -> int:
+    """Prompts whose prefill ran in one forward (alone or in a group)."""
+    return sum(1 if kind == "P" else len(n) for kind, n in log if kind in "PG")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +48,7 @@ def test_greedy_samples_share_one_prefill(llama):
     eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=4, budget="fixed"))
     log = _spy(eng)
     run = eng.run(prompts, max_new_tokens=N_NEW, n=3)
-    assert sum(1 for kind, _ in log if kind == "P") == len(prompts)  # each prompt fits one chunk
+    assert _prompts_prefilled(log) == len(prompts)  # each prompt fits one chunk: prefilled once
     refs = [hf_greedy(llama, p, N_NEW) for p in prompts]
     assert [(r.request_id, r.sample_index) for r in run.results] == [(i, j) for i in range(3) for j in range(3)]
     assert [r.token_ids for r in run.results] == [ref for ref in refs for _ in range(3)]
@@ -106,7 +116,8 @@ def test_long_prefill_is_interleaved_with_decoding():
     session.submit(long_prompt)
     done += session.drain()
     assert [r.token_ids for r in sorted(done, key=lambda r: r.request_id)] == refs
-    chunks = [i for i, (kind, n) in enumerate(log) if kind == "P"][1:]  # the long prompt's 9 chunks
+    assert log[0] == ("G", [len(short)])  # a short prompt: prefilled as a group of one
+    chunks = [i for i, (kind, n) in enumerate(log) if kind == "P"]  # the long prompt's 9 chunks, alone
     assert len(chunks) == 9
     assert all(log[i + 1][0] == "D" for i in chunks[:-1])  # a decoding step after every chunk
     mark = len(log)
@@ -157,3 +168,18 @@ def test_prefix_cache_reuses_a_block_prefix_and_evicts_by_bytes():
     eng.generate([base, other, base], max_new_tokens=2)
     assert small.stats["entries"] == 1 and small.stats["bytes"] <= one_entry
     assert small.stats["hits"] == 0  # ``base`` was evicted by ``other``
+
+
+# ---------------------------------------------------------------- short prompts prefilled together
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_short_prompts_are_prefilled_together_and_exact(family):
+    model = tiny_model(family)  # gemma3: sliding window 6, shorter than most prompts
+    prompts = repetitive_prompts(7, seed=12, lengths=(5, 9, 14, 20))
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4, budget="fixed"), prefill_chunk=48)
+    log = _spy(eng)
+    assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
+    groups = [n for kind, n in log if kind == "G"]
+    assert max(len(n) for n in groups) > 1 and not any(kind == "P" for kind, _ in log)
+    assert all(len(n) * max(n) <= 48 for n in groups)  # the padded forward stays within one chunk
+    assert sorted(x for n in groups for x in n) == sorted(len(p) for p in prompts)  # each prefilled once
