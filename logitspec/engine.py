@@ -28,11 +28,15 @@ from .prefix_cache import PrefixCache
 from .session import Session
 from .stats import SequenceStats
 from .target import ForwardResult, TargetForward
-from .tree import DraftTree
+from .tree import GUESS, DraftTree
 from .sampling import draw, walk
 from .verify import SamplingParams, decide
 
 log = logging.getLogger("logitspec.engine")
+# while the auto budget chooses no draft nodes, drafts are built (and the choice re-made) only on
+# every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
+# without verified drafts, so the steps between would almost surely choose none again
+RECHECK_EVERY = 4
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
@@ -64,6 +68,7 @@ class _Sequence:
     max_new: int
     index: SequenceIndex  # prompt + emitted tokens; the last one is the root (not yet cached)
     sources: list[NgramSource]
+    source_names: list[str]  # per source: "context", "reference" or "history" (SequenceStats.accepted_from)
     generator: torch.Generator | None
     stats: SequenceStats
     stops: list[str] = field(default_factory=list)
@@ -71,6 +76,12 @@ class _Sequence:
     guesses: list[int] = field(default_factory=list)
     finish: str | None = None
     streak: int = 0  # drafted tokens its previous step accepted, capped: the acceptance-rate state
+
+
+def _origin_name(seq: _Sequence, tree: DraftTree, node: int) -> str:
+    """Which draft source supplied ``node``: one of ``seq.source_names``, or "guess" (the logits)."""
+    origin = GUESS if tree.origins is None else int(tree.origins[node])
+    return "guess" if origin == GUESS else seq.source_names[origin]
 
 
 class Engine:
@@ -210,8 +221,10 @@ class Engine:
         gen = None if params.greedy else torch.Generator().manual_seed(int(seed))
         seq = _Sequence(key=key, prompt_len=len(prompt_ids), max_new=max_new,
                         index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
-                        sources=[], generator=gen, stats=SequenceStats(), stops=stops)
-        seq.sources = [seq.index] + [s for s in (ref, self.history) if s is not None]
+                        sources=[], source_names=[], generator=gen, stats=SequenceStats(), stops=stops)
+        named = [(seq.index, "context"), (ref, "reference"), (self.history, "history")]
+        seq.sources = [src for src, _ in named if src is not None]
+        seq.source_names = [name for src, name in named if src is not None]
         tok = self._pick(last, params, seq)  # last: the final prompt token's output, [1, V]
         seq.guesses = self._next_guesses([last], [[0]], [tok])[0]
         self._emit(seq, [tok], stops)
@@ -254,9 +267,16 @@ class Engine:
             s.guesses = g
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
+            if len(p) > 1:
+                s.stats.count_origins([_origin_name(s, tree, n) for n in p[1:emitted + 1]])  # the emitted drafts
 
     def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
-        """A draft tree per row, within the step's budget, the row's remaining tokens and the context."""
+        """A draft tree per row, within the step's budget, the row's remaining tokens and the context.
+        While the auto budget keeps choosing plain decoding, only every ``RECHECK_EVERY``-th step
+        drafts (to re-check); the others skip drafting, and its host time, altogether."""
+        if self.auto_budget and self._steps_without_drafts % RECHECK_EVERY:
+            self._steps_without_drafts += 1
+            return [DraftTree.single(s.index.tokens[-1]) for s in active]
         budget = self.config.budget_for(self.drafter.base_budget(), len(active))
         trees = []
         for s in active:

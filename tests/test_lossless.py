@@ -85,6 +85,23 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     assert (mean_tree > 1.0) == expect_drafts, mean_tree
 
 
+def test_plain_choice_skips_drafting_between_rechecks(family_case):
+    """While the budget chooses plain decoding, drafts are built only on every RECHECK_EVERY-th step
+    (their host time is the whole cost of speculation that does not pay); lossless still."""
+    from logitspec.budget import CostCurve
+    from logitspec.engine import RECHECK_EVERY
+
+    family, model, prompts, refs = family_case
+    engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2),
+                    cost_curve=CostCurve([1, 64], [1.0, 631.0]))
+    calls, draft = [], engine.drafter.draft
+    engine.drafter.draft = lambda *a: calls.append(1) or draft(*a)
+    res = engine.generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in res] == refs
+    row_steps = sum(r.stats["steps"] - 1 for r in res)  # decoding steps (the prefill emits the first token)
+    assert 0 < len(calls) <= row_steps / RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
+
+
 def test_per_row_budget_at_batch_is_lossless(family_case):
     """A decoder whose padded width is nearly free and an output layer that costs per node: rows
     get their own node counts (some none), and the output stays plain greedy."""
