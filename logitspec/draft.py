@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from .config import SpecConfig
-from .index import NgramSource, retrieve, retrieve_with_order
-from .tree import DraftTree, TreeBuilder
+from .index import NgramSource, retrieve_with_order
+from .tree import GUESS, DraftTree, TreeBuilder
 
 RANK_BUCKETS = (1, 2, 4, 8, 16, 32)  # guess branches learn acceptance per bucket of the guess's rank
 MAX_ORDER_KINDS = 2  # lookup chains matched on 1..MAX_ORDER_KINDS tokens get kinds of their own
@@ -68,9 +68,10 @@ class PromptLookupDrafter(Drafter):
     def draft(self, sources, context, guesses, budget):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        hits = retrieve(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram, c.min_ngram)
+        hits, _, src = retrieve_with_order(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram,
+                                           c.min_ngram)
         if hits:
-            b.retrieved = b.add_chain(hits[0], kind=KIND["lookup"]) > 0
+            b.retrieved = b.add_chain(hits[0], kind=KIND["lookup"], origin=src) > 0
         return b.build()
 
 
@@ -86,18 +87,20 @@ class LogitSpecDrafter(Drafter):
     def draft(self, sources, context, guesses, budget):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        chains, order = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
-                                            c.max_ngram, c.min_ngram)
+        chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
+                                                 c.max_ngram, c.min_ngram)
         for chain in chains:
-            b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram)) > 0
+            b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram), origin=src) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
         for rank, g in enumerate(guesses, 1):
             if b.full:
                 break
             keep = c.keep_for_rank(rank)
-            hits = retrieve(sources, tail + [int(g)], keep - 1, 1, c.max_ngram, c.min_ngram) if keep > 1 else []
-            added = b.add_chain([int(g)] + (hits[0] if hits else []), kind=guess_kind(rank))
+            hits, _, src = (retrieve_with_order(sources, tail + [int(g)], keep - 1, 1, c.max_ngram, c.min_ngram)
+                            if keep > 1 else ([], 0, -1))
+            added = b.add_chain([int(g)] + (hits[0] if hits else []), kind=guess_kind(rank), origin=src,
+                                first_origin=GUESS)
             b.retrieved |= bool(hits) and added > 0
         return b.build()
 

@@ -142,12 +142,14 @@ def retrieve(sources: Sequence[NgramSource], context: Sequence[int], max_tokens:
 
 
 def retrieve_with_order(sources: Sequence[NgramSource], context: Sequence[int], max_tokens: int,
-                        max_results: int = 1, max_ngram: int = 3, min_ngram: int = 1) -> tuple[list[list[int]], int]:
-    """Like :func:`retrieve`, plus the length n of the matched suffix (0 when nothing matched)."""
+                        max_results: int = 1, max_ngram: int = 3,
+                        min_ngram: int = 1) -> tuple[list[list[int]], int, int]:
+    """Like :func:`retrieve`, plus the length n of the matched suffix (0 when nothing matched) and
+    the position in ``sources`` of the source that matched (-1 when none)."""
     for n in range(min(max_ngram, len(context)), min_ngram - 1, -1):
         key = context[len(context) - n :]
-        for src in sources:
+        for i, src in enumerate(sources):
             hits = src.lookup(key, max_tokens, max_results)
             if hits:
-                return hits, n
-    return [], 0
+                return hits, n, i
+    return [], 0, -1

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ORIGINS = ("context", "reference", "history", "guess")  # where accepted draft tokens came from
+
 
 @dataclass
 class SequenceStats:
@@ -21,6 +23,13 @@ class SequenceStats:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
     max_step_gap_s: float = 0.0  # longest time between two forwards that emitted tokens for the row
     last_emit_t: float | None = field(default=None, repr=False)
+    # accepted draft tokens by the source that supplied them (guess: a next-next guess from the logits)
+    accepted_from: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIGINS, 0))
+
+    def count_origins(self, names: list[str]) -> None:
+        """Count accepted draft tokens by their source (names from :data:`ORIGINS`)."""
+        for name in names:
+            self.accepted_from[name] += 1
 
     def mark_emit(self, t: float) -> None:
         """Note that a forward emitted tokens for the row at ``t`` (``time.perf_counter()``)."""
@@ -52,6 +61,7 @@ class SequenceStats:
             "prefill_s": self.prefill_s,
             "shared_prefill": self.shared_prefill,
             "cached_prompt_tokens": self.cached_prompt_tokens,
+            "accepted_from": dict(self.accepted_from),
             "max_step_gap_s": self.max_step_gap_s,
             "draft_s": self.draft_s,
             "pack_s": self.pack_s,

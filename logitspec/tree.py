@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+GUESS = -1  # origin of a node guessed from the last logits (DraftTree.origins)
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -20,6 +22,9 @@ class DraftTree:
     # where each node came from (for acceptance statistics): branch kind and index within its chain
     kinds: np.ndarray | None = None  # int64 [n]; 0 for the root
     offsets: np.ndarray | None = None  # int64 [n]; 0 for the first token of a chain
+    # which draft source supplied each node: its position in the row's sources, or GUESS (a token
+    # guessed from the last logits; also the root's value)
+    origins: np.ndarray | None = None  # int64 [n]
     _children: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,7 +81,7 @@ class DraftTree:
         parents = [-1] + [new[int(self.parents[k])] for k in keep[1:]]  # KeyError: not ancestor-closed
         pick = lambda a: None if a is None else a[keep]
         return DraftTree(self.tokens[keep], np.asarray(parents, dtype=np.int64), self.retrieved,
-                         pick(self.kinds), pick(self.offsets))
+                         pick(self.kinds), pick(self.offsets), pick(self.origins))
 
 
 class TreeBuilder:
@@ -94,14 +99,16 @@ class TreeBuilder:
         self.retrieved = False
         self.kinds = [0]
         self.offsets = [0]
+        self.origins = [GUESS]
 
     @property
     def full(self) -> bool:
         return len(self.tokens) - 1 >= self.capacity
 
-    def add_chain(self, chain, parent: int = 0, kind: int = 1) -> int:
+    def add_chain(self, chain, parent: int = 0, kind: int = 1, origin: int = 0, first_origin: int | None = None) -> int:
         """Insert ``chain`` below ``parent``; returns the number of new nodes (stops at capacity).
-        New nodes are tagged with ``kind`` and their offset in the chain."""
+        New nodes are tagged with ``kind``, their offset in the chain and ``origin`` (the chain's
+        first token with ``first_origin`` when given, e.g. a logit guess continued by retrieval)."""
         added = 0
         node = parent
         for off, tok in enumerate(chain):
@@ -117,6 +124,7 @@ class TreeBuilder:
                 self.children[node][tok] = nxt
                 self.kinds.append(kind)
                 self.offsets.append(off)
+                self.origins.append(first_origin if off == 0 and first_origin is not None else origin)
                 added += 1
             node = nxt
         return added
@@ -128,4 +136,5 @@ class TreeBuilder:
             retrieved=self.retrieved,
             kinds=np.asarray(self.kinds, dtype=np.int64),
             offsets=np.asarray(self.offsets, dtype=np.int64),
+            origins=np.asarray(self.origins, dtype=np.int64),
         )

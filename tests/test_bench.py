@@ -165,6 +165,7 @@ def test_parse_methods_variants_and_reference():
     assert specs[2].base == "logitspec" and specs[2].overrides == {"capacity": 8, "rank_limits": (4, 16)}
     assert specs[3].is_hf and specs[3].overrides == {"prompt_lookup_num_tokens": 4}
     assert split_top("a,b@x=(1,2),c", ",") == ["a", "b@x=(1,2)", "c"]
+    assert parse_methods("logitspec@history=500")[1].overrides == {"history": 500}  # an engine option
     for bad, msg in [("nope", "unknown method"), ("logitspec@capcity=8", "not a SpecConfig field"),
                      ("logitspec@8", "key=value"), ("ar,pld,pld", "twice")]:
         with pytest.raises(ValueError, match=msg):
@@ -317,11 +318,15 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     """Two samples per question-turn, seeded alike for every method: the engine's methods draw the
     same tokens as ``ar`` (one uniform per emitted token), HF's draws are not compared; resumable."""
     model, qs = _tiny_model(), _tiny_questions()
-    kw = dict(methods="logitspec,hf", max_new_tokens=8, warmup_tokens=4, progress=False,
+    kw = dict(methods="logitspec,hf,logitspec@history=2000", max_new_tokens=8, warmup_tokens=4, progress=False,
               decoding=Decoding(temperature=0.9, top_p=0.95, num_samples=2, seed=3))
     summary = bench((model, None), qs, tmp_path, **kw)
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 4 * 2  # methods x question-turns x samples
+    assert len(records) == 4 * 4 * 2  # methods x question-turns x samples
+    hist = summary["methods"]["logitspec@history=2000"]
+    assert hist["lossless"] == 1.0 and summary["methods"]["logitspec"]["accepted_from"]["history"] == 0
+    assert set(hist["accepted_from"]) == {"context", "reference", "history", "guess"}
+    assert summary["methods"]["hf"]["accepted_from"] is None
     ar = [r for r in records if r["method"] == "ar"]
     assert [r["sample"] for r in ar] == [0, 1] * 4
     assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ar[::2], ar[1::2]))  # other seeds, other draws
@@ -334,10 +339,10 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     assert "sampled (temperature 0.9, top-p 0.95), 2 sample(s) per prompt, seed 3" in md
     assert "no test of the distribution" in md
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
-    (tmp_path / "results.jsonl").write_text("\n".join(lines[:6]) + "\n")  # the first unit only
+    (tmp_path / "results.jsonl").write_text("\n".join(lines[:8]) + "\n")  # the first unit only
     again = bench((model, None), qs, tmp_path, resume=True, **kw)
     assert again["resumed"]["kept_question_turns"] == 1
-    assert (tmp_path / "results.jsonl").read_text().splitlines()[:6] == lines[:6]
+    assert (tmp_path / "results.jsonl").read_text().splitlines()[:8] == lines[:8]
     resumed = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [r["token_ids"] for r in resumed if r["method"] == "ar"] == [r["token_ids"] for r in ar]  # same seeds
     with pytest.raises(ValueError, match="cannot resume"):

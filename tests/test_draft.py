@@ -1,6 +1,7 @@
 from logitspec.config import SpecConfig
 from logitspec.draft import LogitSpecDrafter, PromptLookupDrafter, make_drafter
 from logitspec.index import SequenceIndex
+from logitspec.tree import GUESS
 
 
 def test_ar_drafts_nothing():
@@ -29,6 +30,19 @@ def test_logitspec_branch0_plus_guess_branches_with_rank_pruning():
     assert toks == [2, 3, 4, 5, 7, 8, 9, 6]
     assert par == [-1, 0, 1, 2, 0, 4, 5, 0]
     assert t.retrieved
+    assert t.origins.tolist() == [GUESS, 0, 0, 0, GUESS, 0, 0, GUESS]  # retrieved from source 0, or guessed
+
+
+def test_origins_name_the_source_that_supplied_each_node():
+    # the row's own context has nothing after (5, 2); the second source continues it, and (2, 7)
+    ctx = [1, 5, 2]
+    other = SequenceIndex([5, 2, 3, 4, 0, 2, 7, 8])
+    cfg = SpecConfig(method="logitspec", capacity=10, branch0_max_tokens=2, rank_limits=(1,), rank_keep=(3,),
+                     rank_keep_else=1)
+    t = LogitSpecDrafter(cfg).draft([SequenceIndex(ctx), other], ctx, guesses=[7], budget=10)
+    assert t.tokens.tolist() == [2, 3, 4, 7, 8] and t.origins.tolist() == [GUESS, 1, 1, GUESS, 1]
+    pld = PromptLookupDrafter(SpecConfig(method="pld", pld_max_tokens=2)).draft([SequenceIndex(ctx), other], ctx, [], 10)
+    assert pld.origins.tolist() == [GUESS, 1, 1]
 
 
 def test_logitspec_capacity_is_a_hard_limit():

@@ -44,6 +44,13 @@ def test_greedy_with_history_equals_ar(family):
     # the second pass finds the first pass's answers: more tokens per forward
     mat = [sum(r.stats["mean_accepted"] for r in twice[i:i + 6]) for i in (0, 6)]
     assert mat[1] > mat[0]
+    # every emitted draft token is attributed to one source; the second pass's come from history
+    for r in twice:
+        drafted = sum(r.stats["accepted_lengths"]) - r.stats["steps"]  # less one bonus token per forward
+        assert drafted <= sum(r.stats["accepted_from"].values()) <= drafted + 1
+        assert r.stats["accepted_from"]["reference"] == 0  # none given
+    from_history = [sum(r.stats["accepted_from"]["history"] for r in twice[i:i + 6]) for i in (0, 6)]
+    assert from_history[1] > from_history[0]
 
 
 class _Fixed:

@@ -2,8 +2,9 @@
 
 A method is an engine method (any of :data:`logitspec.config.METHODS`) or an HF baseline (``hf``:
 ``model.generate(do_sample=False)``, ``hf-pld``: with ``prompt_lookup_num_tokens=10``). A variant
-overrides fields: ``logitspec@capacity=8@top_k=8`` (SpecConfig fields) or
-``hf-pld@prompt_lookup_num_tokens=4`` (``generate`` keywords). ``ar`` is the reference.
+overrides fields: ``logitspec@capacity=8@top_k=8`` (SpecConfig fields, plus ``history=N``: the engine
+keeps its answers, up to N tokens, as a draft source) or ``hf-pld@prompt_lookup_num_tokens=4``
+(``generate`` keywords). ``ar`` is the reference.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .samples import Decoding, run_samples
 REFERENCE = "ar"
 HF_METHODS = ("hf", "hf-pld")
 DEFAULT_METHODS = "ar,pld,logitspec,hf,hf-pld"
+ENGINE_OPTIONS = ("history",)  # variant keys that are Engine options, not SpecConfig fields
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
             if not eq:
                 raise ValueError(f"method variant {item!r}: expected key=value after '@', got {kv!r}")
             key = key.strip()
-            if base not in HF_METHODS and key not in spec_fields:
+            if base not in HF_METHODS and key not in spec_fields | set(ENGINE_OPTIONS):
                 raise ValueError(f"method variant {item!r}: {key!r} is not a SpecConfig field")
             overrides[key] = _value(val.strip())
         if any(s.name == item for s in specs):
@@ -96,10 +98,12 @@ def _sync(device) -> None:
 class EngineRunner:
     """One of our engine's methods; one ``Engine.run`` call per unit."""
 
-    def __init__(self, model, tokenizer, config, decoding: Decoding = Decoding()):
+    def __init__(self, model, tokenizer, config, decoding: Decoding = Decoding(), history: int = 0):
+        """``history``: tokens of the engine's own answers kept as a draft source (0: none)."""
         from ..engine import Engine
+        from ..history import HistorySource
 
-        self.engine = Engine(model, tokenizer, config)
+        self.engine = Engine(model, tokenizer, config, history=HistorySource(max_tokens=history) if history else None)
         self.decoding = decoding
 
     def run(self, prompts: list[list[int]], max_new_tokens: int,
@@ -119,6 +123,7 @@ class EngineRunner:
                 "steps": st["steps"], "decode_steps": max(st["steps"] - 1, 0),
                 "accept_lengths": list(st["accepted_lengths"]),
                 "retrieval_success": st["retrieval_success"], "mean_tree_size": st["mean_tree_size"],
+                "accepted_from": st["accepted_from"],
                 **{p: st[p] for p in TIME_PARTS}, "engine_wall_s": st["wall_s"],
             })
         return wall, outs

@@ -167,12 +167,22 @@ def summarize(records: Sequence[dict], reference: str = "ar", methods: Sequence[
             "mean_tree_size": tree,
             "lossless": same.get(m),
             "accept_hist": {str(k): v for k, v in accept_histogram(rs).items()} or None,
+            "accepted_from": accepted_from(rs),
             "time_split": time_split(rs),
             "question_turns": len(rs),
             "new_tokens": tokens,
             "wall_time": wall,
         }
     return out
+
+
+def accepted_from(records: Sequence[dict]) -> dict[str, int] | None:
+    """Accepted draft tokens summed by source (context, reference, history, guess); None for records
+    without it (HF baselines, results written before it existed)."""
+    rows = [r["accepted_from"] for r in records if r.get("accepted_from")]
+    if not rows:
+        return None
+    return {k: sum(int(a.get(k, 0)) for a in rows) for k in rows[0]}
 
 
 def _tps(records: Sequence[dict], method: str) -> float | None:
@@ -242,6 +252,14 @@ def render_report(summary: dict) -> str:
             f"{_f(v['lossless'], '{:.0%}')} | "
             + " | ".join(_f(ts.get(p), "{:.1%}") for p in SPLIT_COLUMNS)
             + " |")
+    sources = {m: v["accepted_from"] for m, v in ms.items() if v.get("accepted_from") and any(v["accepted_from"].values())}
+    if sources:
+        names = list(next(iter(sources.values())))
+        lines += ["", "## Accepted draft tokens by source (share of the method's accepted draft tokens)", "",
+                  "| Method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for m, a in sources.items():
+            total = sum(a.values())
+            lines.append(f"| `{m}` | " + " | ".join(f"{a[k] / total:.1%}" for k in names) + " |")
     hists = {m: v["accept_hist"] for m, v in ms.items() if v.get("accept_hist")}
     if hists:
         top = min(HIST_CAP, max(int(k) for h in hists.values() for k in h))

@@ -22,7 +22,7 @@ import sys
 from typing import Any, Sequence
 
 from . import report
-from .methods import DEFAULT_METHODS, REFERENCE, EngineRunner, HFRunner, MethodSpec, describe, parse_methods
+from .methods import DEFAULT_METHODS, ENGINE_OPTIONS, REFERENCE, EngineRunner, HFRunner, MethodSpec, describe, parse_methods
 from .provenance import code_version, load_average, machine_info
 from .questions import (DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order,
                         warmup_question)
@@ -132,8 +132,9 @@ def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int
     runners: dict[str, Any] = {}
     for s in specs:  # build every config first: a bad variant fails before any forward
         if not s.is_hf:
-            cfg = SpecConfig(method=s.base, **{**base_cfg, **s.overrides})
-            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding)
+            fields = {k: v for k, v in s.overrides.items() if k not in ENGINE_OPTIONS}
+            cfg = SpecConfig(method=s.base, **{**base_cfg, **fields})
+            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding, history=int(s.overrides.get("history", 0)))
     eos = runners[REFERENCE].engine.eos_ids
     for s in specs:
         if s.is_hf:
