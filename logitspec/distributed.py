@@ -159,13 +159,14 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     return model, tokenizer, consensus
 
 
-def make_engine(model, tokenizer, config):
-    """The engine of one rank. The lm_head is sharded along the hidden dim, so ``W @ h.T`` with the
+def make_engine(model, tokenizer, config, history=None):
+    """The engine of one rank (``history``: an optional draft source of earlier answers, fed alike
+    on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden dim, so ``W @ h.T`` with the
     local weight would be wrong (its first dim still equals the vocab, so :class:`Head` would not
     notice): use the model's own forward, which all-reduces the logits."""
     from .engine import Engine
 
-    engine = Engine(model, tokenizer, config, fast_head=False)
+    engine = Engine(model, tokenizer, config, fast_head=False, history=history)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     if grouped and engine.auto_budget and engine.cost_curve is None:
         engine.cost_curve = group_cost_curve(engine.target)

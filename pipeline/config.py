@@ -38,6 +38,7 @@ class GenerationSpec:
     dtype: str = "auto"
     warmup: bool = True
     trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
+    history_tokens: int = 0  # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
 
     def __post_init__(self) -> None:
         try:
@@ -50,6 +51,8 @@ class GenerationSpec:
                 raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.history_tokens < 0:
+            raise ConfigError(f"history_tokens must be >= 0, got {self.history_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
         if self.dtype not in DTYPES:
@@ -57,6 +60,14 @@ class GenerationSpec:
 
     def spec_config(self) -> SpecConfig:
         return SpecConfig(method=self.method, max_batch_size=self.max_batch_size, budget=self.budget)
+
+    def history_source(self):
+        """A fresh :class:`~logitspec.history.HistorySource` of ``history_tokens`` tokens, or None."""
+        if not self.history_tokens:
+            return None
+        from logitspec.history import HistorySource
+
+        return HistorySource(max_tokens=self.history_tokens)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from logitspec.stats import ORIGINS
+
 from .config import ConfigError
 from .lock import OutputLock
 
@@ -57,6 +59,8 @@ def output_schema(id_type: pa.DataType) -> pa.Schema:
         ("model", pa.string()),
         ("error", pa.string()),
         ("corpus", pa.string()),
+        # accepted draft tokens by the source that supplied them (logitspec.stats.ORIGINS)
+        ("accepted_from", pa.struct([(name, pa.int32()) for name in ORIGINS])),
     ])
 
 

@@ -39,7 +39,8 @@ class EngineWorker:
             faults.at_load()  # test-only: a process killed while loading (pipeline.faults)
             return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
 
-        self.generator, info = set_up(spec, device, reference_refs, Engine, load=load)
+        self.generator, info = set_up(spec, device, reference_refs, load=load,
+                                      make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history))
         self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                       "import_s": t_import - t0, **info, "init_s": time.perf_counter() - t0}
 

@@ -68,7 +68,8 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
     """``(RowGenerator, info)`` of one replica process.
 
     ``load(dtype) -> (model, tokenizer)`` loads the model (or this rank's shard) on ``device``;
-    ``make_engine(model, tokenizer, spec_config) -> engine``. ``info``: device, dtype, threads, the
+    ``make_engine(model, tokenizer, spec_config, history) -> engine`` (``history``: the replica's
+    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype, threads, the
     time of each step, the model's and the indexes' bytes and where they live, the peak RSS."""
     import torch
 
@@ -80,7 +81,7 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
     t_load = time.perf_counter()
     references, held = attach_references(reference_refs)
     t_refs = time.perf_counter()
-    engine = make_engine(model, tokenizer, spec.spec_config())
+    engine = make_engine(model, tokenizer, spec.spec_config(), spec.history_source())
     if spec.warmup:
         warm_up(engine, tokenizer)
     t_warm = time.perf_counter()

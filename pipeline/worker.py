@@ -38,7 +38,7 @@ def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None 
     return {"id": row_id, "sample": sample, "generation": None, "finish_reason": None,
             "n_prompt_tokens": n_prompt_tokens, "n_new_tokens": None, "steps": None, "mean_accepted": None,
             "accepted_lengths": None, "retrieval_success": None, "wall_s": None, "method": spec.method,
-            "model": spec.model, "error": error, "corpus": corpus}
+            "model": spec.model, "error": error, "corpus": corpus, "accepted_from": None}
 
 
 def error_rows(row: dict, error: str, spec: GenerationSpec, n_prompt_tokens: int | None = None) -> list[dict]:
@@ -57,7 +57,7 @@ def _ok_row(row: dict, sample: int, res, spec: GenerationSpec) -> dict:
             "steps": s["steps"], "mean_accepted": s["mean_accepted"],
             "accepted_lengths": list(s["accepted_lengths"]), "retrieval_success": s["retrieval_success"],
             "wall_s": s["wall_s"], "method": spec.method, "model": spec.model, "error": None,
-            "corpus": row.get("corpus")}
+            "corpus": row.get("corpus"), "accepted_from": s["accepted_from"]}
 
 
 class RowGenerator:

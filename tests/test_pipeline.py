@@ -190,6 +190,9 @@ def test_config_validation():
         GenerationSpec(method="medusa")
     with pytest.raises(ConfigError, match="max_new_tokens"):
         GenerationSpec(max_new_tokens=0)
+    with pytest.raises(ConfigError, match="history_tokens"):
+        GenerationSpec(history_tokens=-1)
+    assert GenerationSpec().history_source() is None and GenerationSpec(history_tokens=50).history_source().max_tokens == 50
     with pytest.raises(ConfigError, match="actors"):
         JobConfig(input="a", output="b", actors=0)
     with pytest.raises(ConfigError, match="--corpus-column"):
@@ -373,6 +376,30 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
     # decode steps of the batch (a row's steps also count its prefill): both rows shared some of them
     assert max(out[0]["steps"], out[1]["steps"]) - 1 <= engine["batch_steps"] < out[0]["steps"] + out[1]["steps"]
     assert engine["wall_s"] > 0 and 1.0 <= engine["mean_active"] <= 2.0
+
+
+def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
+    """``--history-tokens``: a replica's answers become a draft source; a row that repeats an earlier
+    prompt drafts from history (its ``accepted_from`` says so) and its generation is unchanged."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    model, tok = load_model(tiny)
+    rows = [{"id": i, "prompt": "Hello there, said the", "corpus": None} for i in range(2)]
+    outs = {}
+    for tokens in (0, 2000):
+        spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
+                              history_tokens=tokens)
+        gen = RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
+        outs[tokens] = [gen([r])[0][0] for r in rows]  # one row per call: the second sees the first's answer
+    plain, hist = outs[0], outs[2000]
+    assert [r["generation"] for r in hist] == [r["generation"] for r in plain]
+    assert all(set(r["accepted_from"]) == {"context", "reference", "history", "guess"} for r in hist)
+    assert hist[0]["accepted_from"]["history"] == 0 and hist[1]["accepted_from"]["history"] > 0
+    assert plain[1]["accepted_from"]["history"] == 0
+    assert hist[1]["mean_accepted"] > plain[1]["mean_accepted"]
 
 
 def test_memory_figures_say_where_bytes_live(tmp_path):
