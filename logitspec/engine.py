@@ -37,6 +37,7 @@ log = logging.getLogger("logitspec.engine")
 # every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
 # without verified drafts, so the steps between would almost surely choose none again
 RECHECK_EVERY = 4
+SKIP_DRAFT_SHARE = 0.03  # ... when drafting took at least this share of the last drafting step's time
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
@@ -125,6 +126,8 @@ class Engine:
         self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in LOOKUP_KINDS},
                                           n_states=STREAK_STATES)
         self._steps_without_drafts = 0
+        self._draft_share = 1.0  # drafting's share of the last drafting step's time (see _draft)
+        self._drafted = True  # whether the current step drafted
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
 
@@ -263,6 +266,8 @@ class Engine:
         clock.lap("verify_s")
         kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
+        if self._drafted:
+            self._draft_share = clock.times["draft_s"] / max(sum(clock.times.values()), 1e-9)
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
             s.guesses = g
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
@@ -272,11 +277,14 @@ class Engine:
 
     def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
         """A draft tree per row, within the step's budget, the row's remaining tokens and the context.
-        While the auto budget keeps choosing plain decoding, only every ``RECHECK_EVERY``-th step
-        drafts (to re-check); the others skip drafting, and its host time, altogether."""
-        if self.auto_budget and self._steps_without_drafts % RECHECK_EVERY:
+        While the auto budget keeps choosing plain decoding and drafting is a noticeable share of a
+        step's time (``SKIP_DRAFT_SHARE``, e.g. many rows on a small model), only every
+        ``RECHECK_EVERY``-th step drafts (to re-check); the others skip drafting altogether."""
+        if self.auto_budget and self._steps_without_drafts % RECHECK_EVERY and self._draft_share >= SKIP_DRAFT_SHARE:
             self._steps_without_drafts += 1
+            self._drafted = False
             return [DraftTree.single(s.index.tokens[-1]) for s in active]
+        self._drafted = True
         budget = self.config.budget_for(self.drafter.base_budget(), len(active))
         trees = []
         for s in active:

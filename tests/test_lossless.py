@@ -85,12 +85,14 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     assert (mean_tree > 1.0) == expect_drafts, mean_tree
 
 
-def test_plain_choice_skips_drafting_between_rechecks(family_case):
-    """While the budget chooses plain decoding, drafts are built only on every RECHECK_EVERY-th step
-    (their host time is the whole cost of speculation that does not pay); lossless still."""
+@pytest.mark.parametrize("share,skips", [(0.0, True), (2.0, False)])
+def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, share, skips):
+    """While the budget chooses plain decoding and drafting is a noticeable share of a step's time
+    (here: any share, or none ever), drafts are built only on every RECHECK_EVERY-th step; lossless."""
+    from logitspec import engine as engine_module
     from logitspec.budget import CostCurve
-    from logitspec.engine import RECHECK_EVERY
 
+    monkeypatch.setattr(engine_module, "SKIP_DRAFT_SHARE", share)
     family, model, prompts, refs = family_case
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2),
                     cost_curve=CostCurve([1, 64], [1.0, 631.0]))
@@ -99,7 +101,10 @@ def test_plain_choice_skips_drafting_between_rechecks(family_case):
     res = engine.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
     row_steps = sum(r.stats["steps"] - 1 for r in res)  # decoding steps (the prefill emits the first token)
-    assert 0 < len(calls) <= row_steps / RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
+    if skips:
+        assert 0 < len(calls) <= row_steps / engine_module.RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
+    else:
+        assert len(calls) >= row_steps - len(res), (len(calls), row_steps)  # every step drafts (less final steps)
 
 
 def test_per_row_budget_at_batch_is_lossless(family_case):
