@@ -1,6 +1,8 @@
 """Cost of the pipeline itself: the job with one actor vs the bare engine on the same rows.
 
     python -m pipeline.bench --input data/sample_prompts.jsonl --limit 12 --max-new-tokens 32 --repeats 2
+    python -m pipeline.bench --input data/synthetic/prompts.jsonl --messages-column messages \
+        --temperature 0.8 --top-p 0.95 --num-samples 4 --max-new-tokens 64 --max-batch-size 8
 
 Side by side in one session, alternating (bare, job, bare, job, ...), same rows, same engine settings,
 same torch thread count, one compute process at a time (the driver idles while its actor works), a
@@ -39,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--batch-rows", type=int, default=None)
+    p.add_argument("--messages-column", default=None, help="chat messages column (as in jobs/generate.py)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--num-samples", type=int, default=1, help="samples per row (one prefill shared by them)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -55,17 +61,19 @@ def main(argv=None) -> int:
     from logitspec.models import load_model
 
     gen = GenerationSpec(model=args.model, method=args.method, max_new_tokens=args.max_new_tokens,
-                         max_batch_size=args.max_batch_size)
+                         max_batch_size=args.max_batch_size, temperature=args.temperature, top_p=args.top_p)
     base = dict(input=args.input, gen=gen, limit=args.limit, threads_per_actor=args.threads, actors=1,
-                batch_rows=args.batch_rows, log_interval=60.0)
+                batch_rows=args.batch_rows, log_interval=60.0, messages_column=args.messages_column,
+                num_samples=args.num_samples)
     cfg0 = JobConfig(output="unused", **base)
     # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
     ids = scan_ids(open_input(cfg0)).ids.to_pylist()
-    prompts = [row_prompt(p, None, False) for p in read_columns(cfg0, [cfg0.prompt_column])[cfg0.prompt_column]]
+    column = cfg0.messages_column or cfg0.prompt_column
+    prompts = [row_prompt(p, None, False) for p in read_columns(cfg0, [column])[column]]
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    bare = BareRuns(model, tok, gen, ids, prompts, cfg0.rows_per_batch)
+    bare = BareRuns(model, tok, gen, ids, prompts, cfg0.rows_per_batch, args.num_samples)
 
     os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray (bare runs at nice 0 too)
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="WARNING")
@@ -79,9 +87,11 @@ def main(argv=None) -> int:
     record = {
         "bench": "pipeline_overhead", "model": args.model, "method": args.method, "input": args.input,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "max_batch_size": args.max_batch_size,
+        "temperature": args.temperature, "top_p": args.top_p, "num_samples": args.num_samples,
         "batch_rows": cfg0.rows_per_batch, "threads": args.threads, "repeats": runs,
         "median_job_over_bare_all": statistics.median(r["job_over_bare_all"] for r in runs),
         "median_job_over_bare_batches": statistics.median(r["job_over_bare_batches"] for r in runs),
+        "median_job_tokens_over_bare_all": statistics.median(r["job_tokens_over_bare_all"] for r in runs),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     print(json.dumps(record, indent=2))
@@ -95,17 +105,21 @@ class BareRuns:
     """The bare engine on the job's rows: every measured run on a fresh engine, warmed up as the actor's
     is, so no state carries between runs."""
 
-    def __init__(self, model, tokenizer, gen: GenerationSpec, ids: list, prompts: list, batch_rows: int):
+    def __init__(self, model, tokenizer, gen: GenerationSpec, ids: list, prompts: list, batch_rows: int,
+                 num_samples: int = 1):
+        """``prompts``: text or chat messages (encoded as the job encodes them); ``num_samples`` per row,
+        seeded as the job seeds them (one prefill per row, ``n=``)."""
         from .worker import row_seed
 
         self.model, self.tokenizer, self.gen = model, tokenizer, gen
         self.ids = ids
         encoder = self.fresh_engine()
-        self.encoded = [encoder.encode(x) for x in prompts]
+        self.encoded = [encoder.encode(x, apply_chat_template=gen.chat) for x in prompts]
         self.seeds = [row_seed(gen.seed, i) for i in ids]
         self.batch_rows = batch_rows
         self.kw = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                       top_k=gen.top_k)
+                       top_k=gen.top_k, n=num_samples)
+        self.keys = [(i, s) for i in ids for s in range(num_samples)]  # the results' order
 
     def fresh_engine(self):
         from logitspec import Engine
@@ -138,19 +152,23 @@ def measure_repeat(bare: BareRuns, base: dict, job_output: str) -> dict:
     from .output import read_generations
 
     bare_all, res = bare.all_rows()
-    bare_text = {i: r.text for i, r in zip(bare.ids, res)}
+    bare_text = {k: r.text for k, r in zip(bare.keys, res)}
     bare_batches, res_b = bare.job_batches()
     summary = run_job(JobConfig(output=job_output, **base))
-    job_text = {r["id"]: r["generation"] for r in read_generations(job_output).to_pylist()}
-    n = len(bare.ids)
+    job_text = {(r["id"], r["sample"]): r["generation"] for r in read_generations(job_output).to_pylist()}
+    n = len(bare.keys)  # output rows: input rows x samples
+    tokens = sum(len(r.token_ids) for r in res)
     return {
         "rows": n,
-        "tokens": sum(len(r.token_ids) for r in res),
+        "tokens": tokens,
         "bare_all_rows_per_s": n / bare_all,
         "bare_batches_rows_per_s": n / bare_batches,
         "job_rows_per_s": summary["rows_per_s"],
         "job_over_bare_all": summary["rows_per_s"] / (n / bare_all),
         "job_over_bare_batches": summary["rows_per_s"] / (n / bare_batches),
+        "bare_all_tokens_per_s": tokens / bare_all,
+        "job_tokens_per_s": summary["tokens"]["per_s"],
+        "job_tokens_over_bare_all": summary["tokens"]["per_s"] / (tokens / bare_all),
         "job_startup_s": summary["timing"]["startup_s"],
         "job_ray_init_s": summary["timing"]["ray_init_s"],
         "job_replica_ready_s": summary["timing"]["replicas_first_ready_s"],
@@ -159,7 +177,7 @@ def measure_repeat(bare: BareRuns, base: dict, job_output: str) -> dict:
         "bare_all_mat": _mat(res),
         "bare_batches_mat": _mat(res_b),
         "job_mat": summary["mat"]["now"],
-        "same_text_as_bare": sum(job_text[i] == bare_text[i] for i in bare.ids) / n,
+        "same_text_as_bare": sum(job_text[k] == bare_text[k] for k in bare.keys) / n,
     }
 
 
