@@ -176,6 +176,20 @@ def summarize(records: Sequence[dict], reference: str = "ar", methods: Sequence[
     return out
 
 
+def _sources_table(ms: dict) -> list[str]:
+    """Report lines: per method, the share of its accepted draft tokens each source supplied."""
+    sources = {m: v["accepted_from"] for m, v in ms.items() if v.get("accepted_from") and any(v["accepted_from"].values())}
+    if not sources:
+        return []
+    names = list(next(iter(sources.values())))
+    lines = ["", "## Accepted draft tokens by source (share of the method's accepted draft tokens)", "",
+             "| Method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for m, a in sources.items():
+        total = sum(a.values())
+        lines.append(f"| `{m}` | " + " | ".join(f"{a[k] / total:.1%}" for k in names) + " |")
+    return lines
+
+
 def accepted_from(records: Sequence[dict]) -> dict[str, int] | None:
     """Accepted draft tokens summed by source (context, reference, history, guess); None for records
     without it (HF baselines, results written before it existed)."""
@@ -252,14 +266,7 @@ def render_report(summary: dict) -> str:
             f"{_f(v['lossless'], '{:.0%}')} | "
             + " | ".join(_f(ts.get(p), "{:.1%}") for p in SPLIT_COLUMNS)
             + " |")
-    sources = {m: v["accepted_from"] for m, v in ms.items() if v.get("accepted_from") and any(v["accepted_from"].values())}
-    if sources:
-        names = list(next(iter(sources.values())))
-        lines += ["", "## Accepted draft tokens by source (share of the method's accepted draft tokens)", "",
-                  "| Method | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-        for m, a in sources.items():
-            total = sum(a.values())
-            lines.append(f"| `{m}` | " + " | ".join(f"{a[k] / total:.1%}" for k in names) + " |")
+    lines += _sources_table(ms)
     hists = {m: v["accept_hist"] for m, v in ms.items() if v.get("accept_hist")}
     if hists:
         top = min(HIST_CAP, max(int(k) for h in hists.values() for k in h))
