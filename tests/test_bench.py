@@ -338,6 +338,7 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     md = (tmp_path / "report.md").read_text()
     assert "sampled (temperature 0.9, top-p 0.95), 2 sample(s) per prompt, seed 3" in md
     assert "no test of the distribution" in md
+    assert "## Accepted draft tokens by source" in md and "| `logitspec` |" in md.split("by source")[1]
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     (tmp_path / "results.jsonl").write_text("\n".join(lines[:8]) + "\n")  # the first unit only
     again = bench((model, None), qs, tmp_path, resume=True, **kw)
