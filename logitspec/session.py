@@ -154,6 +154,8 @@ class Session:
                 if group:
                     spent += self._prefill_group(group)
                     continue
+                if not self.pending:  # every prompt taken was a whole cache hit: admit them
+                    continue
                 if decoding and spent:
                     return
                 self.prefilling = self._start(self.pending.popleft())

@@ -183,3 +183,18 @@ def test_short_prompts_are_prefilled_together_and_exact(family):
     assert max(len(n) for n in groups) > 1 and not any(kind == "P" for kind, _ in log)
     assert all(len(n) * max(n) <= 48 for n in groups)  # the padded forward stays within one chunk
     assert sorted(x for n in groups for x in n) == sorted(len(p) for p in prompts)  # each prefilled once
+
+
+def test_short_prompts_whole_in_the_prefix_cache_are_admitted_without_a_forward():
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(5, seed=13, lengths=(5, 9, 14))
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    cache = PrefixCache(max_bytes=1 << 24, block=64)
+    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=64)
+    assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
+    second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
+                    prefix_cache=cache, prefill_chunk=64)
+    log = _spy(second)
+    run = second.run(prompts + prompts[:1], max_new_tokens=N_NEW)
+    assert [r.token_ids for r in run.results] == refs + refs[:1]
+    assert log and all(kind == "D" for kind, _ in log)  # every prompt came whole from the cache
