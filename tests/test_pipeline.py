@@ -892,3 +892,72 @@ def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray
     got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
     assert all(got[k] == v for k, v in first.items())
     assert all(len({got[(i, s)] for s in range(3)}) > 1 for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------- streaming replicas
+def _mixed_length_rows(tiny: str, n: int = 16) -> list[dict]:
+    """Rows whose answers have very different lengths: short prompts run to --max-new-tokens, long ones
+    (near the tiny model's 128-token context) stop after a few tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    filler = tok("the cat sat on the mat and the dog ran " * 30).input_ids
+    rows = []
+    for i in range(n):
+        prompt = f"Row {i}: the quick brown fox" if i % 3 == 0 else tok.decode(filler[:112 + i % 5])
+        rows.append({"id": i, "prompt": prompt})
+    return rows
+
+
+def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tiny, ray_session):
+    """One actor, batch 4, 4-row tasks of mixed-length rows: the streaming replica (one engine session
+    across tasks) decodes more rows per forward than task by task (``--no-stream``), as the tasks'
+    real engine stats say, and both give every row once with the engine's own greedy generations."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.job import run_job
+
+    rows = _mixed_length_rows(tiny)
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    kw = dict(max_batch_size=4, batch_rows=4, max_new_tokens=40)
+    stream = run_job(_cfg(tiny, inp, tmp_path / "stream", **kw))
+    per_task = run_job(_cfg(tiny, inp, tmp_path / "tasks", stream=False, **kw))
+    got = {}
+    for name, summary in (("stream", stream), ("tasks", per_task)):
+        assert summary["complete"] and summary["rows"]["failed_now"] == 0
+        got[name] = {r["id"]: r["generation"] for r in _check_exactly_once(tmp_path / name, list(range(16))).to_pylist()}
+    assert stream["engine"]["stream"] and not per_task["engine"]["stream"]
+    assert stream["engine"]["occupancy"] > per_task["engine"]["occupancy"] + 0.1, (stream["engine"], per_task["engine"])
+    assert stream["engine"]["batch_steps"] < per_task["engine"]["batch_steps"]
+    model, tok = load_model(tiny)
+    gen = _cfg(tiny, inp, tmp_path / "x", **kw).gen
+    direct = Engine(model, tok, gen.spec_config()).generate([r["prompt"] for r in rows], max_new_tokens=40)
+    assert got["stream"] == got["tasks"] == {r["id"]: d.text for r, d in zip(rows, direct)}
+    assert len({len(d.token_ids) for d in direct}) > 3  # the lengths did vary
+
+
+def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_session):
+    """``--num-samples 3 --temperature 0.8``: the streaming replica's samples are the per-task path's
+    (:class:`pipeline.worker.RowGenerator` on the same rows) for every (id, sample), each once."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    from pipeline.job import run_job
+
+    rows = _mixed_length_rows(tiny, 9)
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = _cfg(tiny, inp, tmp_path / "out", max_batch_size=4, batch_rows=2, max_new_tokens=24, temperature=0.8,
+               seed=3, num_samples=3)
+    summary = run_job(cfg)
+    assert summary["complete"] and summary["rows"]["total"] == 27 and summary["rows"]["done_now"] == 27
+    table = read_generations(tmp_path / "out")
+    got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
+    assert len(got) == table.num_rows == 27
+    model, tok = load_model(tiny)
+    per_task, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(
+        [{**r, "samples": [0, 1, 2]} for r in rows])
+    assert got == {(r["id"], r["sample"]): r["generation"] for r in per_task}
+    assert len(set(got.values())) > 20  # samples differ
