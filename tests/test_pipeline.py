@@ -961,3 +961,65 @@ def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_s
         [{**r, "samples": [0, 1, 2]} for r in rows])
     assert got == {(r["id"], r["sample"]): r["generation"] for r in per_task}
     assert len(set(got.values())) > 20  # samples differ
+
+
+def test_deaths_on_a_concurrent_replica_count_for_every_batch_and_suspects_run_alone():
+    """The scheduler's rules for replicas whose tasks share one session (no Ray: fake replicas, the
+    scheduler's own feed and death handling): a death counts against every batch in flight; a batch
+    that saw a death, and each row split off a batch, is sent only to a replica with nothing in
+    flight and nothing joins it; a sequential replica keeps the old rule (the oldest batch only)."""
+    import itertools
+
+    from pipeline.scheduler import Batch, Scheduler
+
+    class Fake:
+        def __init__(self, name, concurrent):
+            self.name, self.concurrent, self.refs = name, concurrent, itertools.count()
+
+        def ready(self):
+            return (self.name, "ready")
+
+        def submit(self, rows):
+            return (self.name, next(self.refs))
+
+        def kill(self):
+            pass
+
+    def run(concurrent: bool):
+        failed = []
+        batches = [Batch(0, [{"id": 0}, {"id": 1}]), Batch(1, [{"id": 2}, {"id": 3}]), Batch(2, [{"id": 4}])]
+        sched = Scheduler(lambda name: Fake(name, concurrent), 1, batches, lambda *a: None,
+                          lambda rows, why: failed.extend(r["id"] for r in rows))
+        sched._start()
+        (name, slot), = sched.slots.items()
+        slot.ready = True
+        sched._feed()
+        assert [b.key for _, b in slot.inflight] == [0, 1]  # two batches in flight, as before
+        sched._lost(name, RuntimeError("killed"))
+        return sched, failed
+
+    sched, _ = run(concurrent=False)
+    assert [(b.key, b.deaths) for b in sched.queue] == [(0, 1), (1, 0)]  # the running one only
+    sched, failed = run(concurrent=True)
+    assert [(b.key, b.deaths) for b in sched.queue] == [(0, 1), (1, 1)]  # both were running
+    (name, slot), = sched.slots.items()  # the replacement
+    slot.ready = True
+    sched._feed()
+    assert [b.key for _, b in slot.inflight] == [0]  # a suspect runs alone ...
+    slot.inflight.clear()
+    sched.task_refs.clear()
+    sched._feed()
+    assert [b.key for _, b in slot.inflight] == [1]  # ... and the next suspect too
+    sched._lost(name, RuntimeError("killed again"))  # batch 1 died alone: its second death, split
+    assert [(b.rows[0]["id"], b.alone) for b in sched.queue][:2] == [(2, True), (3, True)]
+    for _ in range(2):  # row 2 kills every replica it is alone on: an error row after 2 deaths
+        (name, slot), = sched.slots.items()
+        slot.ready = True
+        sched._feed()
+        assert [b.rows for _, b in slot.inflight] == [[{"id": 2}]]
+        sched._lost(name, RuntimeError("killed by row 2"))
+    assert failed == [2]
+    (name, slot), = sched.slots.items()
+    slot.ready = True
+    sched._feed()
+    assert [b.rows for _, b in slot.inflight] == [[{"id": 3}]]  # row 3 alone
