@@ -41,6 +41,7 @@ class _Task:
         self.submitted = 0  # requests handed to the session so far (in order)
         self.missing = 0  # samples not finished yet
         self.output: tuple[list[dict], dict] | None = None  # set once done
+        self.error: BaseException | None = None  # set (with an empty output) if the task itself failed
 
 
 class StreamingRows:
@@ -75,16 +76,18 @@ class StreamingRows:
         with self._cond:
             while task.output is None and self._driving:
                 self._cond.wait()
-            if task.output is not None:
-                return task.output
-            self._driving = True
-        try:
-            while task.output is None:
-                self._pump()
-        finally:
-            with self._cond:
-                self._driving = False
-                self._cond.notify_all()  # a caller still waiting takes over
+            if task.output is None:
+                self._driving = True
+        if task.output is None:
+            try:
+                while task.output is None:
+                    self._pump()
+            finally:
+                with self._cond:
+                    self._driving = False
+                    self._cond.notify_all()  # a caller still waiting takes over
+        if task.error is not None:
+            raise task.error
         return task.output
 
     # ------------------------------------------------------------------ the driver's loop
@@ -94,7 +97,13 @@ class StreamingRows:
             new = list(self._inbox)
             self._inbox.clear()
         for task in new:
-            task.out, task.reqs = self.gen.prepare(task.rows)
+            try:
+                task.out, task.reqs = self.gen.prepare(task.rows)
+            except Exception as e:  # noqa: BLE001 - this task fails (as a RowGenerator call would), not others
+                with self._cond:
+                    task.error, task.output = e, ([], {})
+                    self._cond.notify_all()
+                continue
             task.results = [[None] * len(q.samples) for q in task.reqs]
             task.missing = sum(len(q.samples) for q in task.reqs)
             self._tasks.append(task)

@@ -129,3 +129,13 @@ def test_a_failing_session_step_isolates_the_failing_prompt(tiny, monkeypatch):
     monkeypatch.undo()
     ref = {r["id"]: r for r in per_task(a)[0] + per_task(b)[0]}
     assert all(_key([r]) == _key([ref[r["id"]]]) for r in out_a + out_b if r["id"] not in errors)
+
+
+def test_a_task_that_cannot_be_prepared_fails_alone(tiny):
+    """A task whose rows break encoding (a row without a prompt) raises in its own caller only; a task
+    queued with it still gets its rows."""
+    _, per_task, stream = _generators(tiny)
+    bad, good = stream.put([{"id": "x"}]), stream.put([{"id": "g", "prompt": SHORT[0]}])
+    with pytest.raises(KeyError):
+        stream.wait(bad)
+    assert _key(stream.wait(good)[0]) == _key(per_task([{"id": "g", "prompt": SHORT[0]}])[0])
