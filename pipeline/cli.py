@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "shared with other work, 1 (and more actors) can be much faster (docs/pipeline.md)")
     ray_.add_argument("--batch-rows", type=int, default=None,
                       help="rows per actor task; default 2 x max-batch-size")
+    ray_.add_argument("--no-stream", action="store_true",
+                      help="decode each actor task to its end before the next starts (the engine's slots empty "
+                           "as its rows finish) instead of keeping one engine session full across tasks")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
@@ -104,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
         references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
-        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows,
+        threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
         address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements,
         num_samples=args.num_samples)

@@ -93,6 +93,8 @@ class JobConfig:
     # actor holds contend with the other actors (2 threads ran 10x slower than 1 on a shared core, docs/pipeline.md).
     threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
+    # one-actor replicas keep one engine session across tasks (pipeline/streaming.py); False: task by task
+    stream: bool = True
     part_rows: int = 10_000  # the driver writes a part file per this many finished rows ...
     part_seconds: float = 60.0  # ... or when its oldest buffered row is this old (and at the end)
     overwrite: bool = False

@@ -187,6 +187,7 @@ class _Sink:
     def result(self, batch, rows: list[dict], stats: dict) -> None:
         self.add(rows)
         self.progress.by_replicas += len(rows)
+        self.record.add_engine(stats.get("engine") or {})
 
     def failed(self, rows: list[dict], reason: str) -> None:
         self.add([e for r in rows for e in error_rows(r, reason, self.cfg.gen)])
@@ -224,7 +225,7 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     t = time.perf_counter()
     refs = {name: ray.put(arrays) for name, arrays in plan.references.items()}  # once per corpus
     timing["reference_put_s"] = time.perf_counter() - t
-    factory = make_replica_factory(cfg.gen, resources, refs, tp=cfg.tp)
+    factory = make_replica_factory(cfg.gen, resources, refs, tp=cfg.tp, stream=cfg.stream)
     batches = (Batch(k, b) for k, b in enumerate(rows))
     log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
              cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)

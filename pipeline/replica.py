@@ -1,7 +1,9 @@
 """One-actor replicas, and the factory that decides what a replica is.
 
-An :class:`ActorReplica` is one Ray actor (:class:`EngineWorker`) holding one model copy and one
-:class:`logitspec.Engine`. With ``--tp N`` a replica is instead a :class:`pipeline.tp.TPReplica`: N
+An :class:`ActorReplica` is one Ray actor holding one model copy and one :class:`logitspec.Engine`: a
+:class:`StreamingEngineWorker` (the job's default: a threaded actor whose concurrent tasks share one engine
+session, :mod:`pipeline.streaming`) or an :class:`EngineWorker` (one task at a time, each decoded to
+its end). With ``--tp N`` a replica is instead a :class:`pipeline.tp.TPReplica`: N
 actors that together hold one model. Both offer the calls of :class:`pipeline.resources.Replica`, so
 the scheduler, the writer and the fault handling do not depend on which one runs.
 """
@@ -54,15 +56,35 @@ class EngineWorker:
         return out, stats
 
 
+class StreamingEngineWorker(EngineWorker):
+    """The actor with its tasks run concurrently (a threaded actor) through one engine session, so
+    rows of the next task take the slots the current one frees (:class:`pipeline.streaming.StreamingRows`)."""
+
+    concurrent = True  # tasks in flight run together: a death is every one's (pipeline.scheduler)
+
+    def __init__(self, spec: GenerationSpec, threads: int, use_gpu: bool, reference_refs: dict):
+        from .streaming import StreamingRows
+
+        super().__init__(spec, threads, use_gpu, reference_refs)
+        self.generator = StreamingRows(self.generator)
+
+
+# concurrent calls of a StreamingEngineWorker: the scheduler's tasks in flight (its depth, 2) and info()
+STREAM_CONCURRENCY = 4
+
+
 class ActorReplica:
-    """A replica made of one :class:`EngineWorker` actor."""
+    """A replica made of one actor (:class:`StreamingEngineWorker` or :class:`EngineWorker`)."""
 
     def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict,
                  worker: type = EngineWorker):
         """``worker``: the actor class, built as ``worker(spec, threads, use_gpu, reference_refs)`` with
-        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.eval_replica.EvalWorker`)."""
+        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.eval_replica.EvalWorker`);
+        one whose ``concurrent`` is true runs as a threaded actor."""
         self.name = name
+        self.concurrent = getattr(worker, "concurrent", False)
         cls = ray.remote(worker).options(
+            max_concurrency=STREAM_CONCURRENCY if self.concurrent else 1,
             num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
             max_restarts=0, max_task_retries=0,  # the scheduler replaces dead replicas and redoes their rows
             runtime_env=faults.fault_env(),
@@ -87,14 +109,17 @@ class ActorReplica:
             pass
 
 
-def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int = 1):
-    """``factory(name) -> Replica``; the one place that decides what a replica is (``--tp`` plugs in here)."""
+def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int = 1,
+                         stream: bool = True):
+    """``factory(name) -> Replica``; the one place that decides what a replica is (``--tp`` plugs in
+    here; ``stream``: one-actor replicas keep one engine session across tasks, else task by task)."""
     if tp > 1:
         from .tp import make_tp_replica_factory
 
         return make_tp_replica_factory(spec, resources, reference_refs, tp)
+    worker = StreamingEngineWorker if stream else EngineWorker
 
     def factory(name: str) -> Replica:
-        return ActorReplica(name, spec, resources, reference_refs)
+        return ActorReplica(name, spec, resources, reference_refs, worker=worker)
 
     return factory

@@ -29,6 +29,7 @@ class Replica(Protocol):
     """One model replica: one actor, or a tensor-parallel group of actors."""
 
     name: str
+    concurrent: bool  # its tasks in flight run together (a death may be any one's), not one after another
 
     def ready(self) -> "ray.ObjectRef":  # noqa: F821
         """Resolves to an info dict (pids, load times, memory) once the replica can take rows; fails if it dies."""

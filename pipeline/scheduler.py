@@ -7,7 +7,13 @@ actor), so it never waits on the driver. When a replica dies (``RayActorError``:
 killed, crashed or lost its node), every batch it had in flight goes back to the front of the queue
 and a new replica is started in its place (up to ``max_replacements`` times). A batch that was
 running when its replica died twice is split into single rows; a single row that kills its replica
-``max_row_attempts`` times becomes an error row. So every row ends up in the output exactly once,
+``max_row_attempts`` times becomes an error row.
+
+Which batches were running: in a replica whose tasks run one after another, the oldest in flight;
+in a ``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.streaming`), every
+batch in flight, since any of them may hold the row that killed it. There, a batch that has seen a
+death and the single rows split off a batch run alone (nothing else in flight on that replica), so
+a later death is theirs only: an innocent row is never made an error row, a crashing one still is. So every row ends up in the output exactly once,
 either generated or with the reason it failed; results of a dead replica are never used.
 """
 from __future__ import annotations
@@ -35,6 +41,12 @@ class Batch:
     key: int
     rows: list[dict]
     deaths: int = 0  # replicas that died while running this batch
+    split: bool = False  # a single row split off a batch that died or raised
+
+    @property
+    def alone(self) -> bool:
+        """Runs with nothing else in flight on a concurrent replica (a suspect of a death)."""
+        return self.split or self.deaths > 0
 
 
 @dataclass
@@ -110,10 +122,11 @@ class Scheduler:
         for ref in [r for r, n in self.ready_refs.items() if n == name]:
             del self.ready_refs[ref]
         requeue = []
+        concurrent = getattr(slot.replica, "concurrent", False)
         for i, (ref, batch) in enumerate(slot.inflight):
             self.task_refs.pop(ref, None)
-            if i == 0:
-                batch.deaths += 1  # actor tasks run in order: the oldest in flight was the one running
+            if i == 0 or concurrent:  # tasks run in order: the oldest was the one running; else all were
+                batch.deaths += 1
             requeue.append(batch)
         self.stats.batches_redone += len(requeue)
         for batch in reversed(requeue):
@@ -141,7 +154,7 @@ class Scheduler:
             log.warning("batch %d was running in %d replicas that died; splitting it into single rows",
                         batch.key, batch.deaths)
             for row in reversed(batch.rows):
-                self.queue.appendleft(Batch(self._new_key(), [row]))
+                self.queue.appendleft(Batch(self._new_key(), [row], split=True))
         elif len(batch.rows) == 1 and batch.deaths >= self.max_row_attempts:
             self.on_failed_rows(batch.rows, f"the worker process died {batch.deaths} times while generating "
                                             f"this row (last: {self._last_error})")
@@ -167,6 +180,9 @@ class Scheduler:
     def _feed(self) -> None:
         for name, slot in self.slots.items():
             while slot.ready and len(slot.inflight) < self.depth and self.has_work():
+                if slot.inflight and getattr(slot.replica, "concurrent", False) and (
+                        self.queue[0].alone or any(b.alone for _, b in slot.inflight)):
+                    break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
                 ref = slot.replica.submit(batch.rows)
                 slot.inflight.append((ref, batch))
@@ -253,6 +269,6 @@ class Scheduler:
         log.warning("batch %d raised %s", batch.key, msg)
         if len(batch.rows) > 1:
             for row in reversed(batch.rows):
-                self.queue.appendleft(Batch(self._new_key(), [row]))
+                self.queue.appendleft(Batch(self._new_key(), [row], split=True))
         else:
             self.on_failed_rows(batch.rows, msg)

@@ -27,6 +27,14 @@ class RunRecord:
     stats: Any = None  # pipeline.scheduler.SchedulerStats, once the scheduler exists
     # each replica alive at the end: its info then ({"name", "missing": why} if it did not answer)
     final: list = field(default_factory=list)
+    batch_steps: int = 0  # the replicas' decoding forwards, summed over the tasks they returned
+    active_sum: float = 0.0  # ... and the rows those forwards decoded
+
+    def add_engine(self, engine: dict) -> None:
+        """Count a task's engine stats (``batch_steps``, ``mean_active``)."""
+        steps = engine.get("batch_steps") or 0
+        self.batch_steps += steps
+        self.active_sum += engine.get("active_sum", steps * (engine.get("mean_active") or 0.0))
 
 
 def _total(values) -> int | None:
@@ -156,6 +164,14 @@ def _replicas(cfg, stats) -> dict:
             "startup": [{k: i.get(k) for k in keys} for i in infos]}
 
 
+def _engine(cfg, record: RunRecord) -> dict:
+    """How full the replicas' engines ran: decoding forwards, rows per forward, and that over the batch size."""
+    mean = record.active_sum / record.batch_steps if record.batch_steps else None
+    size = cfg.gen.max_batch_size
+    return {"stream": cfg.stream and cfg.tp == 1, "batch_steps": record.batch_steps, "mean_active": mean,
+            "occupancy": mean / size if mean is not None else None}
+
+
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
     """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``_summary.json``."""
     data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
@@ -178,6 +194,7 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
                 "per_corpus_now": _per_corpus(progress.per_corpus, references),
                 "per_corpus_output": _per_corpus(out["per_corpus"], references)},
         "timing": timing,
+        "engine": _engine(cfg, record),
         "replicas": _replicas(cfg, record.stats),
         "memory": memory_section(references, record.stats.replica_info if record.stats else [], record.final),
         "model_path": str(plan.model_path),

@@ -174,6 +174,7 @@ class TPReplica:
         if tp < 2:
             raise ValueError("a tensor-parallel replica needs tp >= 2")
         self.name = name
+        self.concurrent = False  # its tasks run one after another
         self.tp = tp
         bundle = {"CPU": resources.num_cpus}
         if resources.num_gpus:

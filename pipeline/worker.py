@@ -3,14 +3,16 @@
 A row is ``{"id", "prompt", "corpus", "samples"}`` (``prompt``: text, chat messages or token ids;
 ``samples``: the sample indexes to generate, ``[0]`` by default); it gives one output row per sample.
 Each row is encoded first; a row the engine refuses (too long for the context, no chat template, ...)
-becomes error rows and the others go on. If ``Engine.run`` raises on the batch, the rows are retried one
-by one so only the failing ones become error rows.
+becomes error rows and the others go on. If ``Engine.run`` raises on the batch, its prompts (a row, or
+one sample of it) are retried one by one so only the failing ones become error rows. The parts
+(:meth:`RowGenerator.prepare`, ``run``, ``assemble``) are also used by :mod:`pipeline.streaming`.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from logitspec.session import sample_seed
@@ -60,6 +62,18 @@ def _ok_row(row: dict, sample: int, res, spec: GenerationSpec) -> dict:
             "corpus": row.get("corpus"), "accepted_from": s["accepted_from"]}
 
 
+@dataclass
+class Request:
+    """One engine prompt of a task: samples ``samples`` of the task's row ``pos`` (``ids``: its prompt
+    tokens, ``seed``: the seed of its first sample, ``ref``: its reference source or None)."""
+
+    pos: int
+    ids: list[int]
+    seed: int
+    ref: Any
+    samples: list[int]
+
+
 class RowGenerator:
     """Generates output rows for batches of input rows with one :class:`logitspec.Engine`."""
 
@@ -71,55 +85,71 @@ class RowGenerator:
     def __call__(self, rows: list[dict]) -> tuple[list[dict], dict]:
         """(output rows: per input row in input order, its samples in order; batch stats)."""
         t0 = time.perf_counter()
-        spec = self.spec
-        out: list[list[dict]] = [[] for _ in rows]
-        todo: list[int] = []
-        encoded: list[list[int]] = []
-        for i, r in enumerate(rows):
-            try:
-                encoded.append(self.engine.encode(r["prompt"], apply_chat_template=spec.chat))
-                todo.append(i)
-            except ValueError as e:
-                out[i] = error_rows(r, str(e), spec)
+        out, reqs = self.prepare(rows)
         engine_stats: dict = {}
-        if todo:
+        results: list[list] = []
+        if reqs:
             try:
-                run = self._run([rows[i] for i in todo], encoded)
-                results, engine_stats = run.results, dict(run.stats)
+                run = self.run(reqs)
+                results, engine_stats = self.split(reqs, run.results), dict(run.stats)
             except Exception as e:  # noqa: BLE001 - isolate the row(s) that fail
                 log.warning("batch of %d rows failed (%s: %s); retrying them one by one",
-                            len(todo), type(e).__name__, e)
-                results = []
-                for i, ids in zip(todo, encoded):
-                    try:
-                        results += self._run([rows[i]], [ids]).results
-                    except Exception as e1:  # noqa: BLE001
-                        results += [f"{type(e1).__name__}: {e1}"] * len(samples_of(rows[i]))
-            it = iter(results)
-            for i, ids in zip(todo, encoded):
-                for s in samples_of(rows[i]):
-                    res = next(it)
-                    out[i].append(error_row(rows[i]["id"], res, spec, rows[i].get("corpus"), len(ids), s)
-                                  if isinstance(res, str) else _ok_row(rows[i], s, res, spec))
-        stats = {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats}
-        return [r for rs in out for r in rs], stats
+                            len({q.pos for q in reqs}), type(e).__name__, e)
+                results = [self.run_alone(q) for q in reqs]
+        rows_out = self.assemble(rows, out, reqs, results)
+        return rows_out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats}
 
-    def _run(self, rows: list[dict], encoded: list[list[int]]):
-        """One ``Engine.run`` over every sample of the rows: its results (row by row, samples in order)
-        and the batch's engine stats. A row asking for samples 0..N-1 is one prompt with ``n=N`` (one
-        prefill shared by its samples); a row asking for other samples (a resume that lacks some) is
-        one prompt per sample, each with its own seed (:func:`row_seed`): the same draws either way."""
+    def prepare(self, rows: list[dict]) -> tuple[list[list[dict]], list[Request]]:
+        """Encode ``rows``: per row its error rows if the engine refuses it (else empty, to be filled by
+        :meth:`assemble`), and the engine prompts of the others, in row order. A row asking for
+        samples 0..N-1 is one prompt with ``n=N`` (one prefill shared by its samples); a row asking
+        for other samples (a resume that lacks some) is one prompt per sample, each with its own seed
+        (:func:`row_seed`): the same draws either way."""
         spec = self.spec
-        prompts, seeds, refs, counts = [], [], [], []
-        for r, ids in zip(rows, encoded):
+        out: list[list[dict]] = [[] for _ in rows]
+        reqs: list[Request] = []
+        for i, r in enumerate(rows):
+            try:
+                ids = self.engine.encode(r["prompt"], apply_chat_template=spec.chat)
+            except ValueError as e:
+                out[i] = error_rows(r, str(e), spec)
+                continue
             ref = self.references.get(r.get("corpus")) if r.get("corpus") is not None else None
             samples = samples_of(r)
-            groups = [(0, len(samples))] if samples == list(range(len(samples))) else [(s, 1) for s in samples]
-            for first, count in groups:
-                prompts.append(ids)
-                seeds.append(row_seed(spec.seed, r["id"], first))
-                refs.append(ref)
-                counts.append(count)
+            if samples == list(range(len(samples))):
+                reqs.append(Request(i, ids, row_seed(spec.seed, r["id"], 0), ref, samples))
+            else:
+                reqs += [Request(i, ids, row_seed(spec.seed, r["id"], s), ref, [s]) for s in samples]
+        return out, reqs
+
+    def run(self, reqs: list[Request]):
+        """One ``Engine.run`` over ``reqs``: its results (request by request, samples in order) and stats."""
+        spec = self.spec
         return self.engine.run(
-            prompts, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-            top_k=spec.top_k, seed=seeds, stop=list(spec.stop) or None, reference=refs, n=counts)
+            [q.ids for q in reqs], max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+            top_p=spec.top_p, top_k=spec.top_k, seed=[q.seed for q in reqs], stop=list(spec.stop) or None,
+            reference=[q.ref for q in reqs], n=[len(q.samples) for q in reqs])
+
+    def run_alone(self, req: Request) -> list:
+        """The results of one request run on its own; on an error, the error message per sample."""
+        try:
+            return self.run([req]).results
+        except Exception as e:  # noqa: BLE001 - this request's samples become error rows
+            return [f"{type(e).__name__}: {e}"] * len(req.samples)
+
+    @staticmethod
+    def split(reqs: list[Request], results: list) -> list[list]:
+        """Prompt-major ``results`` cut into one list per request."""
+        it = iter(results)
+        return [[next(it) for _ in q.samples] for q in reqs]
+
+    def assemble(self, rows: list[dict], out: list[list[dict]], reqs: list[Request], results: list[list]) -> list[dict]:
+        """The output rows: ``out`` (from :meth:`prepare`) with each request's results (a
+        ``GenerationResult``, or an error message, per sample) as rows, flattened in input order."""
+        spec = self.spec
+        for q, res in zip(reqs, results):
+            r = rows[q.pos]
+            for s, x in zip(q.samples, res):
+                out[q.pos].append(error_row(r["id"], x, spec, r.get("corpus"), len(q.ids), s)
+                                  if isinstance(x, str) else _ok_row(r, s, x, spec))
+        return [r for rs in out for r in rs]

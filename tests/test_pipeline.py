@@ -919,3 +919,134 @@ def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray
     got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
     assert all(got[k] == v for k, v in first.items())
     assert all(len({got[(i, s)] for s in range(3)}) > 1 for i in range(4))
+
+
+# ---------------------------------------------------------------------------------------------- streaming replicas
+def _mixed_length_rows(tiny: str, n: int = 16) -> list[dict]:
+    """Rows whose answers have very different lengths: short prompts run to --max-new-tokens, long ones
+    (near the tiny model's 128-token context) stop after a few tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    filler = tok("the cat sat on the mat and the dog ran " * 30).input_ids
+    rows = []
+    for i in range(n):
+        prompt = f"Row {i}: the quick brown fox" if i % 3 == 0 else tok.decode(filler[:112 + i % 5])
+        rows.append({"id": i, "prompt": prompt})
+    return rows
+
+
+def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tiny, ray_session):
+    """One actor, batch 4, 4-row tasks of mixed-length rows: the streaming replica (one engine session
+    across tasks) decodes more rows per forward than task by task (``--no-stream``), as the tasks'
+    real engine stats say, and both give every row once with the engine's own greedy generations."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.job import run_job
+
+    rows = _mixed_length_rows(tiny)
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    kw = dict(max_batch_size=4, batch_rows=4, max_new_tokens=40)
+    stream = run_job(_cfg(tiny, inp, tmp_path / "stream", **kw))
+    per_task = run_job(_cfg(tiny, inp, tmp_path / "tasks", stream=False, **kw))
+    got = {}
+    for name, summary in (("stream", stream), ("tasks", per_task)):
+        assert summary["complete"] and summary["rows"]["failed_now"] == 0
+        got[name] = {r["id"]: r["generation"] for r in _check_exactly_once(tmp_path / name, list(range(16))).to_pylist()}
+    assert stream["engine"]["stream"] and not per_task["engine"]["stream"]
+    assert stream["engine"]["occupancy"] > per_task["engine"]["occupancy"] + 0.1, (stream["engine"], per_task["engine"])
+    assert stream["engine"]["batch_steps"] < per_task["engine"]["batch_steps"]
+    model, tok = load_model(tiny)
+    gen = _cfg(tiny, inp, tmp_path / "x", **kw).gen
+    direct = Engine(model, tok, gen.spec_config()).generate([r["prompt"] for r in rows], max_new_tokens=40)
+    assert got["stream"] == got["tasks"] == {r["id"]: d.text for r, d in zip(rows, direct)}
+    assert len({len(d.token_ids) for d in direct}) > 3  # the lengths did vary
+
+
+def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_session):
+    """``--num-samples 3 --temperature 0.8``: the streaming replica's samples are the per-task path's
+    (:class:`pipeline.worker.RowGenerator` on the same rows) for every (id, sample), each once."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.worker import RowGenerator
+
+    from pipeline.job import run_job
+
+    rows = _mixed_length_rows(tiny, 9)
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = _cfg(tiny, inp, tmp_path / "out", max_batch_size=4, batch_rows=2, max_new_tokens=24, temperature=0.8,
+               seed=3, num_samples=3)
+    summary = run_job(cfg)
+    assert summary["complete"] and summary["rows"]["total"] == 27 and summary["rows"]["done_now"] == 27
+    table = read_generations(tmp_path / "out")
+    got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
+    assert len(got) == table.num_rows == 27
+    model, tok = load_model(tiny)
+    per_task, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(
+        [{**r, "samples": [0, 1, 2]} for r in rows])
+    assert got == {(r["id"], r["sample"]): r["generation"] for r in per_task}
+    assert len(set(got.values())) > 20  # samples differ
+
+
+def test_deaths_on_a_concurrent_replica_count_for_every_batch_and_suspects_run_alone():
+    """The scheduler's rules for replicas whose tasks share one session (no Ray: fake replicas, the
+    scheduler's own feed and death handling): a death counts against every batch in flight; a batch
+    that saw a death, and each row split off a batch, is sent only to a replica with nothing in
+    flight and nothing joins it; a sequential replica keeps the old rule (the oldest batch only)."""
+    import itertools
+
+    from pipeline.scheduler import Batch, Scheduler
+
+    class Fake:
+        def __init__(self, name, concurrent):
+            self.name, self.concurrent, self.refs = name, concurrent, itertools.count()
+
+        def ready(self):
+            return (self.name, "ready")
+
+        def submit(self, rows):
+            return (self.name, next(self.refs))
+
+        def kill(self):
+            pass
+
+    def run(concurrent: bool):
+        failed = []
+        batches = [Batch(0, [{"id": 0}, {"id": 1}]), Batch(1, [{"id": 2}, {"id": 3}]), Batch(2, [{"id": 4}])]
+        sched = Scheduler(lambda name: Fake(name, concurrent), 1, batches, lambda *a: None,
+                          lambda rows, why: failed.extend(r["id"] for r in rows))
+        sched._start()
+        (name, slot), = sched.slots.items()
+        slot.ready = True
+        sched._feed()
+        assert [b.key for _, b in slot.inflight] == [0, 1]  # two batches in flight, as before
+        sched._lost(name, RuntimeError("killed"))
+        return sched, failed
+
+    sched, _ = run(concurrent=False)
+    assert [(b.key, b.deaths) for b in sched.queue] == [(0, 1), (1, 0)]  # the running one only
+    sched, failed = run(concurrent=True)
+    assert [(b.key, b.deaths) for b in sched.queue] == [(0, 1), (1, 1)]  # both were running
+    (name, slot), = sched.slots.items()  # the replacement
+    slot.ready = True
+    sched._feed()
+    assert [b.key for _, b in slot.inflight] == [0]  # a suspect runs alone ...
+    slot.inflight.clear()
+    sched.task_refs.clear()
+    sched._feed()
+    assert [b.key for _, b in slot.inflight] == [1]  # ... and the next suspect too
+    sched._lost(name, RuntimeError("killed again"))  # batch 1 died alone: its second death, split
+    assert [(b.rows[0]["id"], b.alone) for b in sched.queue][:2] == [(2, True), (3, True)]
+    for _ in range(2):  # row 2 kills every replica it is alone on: an error row after 2 deaths
+        (name, slot), = sched.slots.items()
+        slot.ready = True
+        sched._feed()
+        assert [b.rows for _, b in slot.inflight] == [[{"id": 2}]]
+        sched._lost(name, RuntimeError("killed by row 2"))
+    assert failed == [2]
+    (name, slot), = sched.slots.items()
+    slot.ready = True
+    sched._feed()
+    assert [b.rows for _, b in slot.inflight] == [[{"id": 3}]]  # row 3 alone
