@@ -37,7 +37,7 @@ log = logging.getLogger("logitspec.engine")
 # every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
 # without verified drafts, so the steps between would almost surely choose none again
 RECHECK_EVERY = 4
-SKIP_DRAFT_SHARE = 0.03  # ... when drafting took at least this share of the last drafting step's time
+SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
@@ -266,8 +266,8 @@ class Engine:
         clock.lap("verify_s")
         kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
-        if self._drafted:
-            self._draft_share = clock.times["draft_s"] / max(sum(clock.times.values()), 1e-9)
+        if self._drafted:  # speculation's host time: drafting, and verifying (acceptance, guesses' top-k)
+            self._draft_share = (clock.times["draft_s"] + clock.times["verify_s"]) / max(sum(clock.times.values()), 1e-9)
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
             s.guesses = g
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
@@ -277,8 +277,9 @@ class Engine:
 
     def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
         """A draft tree per row, within the step's budget, the row's remaining tokens and the context.
-        While the auto budget keeps choosing plain decoding and drafting is a noticeable share of a
-        step's time (``SKIP_DRAFT_SHARE``, e.g. many rows on a small model), only every
+        While the auto budget keeps choosing plain decoding and drafting (with verifying: the
+        guesses' top-k) is a noticeable share of a step's time (``SKIP_DRAFT_SHARE``, e.g. many
+        rows), only every
         ``RECHECK_EVERY``-th step drafts (to re-check); the others skip drafting altogether."""
         if self.auto_budget and self._steps_without_drafts % RECHECK_EVERY and self._draft_share >= SKIP_DRAFT_SHARE:
             self._steps_without_drafts += 1
@@ -310,9 +311,15 @@ class Engine:
             s.streak = min(len(path) - 1, STREAK_STATES - 1)
         return paths, bonus, self._next_guesses(fwd.logits, paths, bonus, top)
 
+    def _want_guesses(self) -> bool:
+        """Whether the next step can use next-next guesses from this one: not when it will skip
+        drafting (:meth:`_draft`), so their top-k over the vocabulary is not computed for nothing.
+        A drafting step always computes them, so the draft share it measures includes them."""
+        return self._drafted or not self._steps_without_drafts % RECHECK_EVERY
+
     def _decide(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult, params: SamplingParams):
         """:func:`~logitspec.verify.decide` for the step: paths, bonus tokens, top tokens (or None)."""
-        k = self.config.top_k if self.drafter.wants_guesses else 0
+        k = self.config.top_k if self.drafter.wants_guesses and self._want_guesses() else 0
         u, states = (None, None) if params.greedy else _uniforms(active, trees, self.target.device)
         d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, params, u, k)
         paths = [tree.path_to(last) for tree, last in zip(trees, d.last)]
@@ -325,7 +332,7 @@ class Engine:
         """Per row, the next step's next-next guesses: the top-k of the last accepted node's scores
         (which chose the bonus token, excluded); ``top``: those top-k + 1 tokens when known."""
         k = self.config.top_k
-        if not self.drafter.wants_guesses or k == 0:
+        if not self.drafter.wants_guesses or k == 0 or not self._want_guesses():
             return [[] for _ in paths]
         if top is None:
             last = torch.stack([lg.scores[p[-1]] for lg, p in zip(logits, paths)])  # [B, V]

@@ -1050,3 +1050,18 @@ def test_deaths_on_a_concurrent_replica_count_for_every_batch_and_suspects_run_a
     slot.ready = True
     sched._feed()
     assert [b.rows for _, b in slot.inflight] == [[{"id": 3}]]  # row 3 alone
+
+
+def test_shipped_synthetic_prompts_are_current_and_readable():
+    """data/synthetic/prompts.jsonl is what its generator builds, and the job's reader takes both its
+    plain-text and its chat-messages column."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_prompts", REPO / "data" / "synthetic" / "make_prompts.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    path = REPO / "data" / "synthetic" / "prompts.jsonl"
+    assert [json.loads(line) for line in path.read_text().splitlines()] == make.rows()
+    for column in (None, "messages"):
+        cfg = JobConfig(input=str(path), output="unused", messages_column=column)
+        assert len(scan_ids(open_input(cfg)).ids) == len(make.rows()) == 21
