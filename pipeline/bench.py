@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--num-samples", type=int, default=1, help="samples per row (one prefill shared by them)")
+    p.add_argument("--no-stream", action="store_true", help="the job's per-task replicas (jobs/generate.py --no-stream)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
                          max_batch_size=args.max_batch_size, temperature=args.temperature, top_p=args.top_p)
     base = dict(input=args.input, gen=gen, limit=args.limit, threads_per_actor=args.threads, actors=1,
                 batch_rows=args.batch_rows, log_interval=60.0, messages_column=args.messages_column,
-                num_samples=args.num_samples)
+                num_samples=args.num_samples, stream=not args.no_stream)
     cfg0 = JobConfig(output="unused", **base)
     # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
     ids = scan_ids(open_input(cfg0)).ids.to_pylist()

@@ -63,10 +63,19 @@ class StreamingEngineWorker(EngineWorker):
     concurrent = True  # tasks in flight run together: a death is every one's (pipeline.scheduler)
 
     def __init__(self, spec: GenerationSpec, threads: int, use_gpu: bool, reference_refs: dict):
+        from concurrent.futures import ThreadPoolExecutor
+
         from .streaming import StreamingRows
 
-        super().__init__(spec, threads, use_gpu, reference_refs)
-        self.generator = StreamingRows(self.generator)
+        # every torch call of the replica (load, warm-up, decoding) on one thread: Ray runs a threaded
+        # actor's calls on several threads, and torch's OpenMP pools of several threads compete for
+        # the cores (pipeline/streaming.py)
+        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._on_engine_thread(super().__init__, spec, threads, use_gpu, reference_refs)
+        self.generator = StreamingRows(self.generator, run=self._on_engine_thread)
+
+    def _on_engine_thread(self, fn, *args):
+        return self._torch_thread.submit(fn, *args).result()
 
 
 # concurrent calls of a StreamingEngineWorker: the scheduler's tasks in flight (its depth, 2) and info()
