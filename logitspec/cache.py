@@ -161,35 +161,32 @@ class BatchKV:
         ``(cache, row, copies)`` in ``sources`` (the sources are copied, not changed): one
         concatenation per layer however many rows are added."""
         added = [n for src, r, copies in sources for n in [src.lengths[r]] * copies]
-        width = max([self.columns] + added)
-        parts: list[list[torch.Tensor]] = []  # per layer: keys and values blocks [rows, heads, width, dim]
         if not any(src.columns for src, _, _ in sources):  # rows with no columns yet (nothing prefilled)
             if self.rows == 0:
                 self.hf = new_cache()
             self.lengths += added
             return
+        width = max([self.columns] + added)
         runs: list[tuple[BatchKV, list[int]]] = []  # consecutive sources from one cache: one gather
         for src, r, copies in sources:
             if not runs or runs[-1][0] is not src:
                 runs.append((src, []))
             runs[-1][1].extend([r] * copies)
+        gathered = []  # per run: its layers' (keys, values) [rows, heads, width, dim]
         for src, rows in runs:
             idx = to_device(np.asarray(rows, dtype=np.int64), src._device())
-            for i, x in enumerate(src._layers()):
-                if len(parts) <= i:
-                    parts.append([])
-                parts[i].append(tuple(_pad_columns(t.index_select(0, idx)[:, :, :width], width)
-                                      for t in (x.keys, x.values)))
-        mine = list(self._layers()) if self.rows else []
+            gathered.append([tuple(_pad_columns(t.index_select(0, idx)[:, :, :width], width) for t in (x.keys, x.values))
+                             for x in src._layers()])
+        if len({len(g) for g in gathered}) != 1:
+            raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
+        held = list(self._layers()) if self.rows else []  # this cache's layers, none while it is empty
         layers = []
-        for i, blocks in enumerate(parts):
-            if len(blocks) != len(runs):
-                raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
-            keys = [_pad_columns(mine[i].keys, width)] if mine else []
-            values = [_pad_columns(mine[i].values, width)] if mine else []
-            layers.append((torch.cat(keys + [k for k, _ in blocks]), torch.cat(values + [v for _, v in blocks])))
-        if mine:
-            for layer, (k, v) in zip(mine, layers):
+        for i in range(len(gathered[0])):  # per layer: the held rows (padded), then the gathered ones
+            blocks = [(_pad_columns(held[i].keys, width), _pad_columns(held[i].values, width))] if held else []
+            blocks += [g[i] for g in gathered]
+            layers.append((torch.cat([k for k, _ in blocks]), torch.cat([v for _, v in blocks])))
+        if held:
+            for layer, (k, v) in zip(held, layers):
                 layer.set(k, v, room=64)
         else:
             self.hf = _cache_of(layers)

@@ -203,9 +203,8 @@ class Session:
         rows, lasts = self.engine.target.prefill_rows([r.ids for r in group], exact=exact, argmax=argmax)
         share = (time.perf_counter() - t0) / len(group)
         for b, (req, last) in enumerate(zip(group, lasts)):
-            req.row, req.row_index, req.last, req.done_tokens, req.prefill_s = rows, b, last, len(req.ids), share
-            if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.store(req.ids, self._output_kind(), rows, last, index=b)
+            req.row, req.row_index, req.done_tokens, req.prefill_s = rows, b, len(req.ids), share
+            self._prefilled(req, last)
             self.ready.append(req)
         self.prefill_chunks += 1
         self.prefills += len(group)
@@ -241,16 +240,21 @@ class Session:
         self.prefill_chunks += 1
         self.prefills += req.done_tokens == len(part) + req.cached_tokens
         if req.done_tokens == len(req.ids):
-            req.last = last
-            if self.engine.prefix_cache is not None:
-                self.engine.prefix_cache.store(req.ids, self._output_kind(), req.row, last)
+            self._prefilled(req, last)
         req.prefill_s += time.perf_counter() - t0
+
+    def _prefilled(self, req: _Request, last) -> None:
+        """The whole prompt is in ``req.row`` (row ``req.row_index``): keep its last token's output,
+        and the row in the prefix cache."""
+        req.last = last
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.store(req.ids, self._output_kind(), req.row, last, index=req.row_index)
 
     def _admit_ready(self, finished: list) -> None:
         """Start prefilled samples in free slots; their KV rows are added to the batch in one go (a
         prompt's row once per admitted sample)."""
         sources: list[tuple[BatchKV, int, int]] = []
-        take = False  # one whole one-row prefill into an empty batch: adopt its buffers, no copy
+        free = False  # the last source's row is needed by no other sample (its request fully admitted)
         while self.ready and len(self.active) < self.engine.config.max_batch_size:
             req = self.ready[0]
             count = min(len(req.seeds) - req.admitted, self.engine.config.max_batch_size - len(self.active))
@@ -268,14 +272,13 @@ class Session:
                     started.append(seq)
             if started:
                 sources.append((req.row, req.row_index, len(started)))
-                take = (not self.kv.rows and len(sources) == 1 and len(started) == 1 and req.row.rows == 1
-                        and req.admitted + count == len(req.seeds))
+                free = req.admitted + count == len(req.seeds)
                 self.active += started
             req.admitted += count
             if req.admitted == len(req.seeds):
                 self.ready.popleft()
                 req.row = None
-        if len(sources) == 1 and take:  # the row is handed over when no other sample needs it
-            self.kv.add_row(sources[0][0], take=True)
+        if len(sources) == 1 and free and sources[0][2] == 1 and sources[0][0].rows == 1 and not self.kv.rows:
+            self.kv.add_row(sources[0][0], take=True)  # a one-row prefill into an empty batch: no copy
         elif sources:
             self.kv.add_rows(sources)

@@ -129,16 +129,22 @@ def test_long_prefill_is_interleaved_with_decoding():
 
 
 # ---------------------------------------------------------------- prefix cache
+def _cache_filled_by_ar(model, prompts, refs, block: int):
+    """A prefix cache filled by an ``ar`` engine's greedy run of ``prompts`` (checked against
+    ``refs``), and a spied ``logitspec`` engine sharing it (``prefill_chunk`` = ``block``)."""
+    cache = PrefixCache(max_bytes=1 << 24, block=block)
+    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=block)
+    assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
+    second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
+                    prefix_cache=cache, prefill_chunk=block)
+    return cache, second, _spy(second)
+
+
 def test_prefix_cache_shared_by_engines_is_exact_and_counted():
     model = tiny_model("gemma3")
     prompts = repetitive_prompts(4, seed=9)
     refs = [hf_greedy(model, p, N_NEW) for p in prompts]
-    cache = PrefixCache(max_bytes=1 << 24, block=8)
-    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=8)
-    assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
-    second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
-                    prefix_cache=cache, prefill_chunk=8)
-    log = _spy(second)
+    cache, second, log = _cache_filled_by_ar(model, prompts, refs, block=8)
     run = second.run(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in run.results] == refs
     assert log and all(kind == "D" for kind, _ in log)  # nothing prefilled again
@@ -189,12 +195,7 @@ def test_short_prompts_whole_in_the_prefix_cache_are_admitted_without_a_forward(
     model = tiny_model("llama")
     prompts = repetitive_prompts(5, seed=13, lengths=(5, 9, 14))
     refs = [hf_greedy(model, p, N_NEW) for p in prompts]
-    cache = PrefixCache(max_bytes=1 << 24, block=64)
-    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=64)
-    assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
-    second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
-                    prefix_cache=cache, prefill_chunk=64)
-    log = _spy(second)
+    _, second, log = _cache_filled_by_ar(model, prompts, refs, block=64)
     run = second.run(prompts + prompts[:1], max_new_tokens=N_NEW)
     assert [r.token_ids for r in run.results] == refs + refs[:1]
     assert log and all(kind == "D" for kind, _ in log)  # every prompt came whole from the cache
