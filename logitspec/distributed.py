@@ -168,9 +168,23 @@ def make_engine(model, tokenizer, config, history=None):
 
     engine = Engine(model, tokenizer, config, fast_head=False, history=history)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if grouped:
+        engine.agree_on = rank0_value
     if grouped and engine.auto_budget and engine.cost_curve is None:
         engine.cost_curve = group_cost_curve(engine.target)
     return engine
+
+
+def rank0_value(x: float) -> float:
+    """Rank 0's ``x`` on every rank (one tiny broadcast): decisions the engine takes from host
+    timings (whether to skip drafting) must be the same on all ranks, or their forwards diverge
+    (seen in CI: a replacement group failed mid-batch)."""
+    dist = torch.distributed
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.broadcast(t, src=0)
+    return float(t)
 
 
 def group_cost_curve(target):

@@ -127,6 +127,9 @@ class Engine:
                                           n_states=STREAK_STATES)
         self._steps_without_drafts = 0
         self._draft_share = 1.0  # drafting's share of the last drafting step's time (see _draft)
+        # a host-timed value -> the value every rank of a tensor-parallel group uses (rank 0's, see
+        # distributed.make_engine); decisions taken from timings must not differ between ranks
+        self.agree_on = float
         self._drafted = True  # whether the current step drafted
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
@@ -266,14 +269,20 @@ class Engine:
         clock.lap("verify_s")
         kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
-        if self._drafted:  # speculation's host time: drafting, and verifying (acceptance, guesses' top-k)
-            self._draft_share = (clock.times["draft_s"] + clock.times["verify_s"]) / max(sum(clock.times.values()), 1e-9)
+        if self._drafted:
+            self._draft_share = self.agree_on(self._host_share(clock))
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
             s.guesses = g
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
             if len(p) > 1:
                 s.stats.count_origins([_origin_name(s, tree, n) for n in p[1:emitted + 1]])  # the emitted drafts
+
+    @staticmethod
+    def _host_share(clock: _StepClock) -> float:
+        """Speculation's share of a drafting step's time: drafting, and verifying (acceptance, the
+        guesses' top-k)."""
+        return (clock.times["draft_s"] + clock.times["verify_s"]) / max(sum(clock.times.values()), 1e-9)
 
     def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
         """A draft tree per row, within the step's budget, the row's remaining tokens and the context.

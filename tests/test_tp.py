@@ -158,6 +158,44 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
     print(f"TP=2 group (spawn, load, {len(CASES)} cases x 2 models): {tp_s:.1f} s")
 
 
+def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompts, results_q) -> None:
+    """One rank whose own step timings say "skip drafting" on rank 0 and "draft" on rank 1: with the
+    group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""
+    try:
+        from logitspec.budget import CostCurve
+        from logitspec.distributed import RanksDiverged, check_agreement, init_rank, load_tp_model, make_engine
+
+        init_rank(rank, world, port, threads=1)
+        model, tok, _ = load_tp_model(model_dir, world)
+        out = {}
+        for agreed in (True, False):
+            engine = make_engine(model, tok, SpecConfig(method="logitspec", max_batch_size=3))
+            engine.cost_curve = CostCurve([1, 64], [1.0, 8.0])  # drafts pay only now and then: skips happen
+            engine._host_share = lambda clock: 1.0 if rank == 0 else 0.0
+            if not agreed:
+                engine.agree_on = float
+            try:
+                res = engine.generate(prompts, max_new_tokens=40)
+                check_agreement(decisions_digest(res))
+                out[agreed] = [list(r.token_ids) for r in res]
+            except RanksDiverged:
+                out[agreed] = "diverged"
+        results_q.put((rank, out, None))
+    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
+        results_q.put((rank, None, traceback.format_exc()))
+
+
+def test_ranks_agree_on_timed_decisions(comm_op, tiny_dirs):
+    """Whether a step skips drafting rests on host timings, which differ between ranks: the group
+    uses rank 0's, so skewed timings still decode like one process; without that, the ranks diverge."""
+    prompts = repetitive_prompts(3, seed=4)
+    ranks = run_group(TP, _skewed_timing_rank, tiny_dirs["llama"], prompts)
+    model, tok = load_model(tiny_dirs["llama"])
+    ref = [list(r.token_ids) for r in Engine(model, tok, SpecConfig(method="ar")).generate(prompts, max_new_tokens=40)]
+    assert ranks[0][True] == ranks[1][True] == ref
+    assert ranks[0][False] == ranks[1][False] == "diverged"
+
+
 def test_batch_kv_zero_head_layers():
     """A rank that holds no attention head (Gemma 3's single KV head under AutoTP sits on rank 0) has
     [rows, 0, cols, dim] cache tensors: rows, columns and commits must still be tracked."""
