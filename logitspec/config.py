@@ -35,6 +35,9 @@ class SpecConfig:
     rank_keep: tuple[int, ...] = (4, 3)
     rank_keep_else: int = 1
     continuations_per_key: int = 1  # distinct continuations retrieved per n-gram key
+    # with several samples per prompt, a sample also retrieves from its siblings' answers so far
+    # (after its own context, before the reference corpus)
+    sibling_drafts: bool = True
     # Scale per-sequence capacity with the number of active sequences: capacity / active ** budget_decay.
     budget_decay: float = 1.0
     min_capacity: int = 2

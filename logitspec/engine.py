@@ -22,7 +22,7 @@ from .config import SpecConfig
 from .device import to_device
 from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
 from .head import NodeLogits
-from .index import NgramSource, SequenceIndex
+from .index import NgramSource, SequenceIndex, SiblingSource
 from .masks import StepRow
 from .prefix_cache import PrefixCache
 from .session import Session
@@ -69,7 +69,7 @@ class _Sequence:
     max_new: int
     index: SequenceIndex  # prompt + emitted tokens; the last one is the root (not yet cached)
     sources: list[NgramSource]
-    source_names: list[str]  # per source: "context", "reference" or "history" (SequenceStats.accepted_from)
+    source_names: list[str]  # per source: one of stats.ORIGINS but "guess" (SequenceStats.accepted_from)
     generator: torch.Generator | None
     stats: SequenceStats
     stops: list[str] = field(default_factory=list)
@@ -220,15 +220,21 @@ class Engine:
 
     # ------------------------------------------------------------------ loop parts (used by Session)
     def start_sequence(self, key: tuple[int, int], prompt_ids: list[int], max_new: int, seed: int, ref,
-                       last: NodeLogits, params: SamplingParams, stops) -> _Sequence:
+                       last: NodeLogits, params: SamplingParams, stops, siblings: list | None = None) -> _Sequence:
         """A sequence for a prefilled prompt, its first token picked from ``last`` (the final
-        prompt token's output, [1, V]); the caller adds its KV row unless it already finished."""
+        prompt token's output, [1, V]); the caller adds its KV row unless it already finished.
+        ``siblings``: the list shared by the prompt's samples (see :class:`~logitspec.index.SiblingSource`),
+        or None for a prompt sampled once."""
         c = self.config
         gen = None if params.greedy else torch.Generator().manual_seed(int(seed))
         seq = _Sequence(key=key, prompt_len=len(prompt_ids), max_new=max_new,
                         index=SequenceIndex(prompt_ids, c.max_ngram, c.min_ngram),
                         sources=[], source_names=[], generator=gen, stats=SequenceStats(), stops=stops)
-        named = [(seq.index, "context"), (ref, "reference"), (self.history, "history")]
+        near = None
+        if siblings is not None and c.sibling_drafts:
+            siblings.append(seq.index)
+            near = SiblingSource(siblings, seq.index)
+        named = [(seq.index, "context"), (near, "siblings"), (ref, "reference"), (self.history, "history")]
         seq.sources = [src for src, _ in named if src is not None]
         seq.source_names = [name for src, name in named if src is not None]
         tok = self._pick(last, params, seq)  # last: the final prompt token's output, [1, V]

@@ -135,6 +135,33 @@ class CorpusIndex:
         return cls(arrays["tokens"], keys, pos)
 
 
+class SiblingSource:
+    """The answers so far of the other samples of one prompt, as one draft source: ``group`` is a
+    list every sample's :class:`SequenceIndex` is appended to when it starts (shared by the samples,
+    so each sees the siblings started after it too), ``own`` the sample's own index (skipped).
+    Samples of one prompt repeat each other's phrasing even when sampled; the shared prompt is the
+    row's own context already, so matches there are found first in ``own``."""
+
+    def __init__(self, group: list[SequenceIndex], own: SequenceIndex):
+        self.group, self.own = group, own
+        self.max_ngram = own.max_ngram
+
+    def lookup(self, key: Sequence[int], max_tokens: int, max_results: int = 1) -> list[list[int]]:
+        """Up to ``max_results`` continuations with distinct first tokens, siblings in start order."""
+        out: list[list[int]] = []
+        firsts: set[int] = set()
+        for idx in self.group:
+            if idx is self.own:
+                continue
+            for cont in idx.lookup(key, max_tokens, max_results):
+                if cont[0] not in firsts:
+                    firsts.add(cont[0])
+                    out.append(cont)
+                    if len(out) >= max_results:
+                        return out
+        return out
+
+
 def retrieve(sources: Sequence[NgramSource], context: Sequence[int], max_tokens: int,
              max_results: int = 1, max_ngram: int = 3, min_ngram: int = 1) -> list[list[int]]:
     """Continuations of the longest suffix of ``context`` found, trying each source in order per n."""

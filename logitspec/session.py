@@ -51,6 +51,7 @@ class _Request:
     done_tokens: int = 0  # prompt tokens in ``row``
     prefill_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    siblings: list | None = None  # its samples' indexes, when it has several (a sibling draft source)
 
 
 class Session:
@@ -84,7 +85,8 @@ class Session:
         rid = self._next_id
         base = self.seed + rid if seed is None else int(seed)
         self.pending.append(_Request(rid, ids, min(max_new, self.engine.max_context - len(ids)),
-                                     [sample_seed(base, j) for j in range(n)], reference))
+                                     [sample_seed(base, j) for j in range(n)], reference,
+                                     siblings=[] if n > 1 else None))
         self._next_id += 1
         return rid
 
@@ -261,7 +263,7 @@ class Session:
             started = []
             for j in range(req.admitted, req.admitted + count):
                 seq = self.engine.start_sequence((req.rid, j), req.ids, req.max_new, req.seeds[j], req.ref,
-                                                 req.last, self.params, self.stops)
+                                                 req.last, self.params, self.stops, req.siblings)
                 seq.stats.prefill_s = req.prefill_s if j == 0 else 0.0
                 seq.stats.shared_prefill = j > 0
                 seq.stats.cached_prompt_tokens = req.cached_tokens

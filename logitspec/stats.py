@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ORIGINS = ("context", "reference", "history", "guess")  # where accepted draft tokens came from
+ORIGINS = ("context", "siblings", "reference", "history", "guess")  # where accepted draft tokens came from
 
 
 @dataclass

@@ -325,7 +325,7 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     assert len(records) == 4 * 4 * 2  # methods x question-turns x samples
     hist = summary["methods"]["logitspec@history=2000"]
     assert hist["lossless"] == 1.0 and summary["methods"]["logitspec"]["accepted_from"]["history"] == 0
-    assert set(hist["accepted_from"]) == {"context", "reference", "history", "guess"}
+    assert set(hist["accepted_from"]) == {"context", "siblings", "reference", "history", "guess"}
     assert summary["methods"]["hf"]["accepted_from"] is None
     ar = [r for r in records if r["method"] == "ar"]
     assert [r["sample"] for r in ar] == [0, 1] * 4

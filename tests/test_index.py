@@ -1,6 +1,6 @@
 import numpy as np
 
-from logitspec.index import CorpusIndex, SequenceIndex, retrieve
+from logitspec.index import CorpusIndex, SequenceIndex, SiblingSource, retrieve
 
 
 def test_sequence_index_most_recent_continuation_first():
@@ -34,6 +34,20 @@ def test_retrieve_falls_back_to_reference_source():
     assert retrieve([own, corpus], [8], max_tokens=2) == [[9, 10]]
     # own context wins at equal n
     assert retrieve([own, corpus], [2], max_tokens=1) == [[3]]
+
+
+def test_sibling_source_skips_its_own_answer_and_sees_later_siblings():
+    group: list = []
+    own, first = SequenceIndex([1, 2, 3, 4]), SequenceIndex([1, 2, 3, 7, 8])
+    group += [first, own]
+    near = SiblingSource(group, own)
+    assert near.lookup([3], 2) == [[7, 8]]  # the sibling's continuation, not its own (4)
+    group.append(SequenceIndex([3, 9, 3, 7, 5]))  # a sibling started later
+    assert near.lookup([3], 2, max_results=3) == [[7, 8], [9, 3]]  # distinct first tokens ([7, 5] is not)
+    assert near.lookup([42], 2) == []
+    # consulted after the row's own context, at equal n
+    assert retrieve([own, near], [3], max_tokens=1) == [[4]]
+    assert retrieve([own, near], [2, 3, 7], max_tokens=1) == [[8]]
 
 
 def test_corpus_index_lookup_and_document_boundaries():

@@ -396,7 +396,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
         outs[tokens] = [gen([r])[0][0] for r in rows]  # one row per call: the second sees the first's answer
     plain, hist = outs[0], outs[2000]
     assert [r["generation"] for r in hist] == [r["generation"] for r in plain]
-    assert all(set(r["accepted_from"]) == {"context", "reference", "history", "guess"} for r in hist)
+    assert all(set(r["accepted_from"]) == {"context", "siblings", "reference", "history", "guess"} for r in hist)
     assert hist[0]["accepted_from"]["history"] == 0 and hist[1]["accepted_from"]["history"] > 0
     assert plain[1]["accepted_from"]["history"] == 0
     assert hist[1]["mean_accepted"] > plain[1]["mean_accepted"]

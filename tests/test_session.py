@@ -71,6 +71,23 @@ def test_sampled_samples_are_seeded_and_batch_independent():
     assert sample_seed(12, 0) == 12 and len({sample_seed(12, j) for j in range(50)}) == 50
 
 
+@pytest.mark.parametrize("siblings", [True, False])
+def test_samples_draft_from_their_siblings_answers(llama, siblings):
+    """One slot, so a prompt's samples run one after another: the later ones retrieve from the
+    earlier ones' answers (greedy: the same answer) and accept those drafts; output unchanged."""
+    prompt = [[3, 17, 41, 8, 60, 25, 11]]
+    cfg = SpecConfig(method="logitspec", max_batch_size=1, budget="fixed", sibling_drafts=siblings)
+    res = Engine(llama, None, cfg).generate(prompt, max_new_tokens=N_NEW, n=3)
+    assert [r.token_ids for r in res] == [hf_greedy(llama, prompt[0], N_NEW)] * 3
+    from_siblings = [r.stats["accepted_from"]["siblings"] for r in res]
+    assert from_siblings[0] == 0  # no sibling had an answer while sample 0 ran
+    if siblings:
+        assert all(n > 0 for n in from_siblings[1:]), from_siblings
+        assert res[2].stats["steps"] < res[0].stats["steps"]
+    else:
+        assert from_siblings == [0, 0, 0]
+
+
 def test_n_below_one_fails_before_any_forward(llama):
     eng = Engine(llama, None, SpecConfig(method="ar"))
     log = _spy(eng)
