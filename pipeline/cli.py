@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep each replica's answers (up to this many tokens, oldest dropped) as a draft "
                           "source consulted after the row's own context and its reference; helps when "
                           "answers repeat each other (samples of one prompt, rows of one template). 0: off")
+    gen.add_argument("--share-history", action="store_true",
+                     help="one history for the whole job: each batch sent to a replica carries the answers "
+                          "other replicas produced since its last batch (up to --history-tokens)")
     gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
@@ -101,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                          top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), chat=args.chat,
                          dtype=args.dtype, warmup=not args.no_warmup,
-                         trust_remote_code=args.trust_remote_code, history_tokens=args.history_tokens)
+                         trust_remote_code=args.trust_remote_code, history_tokens=args.history_tokens,
+                         share_history=args.share_history)
     return JobConfig(
         input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column, id_column=args.id_column,
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,

@@ -39,6 +39,7 @@ class GenerationSpec:
     warmup: bool = True
     trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
     history_tokens: int = 0  # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
+    share_history: bool = False  # replicas' histories also hold the other replicas' answers (--share-history)
 
     def __post_init__(self) -> None:
         try:
@@ -53,6 +54,8 @@ class GenerationSpec:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.history_tokens < 0:
             raise ConfigError(f"history_tokens must be >= 0, got {self.history_tokens}")
+        if self.share_history and not self.history_tokens:
+            raise ConfigError("--share-history needs a history: set --history-tokens N (e.g. 20000)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty")
         if self.dtype not in DTYPES:

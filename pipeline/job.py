@@ -216,6 +216,7 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
 
     from .replica import make_replica_factory
     from .scheduler import Batch
+    from .shared_history import SharedHistory
 
     timing, record = plan.timing, sink.record
     t = time.perf_counter()
@@ -229,9 +230,11 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     batches = (Batch(k, b) for k, b in enumerate(rows))
     log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
              cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)
+    history = SharedHistory(cfg.gen.history_tokens) if cfg.gen.share_history else None
+    record.shared_history = history.stats if history else None
     t_sched = time.perf_counter()
     try:
-        drive_replicas(factory, cfg.actors, batches, sink, record, on_event,
+        drive_replicas(factory, cfg.actors, batches, sink, record, on_event, history=history,
                        max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts)
     finally:  # also when stopped or failed: the summary says how far start-up and generation got
         stats = record.stats

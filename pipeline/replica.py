@@ -49,9 +49,9 @@ class EngineWorker:
     def info(self) -> dict:
         return {**self._info, "memory": process_memory()}
 
-    def generate(self, rows: list[dict]) -> tuple[list[dict], dict]:
+    def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
         faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.faults)
-        out, stats = self.generator(rows)
+        out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
         return out, stats
 
@@ -105,8 +105,9 @@ class ActorReplica:
     def ready(self) -> "ray.ObjectRef":
         return self._ready
 
-    def submit(self, rows: list[dict]) -> "ray.ObjectRef":
-        return self.actor.generate.remote(rows)
+    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":
+        """``history``: other replicas' answers for this one's history (``--share-history``)."""
+        return self.actor.generate.remote(rows) if history is None else self.actor.generate.remote(rows, history)
 
     def info(self) -> "ray.ObjectRef":
         return self.actor.info.remote()

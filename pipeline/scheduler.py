@@ -28,6 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from .resources import Replica
+from .shared_history import SharedHistory
 
 log = logging.getLogger("pipeline.scheduler")
 
@@ -77,7 +78,9 @@ class Scheduler:
                  on_failed_rows: Callable[[list[dict], str], None],
                  on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
                  depth: int = 2, max_replacements: int = 5, max_row_attempts: int = 2,
-                 tick_s: float = 1.0):
+                 tick_s: float = 1.0, history: SharedHistory | None = None):
+        """``history``: the job's shared history (``--share-history``): batches carry other
+        replicas' answers to a replica, results bring its answers back."""
         self.factory = factory
         self.n = n_replicas
         self.queue: deque[Batch] = deque()  # batches to redo (requeued), taken before new ones
@@ -91,6 +94,7 @@ class Scheduler:
         self.max_replacements = max_replacements
         self.max_row_attempts = max_row_attempts
         self.tick_s = tick_s
+        self.history = history
         self.slots: dict[str, _Slot] = {}
         self.ready_refs: dict = {}  # ObjectRef -> slot name
         self.task_refs: dict = {}  # ObjectRef -> slot name
@@ -184,7 +188,8 @@ class Scheduler:
                         self.queue[0].alone or any(b.alone for _, b in slot.inflight)):
                     break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
-                ref = slot.replica.submit(batch.rows)
+                ref = (slot.replica.submit(batch.rows) if self.history is None
+                       else slot.replica.submit(batch.rows, self.history.for_replica(name)))
                 slot.inflight.append((ref, batch))
                 self.task_refs[ref] = name
                 if self.stats.first_dispatch is None:
@@ -260,6 +265,8 @@ class Scheduler:
             return
         slot.inflight = deque((r, b) for r, b in slot.inflight if r != ref)
         self.stats.last_result = time.perf_counter()
+        if self.history is not None:
+            self.history.collect(name, stats.pop("answers", None))
         self.on_result(batch, rows, stats)
         self.on_event("batch", name=name, batch=batch.key, rows=len(rows), pid=stats.get("pid"))
 

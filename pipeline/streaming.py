@@ -32,8 +32,9 @@ COUNTERS = ("batch_steps", "active_sum", "prefills", "prefill_chunks")
 class _Task:
     """One call's rows, their engine prompts and the results gathered so far."""
 
-    def __init__(self, rows: list[dict]):
+    def __init__(self, rows: list[dict], history: list[list[int]] | None = None):
         self.rows = rows
+        self.history = history  # other replicas' answers, added to the engine's history when taken
         self.t0 = time.perf_counter()
         self.out: list[list[dict]] = []  # per row: its error rows if refused at encode
         self.reqs: list[Request] = []
@@ -64,14 +65,15 @@ class StreamingRows:
         self._totals = dict.fromkeys(COUNTERS, 0)  # of the sessions dropped so far
         self._reported = dict.fromkeys(COUNTERS, 0)  # counters at the last finished task
 
-    def __call__(self, rows: list[dict]) -> tuple[list[dict], dict]:
+    def __call__(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
         """(output rows in input order, each row's samples in order; the task's stats: ``wall_s``,
-        ``rows``, ``engine``: the engine's counters since the previous task finished)."""
-        return self.wait(self.put(rows))
+        ``rows``, ``engine``: the engine's counters since the previous task finished). ``history``:
+        as for :meth:`RowGenerator.__call__`, added when the task is taken."""
+        return self.wait(self.put(rows, history))
 
-    def put(self, rows: list[dict]) -> _Task:
+    def put(self, rows: list[dict], history: list[list[int]] | None = None) -> _Task:
         """Queue a task of ``rows``; its output comes from :meth:`wait`."""
-        task = _Task(rows)
+        task = _Task(rows, history)
         with self._cond:
             self._inbox.append(task)
         return task
@@ -107,6 +109,7 @@ class StreamingRows:
             self._inbox.clear()
         for task in new:
             try:
+                self.gen.absorb(task.history)
                 task.out, task.reqs = self.gen.prepare(task.rows)
             except Exception as e:  # noqa: BLE001 - this task fails (as a RowGenerator call would), not others
                 with self._cond:
@@ -194,7 +197,7 @@ class StreamingRows:
             self._tasks.remove(t)
             rows = self.gen.assemble(t.rows, t.out, t.reqs, t.results)
             outputs.append((rows, {"wall_s": time.perf_counter() - t.t0, "rows": len(t.rows), "stream": True,
-                                   "engine": self._engine_stats(rows)}))
+                                   "engine": self._engine_stats(rows), **self.gen.answers(t.results)}))
         with self._cond:
             for t, output in zip(done, outputs):
                 t.output = output

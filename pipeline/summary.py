@@ -29,6 +29,7 @@ class RunRecord:
     final: list = field(default_factory=list)
     batch_steps: int = 0  # the replicas' decoding forwards, summed over the tasks they returned
     active_sum: float = 0.0  # ... and the rows those forwards decoded
+    shared_history: dict | None = None  # SharedHistory.stats with --share-history (answers in and out)
 
     def add_engine(self, engine: dict) -> None:
         """Count a task's engine stats (``batch_steps``, ``mean_active``)."""
@@ -169,7 +170,7 @@ def _engine(cfg, record: RunRecord) -> dict:
     mean = record.active_sum / record.batch_steps if record.batch_steps else None
     size = cfg.gen.max_batch_size
     return {"stream": cfg.stream and cfg.tp == 1, "batch_steps": record.batch_steps, "mean_active": mean,
-            "occupancy": mean / size if mean is not None else None}
+            "occupancy": mean / size if mean is not None else None, "shared_history": record.shared_history}
 
 
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:

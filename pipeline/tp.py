@@ -103,11 +103,12 @@ class TPRank:
         return {**infos[0], "tp": world, "pids": [i["pid"] for i in infos], "ranks": infos,
                 "model_load_s": max(i["model_load_s"] for i in infos)}
 
-    def generate(self, rows: list[dict]) -> tuple[list[dict] | None, dict]:
-        """Every rank decodes the batch; rank 0 returns the rows, the others only their digest."""
+    def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict] | None, dict]:
+        """Every rank decodes the batch (after adding ``history``, the same on every rank); rank 0
+        returns the rows, the others only their digest."""
         from logitspec.distributed import check_agreement, decisions_digest
 
-        out, stats = self.generator(rows)
+        out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
         stats["digests"] = check_agreement(decisions_digest(out))  # raises on every rank alike
         return (out, stats) if self.rank == 0 else (None, stats)
@@ -196,8 +197,8 @@ class TPReplica:
     def ready(self) -> "ray.ObjectRef":
         return self._ready
 
-    def submit(self, rows: list[dict]) -> "ray.ObjectRef":
-        refs = [a.generate.remote(rows) for a in self.ranks]
+    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":
+        refs = [a.generate.remote(rows, history) for a in self.ranks]
         return refs[0]  # a peer's death ends rank 0 too (watchdog), so this ref fails with it
 
     def info(self) -> "ray.ObjectRef":

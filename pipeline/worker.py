@@ -82,9 +82,11 @@ class RowGenerator:
         self.spec = spec
         self.references = references or {}
 
-    def __call__(self, rows: list[dict]) -> tuple[list[dict], dict]:
-        """(output rows: per input row in input order, its samples in order; batch stats)."""
+    def __call__(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
+        """(output rows: per input row in input order, its samples in order; batch stats). ``history``:
+        other replicas' answers to add to this engine's history first (:meth:`absorb`)."""
         t0 = time.perf_counter()
+        self.absorb(history)
         out, reqs = self.prepare(rows)
         engine_stats: dict = {}
         results: list[list] = []
@@ -97,7 +99,26 @@ class RowGenerator:
                             len({q.pos for q in reqs}), type(e).__name__, e)
                 results = [self.run_alone(q) for q in reqs]
         rows_out = self.assemble(rows, out, reqs, results)
-        return rows_out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats}
+        return rows_out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats,
+                          **self.answers(results)}
+
+    def absorb(self, history: list[list[int]] | None) -> None:
+        """Add answers other replicas produced (token ids, oldest first) to the engine's history."""
+        for answer in history or ():
+            self.engine.history.add(answer)
+
+    def answers(self, results: list[list]) -> dict:
+        """``{"answers": token ids of this task's answers}`` when the job shares histories (newest
+        last, at most ``history_tokens`` tokens: older ones would be dropped anyway), else ``{}``."""
+        if not self.spec.share_history:
+            return {}
+        out, room = [], self.spec.history_tokens
+        for x in reversed([x for res in results for x in res if not isinstance(x, str)]):
+            if room <= 0:
+                break
+            out.append(list(x.token_ids[-room:]))
+            room -= len(out[-1])
+        return {"answers": out[::-1]}
 
     def prepare(self, rows: list[dict]) -> tuple[list[list[dict]], list[Request]]:
         """Encode ``rows``: per row its error rows if the engine refuses it (else empty, to be filled by

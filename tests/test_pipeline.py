@@ -81,7 +81,8 @@ def _cfg(tiny: str, inp, out, **kw) -> JobConfig:
     # tests below need trees to exercise retrieval
     gen = dict(model=tiny, budget=kw.pop("budget", "fixed"), max_new_tokens=kw.pop("max_new_tokens", 12),
                max_batch_size=kw.pop("max_batch_size", 2),
-               temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), warmup=False)
+               temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), warmup=False,
+               history_tokens=kw.pop("history_tokens", 0), share_history=kw.pop("share_history", False))
     kw.setdefault("threads_per_actor", 1)
     kw.setdefault("log_interval", 2.0)
     return JobConfig(input=str(inp), output=str(out), gen=GenerationSpec(**gen), **kw)
@@ -402,6 +403,98 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     assert hist[1]["mean_accepted"] > plain[1]["mean_accepted"]
 
 
+def test_shared_history_keeps_the_newest_answers_and_sends_each_replica_the_others():
+    from pipeline.shared_history import SharedHistory
+
+    h = SharedHistory(max_tokens=10)
+    assert h.for_replica("a") is None
+    h.collect("a", [[1, 2, 3], [4, 5, 6]])
+    assert h.for_replica("a") is None  # its own answers are in its history already
+    assert h.for_replica("b") == [[1, 2, 3], [4, 5, 6]]
+    assert h.for_replica("b") is None  # nothing new since
+    h.collect("b", [[7, 8, 9]])
+    h.collect("a", [[10, 11, 12, 13]])  # 13 tokens held > 10: the oldest answer goes
+    assert h.for_replica("a") == [[7, 8, 9]]
+    assert h.for_replica("b") == [[10, 11, 12, 13]]
+    assert h.for_replica("c") == [[4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]  # a replacement: all that is kept
+    h.collect("a", [list(range(30))])  # longer than the budget: its newest tokens only
+    assert h.for_replica("b") == [list(range(20, 30))]
+    assert h.stats == {"answers_in": 5, "answers_out": 8, "tokens_out": 33}
+    with pytest.raises(ValueError):
+        SharedHistory(0)
+    with pytest.raises(ConfigError, match="--history-tokens"):
+        GenerationSpec(share_history=True)
+
+
+def test_scheduler_carries_answers_between_replicas(ray_session):
+    """With a shared history, a replica's results bring its answers to the driver and the next batch
+    sent to another replica carries them (fake replicas; results are real Ray objects)."""
+    import ray
+
+    from pipeline.scheduler import Batch, Scheduler
+    from pipeline.shared_history import SharedHistory
+
+    sent = []
+
+    class Fake:
+        concurrent = False
+
+        def __init__(self, name):
+            self.name = name
+
+        def ready(self):
+            return ray.put({})
+
+        def submit(self, rows, history=None):
+            sent.append((self.name, [r["id"] for r in rows], history))
+            return ray.put((rows, {"answers": [[r["id"], r["id"] + 100] for r in rows]}))
+
+        def kill(self):
+            pass
+
+    batches = [Batch(i, [{"id": i}]) for i in range(4)]
+    sched = Scheduler(Fake, 2, batches, lambda *a: None, lambda *a: None, depth=1, history=SharedHistory(100))
+    sched._start(), sched._start()
+    for slot in sched.slots.values():
+        slot.ready = True
+    sched._feed()
+    assert sent == [("replica-0", [0], None), ("replica-1", [1], None)]
+    sched._on_task(next(r for r, n in sched.task_refs.items() if n == "replica-0"))
+    sched._feed()
+    assert sent[-1] == ("replica-0", [2], None)  # nothing from replica-1 yet
+    sched._on_task(next(r for r, n in sched.task_refs.items() if n == "replica-1"))
+    sched._feed()
+    assert sent[-1] == ("replica-1", [3], [[0, 100]])  # replica-0's answer, not its own
+    assert sched.history.stats["answers_in"] == 2
+
+
+def test_shared_answers_feed_another_generators_history(tiny):
+    """Replica B absorbs the answers replica A reported (as the driver forwards them): B's row that
+    repeats A's prompt drafts from history; per-task and streaming replicas alike; output unchanged."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+
+    from pipeline.streaming import StreamingRows
+    from pipeline.worker import RowGenerator
+
+    model, tok = load_model(tiny)
+    spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
+                          history_tokens=2000, share_history=True)
+
+    def replica():
+        return RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
+
+    row = {"id": 0, "prompt": "Hello there, said the", "corpus": None}
+    a_rows, a_stats = replica()([row])
+    assert [len(a) for a in a_stats["answers"]] == [a_rows[0]["n_new_tokens"]]
+    for b in (replica(), StreamingRows(replica())):
+        b_rows, b_stats = b([{**row, "id": 1}], a_stats["answers"])
+        assert b_rows[0]["generation"] == a_rows[0]["generation"]
+        assert b_rows[0]["accepted_from"]["history"] > 0 and a_rows[0]["accepted_from"]["history"] == 0
+        assert len(b_stats["answers"]) == 1
+    assert "answers" not in RowGenerator(Engine(model, tok, spec.spec_config()), GenerationSpec(model=tiny))([row])[1]
+
+
 def test_memory_figures_say_where_bytes_live(tmp_path):
     """The replicas' memory figures: arrays located by the kind of mapping holding them, and per node
     the copies of a model and of an index counted from those (a private copy counts, a mapping once)."""
@@ -452,13 +545,15 @@ def mixed_run(tmp_path_factory, tiny, ray_session):
     inp = _write_jsonl(d / "in.jsonl", _mixed_rows())
     out = d / "out"
     summary = run_job(_cfg(tiny, inp, out, actors=2, batch_rows=3, messages_column="messages",
-                           temperature=0.8, seed=7, part_seconds=3600))  # one part, however slow the box
+                           temperature=0.8, seed=7, part_seconds=3600,  # one part, however slow the box
+                           history_tokens=2000, share_history=True))
     return inp, out, summary
 
 
 def test_exactly_once_with_error_rows(mixed_run):
     inp, out, summary = mixed_run
     table = _check_exactly_once(out, list(range(20)))
+    assert summary["engine"]["shared_history"]["answers_in"] == 15  # every answer reached the driver
     assert summary["output"]["part_files"] == 1  # the rows are buffered: one part for this small job
     import ray.data
 
