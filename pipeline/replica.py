@@ -50,8 +50,10 @@ class EngineWorker:
         return {**self._info, "memory": process_memory()}
 
     def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
+        """``history``: other replicas' answers (``--share-history``); a generator that takes none (the
+        evaluation sweep's) is called without it."""
         faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.faults)
-        out, stats = self.generator(rows, history)
+        out, stats = self.generator(rows) if history is None else self.generator(rows, history)
         stats["pid"] = os.getpid()
         return out, stats
 
