@@ -33,6 +33,10 @@ def test_bad_options_fail_before_the_model_loads(tmp_path, capsys):
     assert "unknown baselines ['sglang']" in capsys.readouterr().err
     assert main(["throughput", "--model", missing, "--baselines", "vllm", "--vllm-methods", "eagle"]) == 2
     assert main(["throughput", "--model", missing, "--batch-sizes", "0"]) == 2
+    assert main(["throughput", "--model", missing, "--methods", "ar,logitspec@no_such_field=1"]) == 2
+    assert "not a SpecConfig field" in capsys.readouterr().err
+    assert main(["throughput", "--model", missing, "--methods", "ar,hf"]) == 2
+    assert "engine's methods and SpecConfig variants only" in capsys.readouterr().err
 
 
 def test_missing_vllm_environment_is_skipped_with_a_message(tmp_path, capsys, monkeypatch):

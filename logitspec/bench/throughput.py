@@ -18,6 +18,7 @@ import time
 
 from ..config import SpecConfig
 from . import vllm_baseline
+from .methods import ENGINE_OPTIONS, parse_methods
 from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
 from .samples import Decoding, add_decoding_options, decoding_from_args, run_samples
 
@@ -81,7 +82,8 @@ def render(table: dict) -> str:
 def add_throughput_command(sub) -> None:
     p = sub.add_parser("throughput", help="tokens/s of methods at several batch sizes, side by side")
     p.add_argument("--model", default="default")
-    p.add_argument("--methods", default="ar,logitspec")
+    p.add_argument("--methods", default="ar,logitspec",
+                   help="engine methods and variants (logitspec@cost_feedback=False); ar is always run")
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     p.add_argument("--per-task", type=int, default=2)
@@ -102,9 +104,11 @@ def add_throughput_command(sub) -> None:
 def _main(args) -> int:
     from ..models import load_model
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        SpecConfig(method=m)  # fail fast on a typo
+    specs = parse_methods(args.methods)  # fails fast on a typo; variants as in bench: logitspec@capacity=8
+    if any(s.is_hf or set(s.overrides) & set(ENGINE_OPTIONS) for s in specs):
+        raise ValueError(f"throughput runs this engine's methods and SpecConfig variants only, got {args.methods!r}")
+    methods = [s.name for s in specs]
+    configs = {s.name: SpecConfig(method=s.base, **s.overrides) for s in specs}
     sizes = parse_sizes(args.batch_sizes)
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     if set(baselines) - set(BASELINES):
@@ -120,7 +124,7 @@ def _main(args) -> int:
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
-    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, decoding=decoding)
+    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding)
     if vllm_python is not None:
         if not decoding.greedy:
             print("vLLM baseline skipped: it is compared under greedy decoding only")
