@@ -18,7 +18,10 @@ class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose columns live in a buffer with spare room: a step writes its new
     columns in place instead of concatenating the whole cache (``DynamicLayer.update`` copies every
     cached column on every step; measured in docs/performance.md). ``keys``/``values`` are views of
-    the first ``n`` columns."""
+    the first ``n`` columns. ``start``: the first column :meth:`update` hands to attention (set per
+    forward for sliding-window layers, :meth:`BatchKV.attend_from`; the cache itself keeps all)."""
+
+    start = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -39,7 +42,7 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` [rows, heads, T, dim]; the cached columns
-        [rows, heads, n + T, dim] are returned (views)."""
+        ``start``.. [rows, heads, n + T - start, dim] are returned (views)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
@@ -49,7 +52,7 @@ class GrowingLayer(DynamicLayer):
         self._v[:, :, self.n:self.n + T] = value_states
         self.n += T
         self._views()
-        return self.keys, self.values
+        return self._k[:, :, self.start:self.n], self._v[:, :, self.start:self.n]
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` columns (the buffer stays)."""
@@ -99,6 +102,12 @@ class BatchKV:
                 raise TypeError(f"unsupported cache layer {type(layer).__name__}; BatchKV needs GrowingLayer")
             if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:  # [rows, heads, cols, dim]
                 yield layer
+
+    def attend_from(self, starts: list[int] | None) -> None:
+        """Layer i's attention reads its columns from ``starts[i]`` on in the next forward (the
+        masks must match: :func:`~logitspec.masks.pack` with ``trim``); None: every column."""
+        for i, layer in enumerate(self.hf.layers):
+            layer.start = starts[i] if starts is not None and i < len(starts) else 0
 
     def _device(self) -> torch.device:
         return next((layer.keys.device for layer in self._layers()), torch.device("cpu"))

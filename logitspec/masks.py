@@ -55,8 +55,9 @@ class PackedStep:
     depths: torch.Tensor  # int64 [B, T]: depth in the tree (padding: -1)
     parents: torch.Tensor  # int64 [B, T]: parent node in the row (root and padding: -1)
     visible: torch.Tensor  # bool [B, T, T]: node i attends to node j of its row (ancestors and itself)
-    mask: torch.Tensor | dict  # additive [B, 1, T, L + T], or a dict of them keyed by layer type
+    mask: torch.Tensor | dict  # additive [B, 1, T, L - start + T], or a dict of them keyed by layer type
     sizes: list[int]  # real nodes per row
+    starts: dict[str, int]  # per layer type, the first cache column its mask covers (0: all of them)
 
 
 def layer_windows(config) -> dict[str, int | None]:
@@ -70,11 +71,14 @@ def layer_windows(config) -> dict[str, int | None]:
 
 
 def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
-         device: torch.device | str = "cpu") -> PackedStep:
+         device: torch.device | str = "cpu", trim: bool = False) -> PackedStep:
     """Pack ``rows`` for a forward adding ``T`` columns to a ``cache_len``-column cache on ``device``:
     the masks are additive in ``dtype`` (0 visible, ``finfo(dtype).min`` hidden), correct under both
     ``eager`` and ``sdpa`` (a boolean mask is silently wrong under ``eager``, and SDPA turns one into
-    a float bias again in every layer)."""
+    a float bias again in every layer). ``trim``: a sliding-window kind's mask starts at the first
+    column any node can see (``starts``), and the cache must hand those layers only the columns from
+    there on (:meth:`~logitspec.cache.BatchKV.attend_from`): at long context their attention then
+    costs the window, not the whole cache."""
     device = torch.device(device)
     B, T = len(rows), max(len(r.tokens) for r in rows)
     host = np.zeros((4, B, T), dtype=np.int64)  # ids, positions, depths, parents
@@ -92,34 +96,42 @@ def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dt
     ints = to_device(np.concatenate([host.reshape(-1), prefix]), device)  # one transfer: [4 B T + B]
     ids, pos, depths, parents = ints[:4 * B * T].view(4, B, T)
     visible = to_device(vis, device)  # [B, T, T]
-    mask = attention_masks(ints[4 * B * T:], pos, visible, cache_len, windows, dtype)
-    return PackedStep(ids, pos, depths, parents, visible, mask, [len(r.tokens) for r in rows])
+    # a node at position p >= its row's prefix sees columns > p - window: none before min(prefix) - window + 1
+    starts = {kind: max(0, int(prefix.min()) - w + 1) if trim and w is not None else 0 for kind, w in windows.items()}
+    mask = attention_masks(ints[4 * B * T:], pos, visible, cache_len, windows, dtype, starts)
+    return PackedStep(ids, pos, depths, parents, visible, mask, [len(r.tokens) for r in rows], starts)
 
 
 def attention_masks(prefix: torch.Tensor, pos: torch.Tensor, tree_vis: torch.Tensor, cache_len: int,
-                    windows: dict[str, int | None], dtype: torch.dtype):
-    """Additive masks [B, 1, T, cache_len + T] on the inputs' device from ``prefix`` [B], node
-    positions ``pos`` [B, T] and ``tree_vis`` [B, T, T]: a tensor when the model has one attention
-    kind, else a dict keyed by layer type (a single mask would give sliding layers full attention)."""
-    masks = {kind: _additive(prefix, pos, tree_vis, cache_len, window, dtype) for kind, window in windows.items()}
+                    windows: dict[str, int | None], dtype: torch.dtype, starts: dict[str, int] | None = None):
+    """Additive masks [B, 1, T, cache_len - start + T] on the inputs' device from ``prefix`` [B], node
+    positions ``pos`` [B, T] and ``tree_vis`` [B, T, T] (``starts``: per kind, the first cache column
+    covered; default 0): a tensor when the model has one attention kind, else a dict keyed by layer
+    type (a single mask would give sliding layers full attention)."""
+    starts = starts or {}
+    masks = {kind: _additive(prefix, pos, tree_vis, cache_len, window, dtype, starts.get(kind, 0))
+             for kind, window in windows.items()}
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def _additive(prefix, pos, tree_vis, cache_len: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-    """One [B, 1, T, cache_len + T] mask (a node sees its row's committed columns within ``window``
-    positions and its tree ancestors); off CPU a view of rows padded to ``MASK_ALIGN`` columns."""
+def _additive(prefix, pos, tree_vis, cache_len: int, window: int | None, dtype: torch.dtype,
+              start: int = 0) -> torch.Tensor:
+    """One [B, 1, T, cache_len - start + T] mask over cache columns ``start``.. and the step's
+    (a node sees its row's committed columns within ``window`` positions and its tree ancestors);
+    off CPU a view of rows padded to ``MASK_ALIGN`` columns."""
     B, T = pos.shape
-    W = cache_len + T
+    L = cache_len - start
+    W = L + T
     width = W if pos.device.type == "cpu" else -(-W // MASK_ALIGN) * MASK_ALIGN
     out = torch.full((B, T, width), torch.finfo(dtype).min, dtype=dtype, device=pos.device)[..., :W]
-    cols = torch.arange(cache_len, device=pos.device)  # [L]
+    cols = torch.arange(start, cache_len, device=pos.device)  # [L]
     seen = (cols < prefix[:, None])[:, None, :]  # [B, 1, L]
     tree = tree_vis  # [B, T, T]
     if window is not None:
         seen = seen & ((pos[:, :, None] - cols) < window)  # [B, T, L]
         tree = tree & ((pos[:, :, None] - pos[:, None, :]) < window)
-    out[:, :, :cache_len].masked_fill_(seen, 0)
-    out[:, :, cache_len:].masked_fill_(tree, 0)
+    out[:, :, :L].masked_fill_(seen, 0)
+    out[:, :, L:].masked_fill_(tree, 0)
     return out[:, None]
 
 

@@ -45,6 +45,9 @@ class TargetForward:
         self.model = model
         self.head = Head(model, fast=fast_head)
         self.windows = layer_windows(model.config)
+        kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
+        # sliding-window layers attend over their window only (pack's trim), given each layer's kind
+        self.layer_kinds = list(kinds) if kinds and any(w is not None for w in self.windows.values()) else None
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         cfg = model.config.get_text_config(decoder=True)
@@ -59,7 +62,8 @@ class TargetForward:
         ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
         the model's device without waiting for it."""
         t0 = time.perf_counter()
-        packed = pack(rows, kv.columns, self.windows, self.dtype, self.device)  # masks [B, 1, T, L + T]
+        packed = pack(rows, kv.columns, self.windows, self.dtype, self.device,
+                      trim=self.layer_kinds is not None)  # masks [B, 1, T, L - start + T]
         T = packed.ids.shape[1]
         sizes = packed.sizes if all_logits else [1] * len(rows)
         first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(packed.sizes)]
@@ -68,7 +72,13 @@ class TargetForward:
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)  # one transfer
         select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact, argmax=argmax)  # [N, V]
+        if self.layer_kinds is not None:
+            kv.attend_from([packed.starts[k] for k in self.layer_kinds])
+        try:
+            nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact, argmax=argmax)  # [N, V]
+        finally:
+            if self.layer_kinds is not None:
+                kv.attend_from(None)
         spans = [(int(a), int(a) + n) for a, n in zip(starts, sizes)]
         return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
 

@@ -148,3 +148,22 @@ def test_masks_off_cpu_have_aligned_rows():
                         {"full_attention": None, "sliding_attention": 4}, torch.bfloat16)
     for mask in m.values():
         assert mask.shape == (3, 1, 5, 42) and mask.stride(-2) % MASK_ALIGN == 0 and mask.stride(-1) == 1
+
+
+def test_trimmed_sliding_masks_drop_only_columns_no_node_sees():
+    """``pack(trim=True)``: a sliding kind's mask starts at min(prefix) - window + 1; the columns it
+    drops are hidden from every real node in the full mask, the rest are the full mask's (padding
+    nodes, whose outputs are never read, may differ); full-attention masks are untouched."""
+    trees = _trees(3, 3)
+    rows = [StepRow.from_tree(p, t) for p, t in zip((30, 41, 35), trees)]
+    windows = {"full_attention": None, "sliding_attention": 8}
+    full = pack(rows, 50, windows, torch.float32)
+    trimmed = pack(rows, 50, windows, torch.float32, trim=True)
+    assert full.starts == {"full_attention": 0, "sliding_attention": 0}
+    start = trimmed.starts["sliding_attention"]
+    assert start == 30 - 8 + 1 and trimmed.starts["full_attention"] == 0
+    hidden = torch.finfo(torch.float32).min
+    for b, n in enumerate(full.sizes):  # [B, 1, T, cols]: row b's real nodes
+        assert (full.mask["sliding_attention"][b, :, :n, :start] == hidden).all()
+        assert torch.equal(trimmed.mask["sliding_attention"][b, :, :n], full.mask["sliding_attention"][b, :, :n, start:])
+    assert torch.equal(trimmed.mask["full_attention"], full.mask["full_attention"])
