@@ -132,38 +132,6 @@ class CostCurve:
         return d
 
 
-class StepCostFeedback:
-    """How much dearer drafting steps really are than the cost curve says, relative to plain steps.
-
-    The curve is measured once (and maybe under another load), on forwards alone; a drafting step
-    also pays its verification and next-next guesses, and at batch the padded tree width. Running
-    averages of measured / predicted step time, kept apart for plain steps (width 1) and drafting
-    steps, give ``factor`` = drafting ratio / plain ratio: a load that slows every step alike cancels
-    out, and a curve that flatters drafting (seen at 6 rows on CPU) is corrected by what the steps
-    cost. 1.0 until both kinds have ``warmup`` steps; clipped to [``low``, ``high``]."""
-
-    def __init__(self, alpha: float = 0.1, warmup: int = 3, low: float = 0.5, high: float = 3.0):
-        self.alpha, self.warmup, self.low, self.high = alpha, warmup, low, high
-        self.ratio = {False: 1.0, True: 1.0}  # drafted? -> running measured / predicted
-        self.seen = {False: 0, True: 0}
-
-    def update(self, drafted: bool, measured_s: float, predicted_s: float) -> None:
-        """Add one step: ``drafted`` (its padded width was above 1), its time and the curve's."""
-        if predicted_s <= 0 or measured_s <= 0:
-            return
-        r, n, now = measured_s / predicted_s, self.seen[drafted], self.ratio[drafted]
-        if n:  # one odd step (another process, a page fault) moves the average by alpha of itself at most
-            r = min(max(r, now / 2), now * 2)
-        self.ratio[drafted] = r if n == 0 else now + self.alpha * (r - now)
-        self.seen[drafted] = n + 1
-
-    @property
-    def factor(self) -> float:
-        if min(self.seen.values()) < self.warmup:
-            return 1.0
-        return min(self.high, max(self.low, self.ratio[True] / self.ratio[False]))
-
-
 def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:
     """Draft nodes per row (0..max_nodes) maximising expected committed tokens / forward time.
 
@@ -181,15 +149,14 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
     return best_n
 
 
-def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int, draft_factor: float = 1.0) -> list[int]:
+def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
     ``probs[b]``: row b's draft-node probabilities, sorted descending. For each padded width T, the
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
     are then taken most probable first (a row's kept nodes are its most probable ones), each
     prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
-    is :func:`choose_size` for every row. ``draft_factor``: a drafting step's time over the curve's,
-    relative to a plain step's (:class:`StepCostFeedback`).
+    is :func:`choose_size` for every row.
     """
     B = len(probs)
     best, best_score = [0] * B, B / cost.step(B, 1)
@@ -201,7 +168,7 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int, d
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
         gain = B + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
         full = cost.step(B, width + 1) - cost.head_time(B * (width + 1))  # the padded decoder
-        score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * draft_factor)
+        score = gain / (full + cost.head_time(B + np.arange(len(vals) + 1)))
         k = int(np.argmax(score))
         if score[k] > best_score * (1 + 1e-12):
             best_score = score[k]

@@ -38,9 +38,6 @@ class SpecConfig:
     # with several samples per prompt, a sample also retrieves from its siblings' answers so far
     # (after its own context, before the reference corpus)
     sibling_drafts: bool = True
-    # the auto budget corrects the cost curve by what drafting steps measurably cost against plain
-    # ones (budget.StepCostFeedback)
-    cost_feedback: bool = True
     # Scale per-sequence capacity with the number of active sequences: capacity / active ** budget_decay.
     budget_decay: float = 1.0
     min_capacity: int = 2

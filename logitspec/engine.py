@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import calibrate
-from .budget import AcceptanceStats, CostCurve, StepCostFeedback, choose_sizes, top_nodes
+from .budget import AcceptanceStats, CostCurve, choose_sizes, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
 from .device import to_device
@@ -130,8 +130,6 @@ class Engine:
         # a host-timed value -> the value every rank of a tensor-parallel group uses (rank 0's, see
         # distributed.make_engine); decisions taken from timings must not differ between ranks
         self.agree_on = float
-        self.step_costs = StepCostFeedback()  # measured step times against the cost curve's
-        self._draft_factor = 1.0  # step_costs.factor as the ranks agreed on it
         self._drafted = True  # whether the current step drafted
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
@@ -279,23 +277,12 @@ class Engine:
         clock.lap("commit_s")
         if self._drafted:
             self._draft_share = self.agree_on(self._host_share(clock))
-        self._feed_back(len(active), max(len(t) for t in trees), clock)
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
             s.guesses = g
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
             if len(p) > 1:
                 s.stats.count_origins([_origin_name(s, tree, n) for n in p[1:emitted + 1]])  # the emitted drafts
-
-    def _feed_back(self, rows: int, width: int, clock: _StepClock) -> None:
-        """Tell the step-cost feedback what this step cost (packing, forward, verifying: what grows
-        with the tree) against the curve's forward time for ``rows`` x ``width``."""
-        if not (self.auto_budget and self.config.cost_feedback and self.cost_curve is not None):
-            return
-        t = clock.times
-        self.step_costs.update(width > 1, t.get("pack_s", 0.0) + t["forward_s"] + t["verify_s"],
-                               self.cost_curve.step(rows, width))
-        self._draft_factor = self.agree_on(self.step_costs.factor)
 
     @staticmethod
     def _host_share(clock: _StepClock) -> float:
@@ -373,7 +360,7 @@ class Engine:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
         probs = [self.acceptance.node_probs(t, st) for t, st in zip(trees, states)]
         most = max(len(t) - 1 for t in trees)
-        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most, self._draft_factor)
+        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover

@@ -12,6 +12,7 @@ from logitspec.bench import report as br
 from logitspec.bench.methods import _accept_lengths, split_top
 from logitspec.bench.questions import TASKS, first_turns
 from logitspec.bench.samples import Decoding
+from logitspec.config import SpecConfig
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -414,6 +415,10 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
                              decoding=Decoding(temperature=0.8, num_samples=2))
     assert len(seen[-1]) == len(prompts) and counts[-1] == 2  # a prompt's samples share its prefill (n=2)
     assert sampled["pld@2"]["same_as_ar"] is True and len(sampled["pld@2"]["token_ids"]) == 2 * len(prompts)
+    variant = "logitspec@capacity=4"  # a SpecConfig variant, named as in bench
+    table = throughput.run(_tiny_model(), None, prompts, ["ar", variant], [2], max_new_tokens=6, rounds=1,
+                           configs={variant: SpecConfig(method="logitspec", capacity=4)})
+    assert table[f"{variant}@2"]["method"] == variant and table[f"{variant}@2"]["same_as_ar"] is True
 
 
 def test_calibrate_cli_stores_prints_and_plots_the_curve(tmp_path, one_thread, monkeypatch, capsys):

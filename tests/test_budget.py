@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from logitspec.budget import AcceptanceStats, CostCurve, StepCostFeedback, choose_size, choose_sizes, top_nodes
+from logitspec.budget import AcceptanceStats, CostCurve, choose_size, choose_sizes, top_nodes
 from logitspec.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
@@ -111,32 +111,6 @@ def test_choose_sizes_falls_back_to_plain_decoding_when_nothing_pays():
     probs = [np.array([0.9, 0.8, 0.7])] + [np.array([0.3, 0.1, 0.05])] * 7
     assert choose_sizes(probs, c, 3) == [0] * 8  # a width of 2 doubles the decoder for all 8 rows
     assert CostCurve(**c.to_dict()).head_time(32) == c.head_time(32) == pytest.approx(0.32)
-
-
-def test_step_cost_feedback_compares_drafting_with_plain_steps():
-    fb = StepCostFeedback(alpha=0.5, warmup=2)
-    for _ in range(3):
-        fb.update(False, 0.2, 0.1)  # plain steps: twice the curve (a load, say)
-    fb.update(True, 0.6, 0.1)
-    assert fb.factor == 1.0  # one drafting step is not enough yet
-    fb.update(True, 0.6, 0.1)
-    assert fb.factor == pytest.approx(3.0)  # drafting 6x the curve against plain's 2x
-    fb.update(True, 100.0, 0.1)  # an odd step moves the average by alpha of itself at most
-    assert fb.ratio[True] == pytest.approx(6.0 * 1.5)
-    fb.update(False, 1.0, 0.0)  # no prediction: ignored
-    assert fb.seen == {False: 3, True: 3}
-    slow = StepCostFeedback(warmup=1)
-    slow.update(False, 0.1, 0.1), slow.update(True, 1.0, 0.1)
-    assert slow.factor == slow.high  # clipped
-
-
-def test_a_dear_drafting_step_makes_the_budget_fall_back_to_plain_decoding():
-    """The factor scales every drafting option alike: the same nodes while drafting still pays
-    (expected 3.6 tokens for 1.3x a plain step here), none once it does not."""
-    c = CostCurve([1, 2, 4, 8], [0.10, 0.11, 0.12, 0.14])
-    probs = [np.array([0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05])]
-    sizes = [choose_sizes(probs, c, 7, draft_factor=f)[0] for f in (1.0, 2.5, 3.0)]
-    assert sizes[0] == sizes[1] > 0 and sizes[2] == 0, sizes
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -38,9 +38,9 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
     ``num_samples`` per prompt."""
     from ..engine import Engine
 
-    configs = configs or {}
-    engines = {(m, b): Engine(model, tokenizer, configs.get(m, SpecConfig(method=m)).with_(max_batch_size=b))
-               for m in methods for b in batch_sizes}
+    given = configs or {}
+    configs = {m: given[m] if m in given else SpecConfig(method=m) for m in methods}  # a variant's is given
+    engines = {(m, b): Engine(model, tokenizer, configs[m].with_(max_batch_size=b)) for m in methods for b in batch_sizes}
     # warm-up (and the auto budget's first calibration) on a prompt that is not measured
     warm = warmup_question(tokenizer, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     for e in engines.values():
@@ -83,7 +83,7 @@ def add_throughput_command(sub) -> None:
     p = sub.add_parser("throughput", help="tokens/s of methods at several batch sizes, side by side")
     p.add_argument("--model", default="default")
     p.add_argument("--methods", default="ar,logitspec",
-                   help="engine methods and variants (logitspec@cost_feedback=False); ar is always run")
+                   help="engine methods and variants (logitspec@capacity=8); ar is always run")
     p.add_argument("--batch-sizes", default="1,4,8")
     p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
     p.add_argument("--per-task", type=int, default=2)
