@@ -37,6 +37,13 @@ class GrowingLayer(DynamicLayer):
         self._v[:, :, :self.n] = values
         self._views()
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
+        """Take ``keys``/``values`` [rows, heads, capacity, dim] as the buffers (no copy); the
+        first ``n`` columns are the cached ones."""
+        self.is_initialized = True
+        self._k, self._v, self.n = keys, values, n
+        self._views()
+
     def _views(self) -> None:
         self.keys, self.values = self._k[:, :, :self.n], self._v[:, :, :self.n]
 
@@ -46,8 +53,8 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
-        if self.n + T > self._k.shape[2]:  # grow by half, at least 64 columns: amortised O(T) per step
-            self.set(self.keys, self.values, room=T + max(64, self.n // 2))
+        if self.n + T > self._k.shape[2]:  # grow by an eighth, at least 64 columns: amortised O(T) per
+            self.set(self.keys, self.values, room=T + max(64, self.n // 8))  # step, little spare at 32k
         self._k[:, :, self.n:self.n + T] = key_states
         self._v[:, :, self.n:self.n + T] = value_states
         self.n += T
@@ -181,24 +188,34 @@ class BatchKV:
             if not runs or runs[-1][0] is not src:
                 runs.append((src, []))
             runs[-1][1].extend([r] * copies)
-        gathered = []  # per run: its layers' (keys, values) [rows, heads, width, dim]
-        for src, rows in runs:
-            idx = to_device(np.asarray(rows, dtype=np.int64), src._device())
-            gathered.append([tuple(_pad_columns(t.index_select(0, idx)[:, :, :width], width) for t in (x.keys, x.values))
-                             for x in src._layers()])
-        if len({len(g) for g in gathered}) != 1:
+        src_layers = [(list(src._layers()), rows) for src, rows in runs]
+        if len({len(x) for x, _ in src_layers}) != 1:
             raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
         held = list(self._layers()) if self.rows else []  # this cache's layers, none while it is empty
-        layers = []
-        for i in range(len(gathered[0])):  # per layer: the held rows (padded), then the gathered ones
-            blocks = [(_pad_columns(held[i].keys, width), _pad_columns(held[i].values, width))] if held else []
-            blocks += [g[i] for g in gathered]
-            layers.append((torch.cat([k for k, _ in blocks]), torch.cat([v for _, v in blocks])))
-        if held:
-            for layer, (k, v) in zip(held, layers):
-                layer.set(k, v, room=64)
-        else:
-            self.hf = _cache_of(layers)
+        total = self.rows + len(added)
+        for i in range(len(src_layers[0][0])):  # per layer: one new buffer, the held rows then the added
+            ref = src_layers[0][0][i].keys
+            bufs = [ref.new_empty(total, ref.shape[1], width + 64, ref.shape[3]) for _ in range(2)]  # K, V
+            blocks = [(held[i].keys, held[i].values)] if held else []
+            for layers, rows in src_layers:
+                idx = to_device(np.asarray(rows, dtype=np.int64), ref.device)
+                blocks.append(tuple(t.index_select(0, idx)[:, :, :width] for t in (layers[i].keys, layers[i].values)))
+            r = 0
+            for block in blocks:  # [rows, heads, cols <= width, dim]; holes up to ``width`` are zeroed
+                n, cols = block[0].shape[0], block[0].shape[2]
+                for buf, t in zip(bufs, block):
+                    buf[r:r + n, :, :cols] = t
+                    buf[r:r + n, :, cols:width] = 0
+                r += n
+            if held:
+                held[i].adopt(*bufs, width)
+            else:
+                if i == 0:
+                    self.hf = new_cache()
+                layer = GrowingLayer()
+                layer.lazy_initialization(bufs[0][:, :, :0], bufs[1][:, :, :0])
+                layer.adopt(*bufs, width)
+                self.hf.layers.append(layer)
         self.lengths += added
 
     def row_prefix(self, row: int, n: int) -> "BatchKV":
@@ -230,11 +247,3 @@ def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -
         layer.set(k, v, room=room)
         hf.layers.append(layer)
     return hf
-
-
-def _pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    """Zero-pad [rows, heads, columns, dim] along columns to ``width``."""
-    if t.shape[2] >= width:
-        return t
-    pad = t.new_zeros(t.shape[0], t.shape[1], width - t.shape[2], t.shape[3])
-    return torch.cat([t, pad], dim=2)
