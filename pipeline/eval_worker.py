@@ -32,6 +32,7 @@ def sweep_schema() -> pa.Schema:
         ("prefill_s", pa.float64()), ("row_wall_s", pa.float64()), ("run_share_s", pa.float64()),
         ("run_rows", pa.int32()), ("peak_rss_bytes", pa.int64()), ("truncated", pa.bool_()),
         ("error", pa.string()),
+        ("max_step_gap_s", pa.float64()),  # the longest time between two of the row's forwards
     ])
 
 
@@ -51,7 +52,7 @@ def _ok_row(row: dict, config: SweepConfig, res, share_s: float, n_run: int, pea
             "n_prompt_tokens": len(res.prompt_token_ids), "n_new_tokens": len(res.token_ids),
             "steps": s["steps"], "mean_accepted": s["mean_accepted"], "prefill_s": s["prefill_s"],
             "row_wall_s": s["wall_s"], "run_share_s": share_s, "run_rows": n_run, "peak_rss_bytes": peak,
-            "truncated": row.get("truncated"), "error": None}
+            "truncated": row.get("truncated"), "error": None, "max_step_gap_s": s["max_step_gap_s"]}
 
 
 class SweepGenerator:

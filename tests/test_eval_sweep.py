@@ -66,6 +66,9 @@ def test_report_scores_speeds_and_flags_a_lossless_mismatch():
     assert ls["e2e_speedup_same_prefill"] == pytest.approx(4 / 3)  # ar's 2 s of prefill + logitspec's 1 s decode
     assert ls["decode_step_s"] == pytest.approx(1.0 / 3)
     assert ar["prefill_tokens_per_s"] == pytest.approx(100.0)
+    assert ar["max_step_gap_s"] is None  # rows written before the column existed
+    rows[2]["max_step_gap_s"], rows[3]["max_step_gap_s"] = 0.25, 0.5
+    assert build_report(rows, data, configs)["datasets"]["hotpotqa"]["logitspec"]["max_step_gap_s"] == 0.5
     assert ls["identical"] and report["lossless"]["all_identical"] and report["lossless"]["all_scores_equal"]
     rows[3] = _row("hotpotqa", 1, "logitspec", "red", [6, 7, 11], 2, 1.0, 0.5)
     report = build_report(rows, data, configs)
@@ -140,7 +143,7 @@ def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, 
                            e["_id"]) for e in examples]
             assert cell["score"] == score_examples(exs, [r["generation"] for r in mine])  # the dataset's metric
             assert cell["rows"] == 3 and cell["errors"] == 0 and cell["tokens_per_s"] > 0
-            assert cell["peak_rss_bytes"] > 0 and cell["mat"] >= 1
+            assert cell["peak_rss_bytes"] > 0 and cell["mat"] >= 1 and cell["max_step_gap_s"] > 0
         # one shared prefix cache: ar (the first configuration) prefilled the rows, logitspec reused them
         assert cells["ar"]["prefill_tokens_per_s"] > 0
         assert cells[ls]["prefill_s"] < 0.5 * cells["ar"]["prefill_s"]

@@ -3,7 +3,7 @@ the configuration's ``ar`` baseline, peak memory, and whether lossless methods g
 
 Input rows are the sweep's output rows (dicts with ``key``, ``dataset``, ``config``, ``generation``,
 ``token_ids``, ``n_prompt_tokens``, ``n_new_tokens``, ``steps``, ``prefill_s``, ``run_share_s``,
-``peak_rss_bytes``, ``error``); no engine or Ray here. Times: ``run_share_s`` is a row's share of the
+``peak_rss_bytes``, ``error``, optionally ``max_step_gap_s``); no engine or Ray here. Times: ``run_share_s`` is a row's share of the
 wall time of the ``Engine.run`` it was generated in, so their sum is the configuration's end-to-end time;
 ``prefill_s`` sums the prefills; decode time is the difference.
 """
@@ -36,6 +36,7 @@ def _figures(rows: list[dict], examples: Sequence[Example]) -> dict:
     decode_s = e2e_s - prefill_s
     decode_steps = sum(r["steps"] - 1 for r in ok)
     peaks = [r["peak_rss_bytes"] for r in ok if r["peak_rss_bytes"] is not None]
+    gaps = [r["max_step_gap_s"] for r in ok if r.get("max_step_gap_s") is not None]  # absent in old rows
     return {
         "rows": len(rows), "errors": len(rows) - len(ok),
         "score": score_examples(scored, preds) if scored else None,
@@ -48,6 +49,7 @@ def _figures(rows: list[dict], examples: Sequence[Example]) -> dict:
         "mat": _ratio(tokens - len(ok), decode_steps),
         "decode_step_s": _ratio(decode_s, decode_steps),
         "peak_rss_bytes": max(peaks) if peaks else None,
+        "max_step_gap_s": max(gaps) if gaps else None,
     }
 
 
@@ -116,8 +118,8 @@ def _fmt(v, digits=2, scale=1.0, suffix=""):
 def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
     """The report as markdown: one table per dataset and one overall, then the lossless check."""
     head = ("| configuration | score | rows (errors) | tok/s | decode tok/s | prefill tok/s | prefill share "
-            "| MAT | decode step ms | decode x | end-to-end x | (same prefill) | peak RSS GiB | identical to ar |\n"
-            + "|---" * 14 + "|\n")
+            "| MAT | decode step ms | longest step gap s | decode x | end-to-end x | (same prefill) | peak RSS GiB "
+            "| identical to ar |\n" + "|---" * 15 + "|\n")
 
     def table(cells: dict) -> str:
         lines = []
@@ -126,7 +128,7 @@ def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
             lines.append(f"| {name} | {_fmt(c['score'])} | {c['rows']} ({c['errors']}) | "
                          f"{_fmt(c['tokens_per_s'], 1)} | {_fmt(c['decode_tokens_per_s'], 1)} | "
                          f"{_fmt(c['prefill_tokens_per_s'], 0)} | {_fmt(c['prefill_share'], 0, 100, '%')} | "
-                         f"{_fmt(c['mat'])} | {_fmt(c['decode_step_s'], 0, 1000)} | "
+                         f"{_fmt(c['mat'])} | {_fmt(c['decode_step_s'], 0, 1000)} | {_fmt(c.get('max_step_gap_s'), 1)} | "
                          f"{_fmt(c.get('decode_speedup'), 2, 1, 'x')} | {_fmt(c.get('e2e_speedup'), 2, 1, 'x')} | "
                          f"{_fmt(c.get('e2e_speedup_same_prefill'), 2, 1, 'x')} | "
                          f"{_fmt(c['peak_rss_bytes'], 2, 2**-30)} | "
