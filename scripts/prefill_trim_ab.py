@@ -1,10 +1,11 @@
 """Prefill one long prompt with sliding-window layers attending over their window only (the
 engine's default) and over the whole cache, side by side in one process.
 
-    .venv/bin/python scripts/prefill_trim_ab.py out/longbench_8k/lcc.jsonl --tokens 8000
+    .venv/bin/python scripts/prefill_trim_ab.py out/longbench_8k/lcc.jsonl --tokens 8000 [--vllm]
 
 The first row's ``context`` of a LongBench-format file is the prompt; both ways must give the same
-next token (printed).
+next token (printed). ``--vllm`` then prefills the same token ids with vLLM's CPU backend (float32,
+its own environment, docs/performance.md): one new token, so its time is the prefill's.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (the engine's default)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--vllm", action="store_true", help="also time vLLM's CPU backend on the same ids")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
@@ -44,6 +46,18 @@ def main() -> None:
             dt = time.perf_counter() - t0
             print(f"repeat {rep} {'window only' if trim else 'whole cache'}: {len(ids)} tokens in {dt:.1f} s = "
                   f"{len(ids) / dt:.0f} tokens/s; next token {int(last.argmax[0])}", flush=True)
+    if args.vllm:
+        from logitspec.bench import vllm_baseline
+
+        python, why = vllm_baseline.find_python(None)
+        if python is None:
+            raise SystemExit(why)
+        res = vllm_baseline.run_method(python, model.config._name_or_path, "plain", {1: [ids]}, 1, args.repeats,
+                                       ids[:64], threads=args.threads, max_model_len=len(ids) + 64)
+        for tps in res["batches"][1]["rounds"]:  # one new token per round: tokens/s x prompt = prefill rate
+            print(f"vLLM plain: {len(ids)} tokens prefilled at {tps * len(ids):.0f} tokens/s "
+                  f"(start-up {res['engine_init_s']:.0f} s); next token {res['batches'][1]['token_ids'][0][0]}",
+                  flush=True)
 
 
 if __name__ == "__main__":

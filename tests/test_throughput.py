@@ -112,3 +112,18 @@ def test_a_failing_vllm_run_is_reported_and_skipped(tmp_path, capsys):
                                  threads=1, log=lambda _: None)
     err = capsys.readouterr().err
     assert rows == {} and "vLLM plain skipped: vLLM runner (plain) failed" in err and "vllm" in err.lower()
+
+
+def test_run_method_passes_the_context_length_and_reads_the_result(tmp_path):
+    """A stand-in python that records the runner's request and answers like the runner."""
+    seen = tmp_path / "request.json"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ncp \"$2\" {seen}\n"
+                    "echo '{\"method\": \"plain\", \"engine_init_s\": 1.5, \"runs\": [{\"batch_size\": 1, "
+                    "\"round\": 0, \"tokens\": 1, \"wall_s\": 0.5, \"token_ids\": [[7]]}]}' > \"$3\"\n")
+    fake.chmod(0o755)
+    res = vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1], max_model_len=4096)
+    assert json.loads(seen.read_text())["max_model_len"] == 4096
+    assert res["batches"][1]["tokens_per_s"] == 2.0 and res["batches"][1]["token_ids"] == [[7]]
+    vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1])
+    assert "max_model_len" not in json.loads(seen.read_text())  # the runner's default

@@ -69,15 +69,17 @@ def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
 
 def run_method(python: pathlib.Path, model_dir, method: str, prompts: dict[int, list[list[int]]],
                max_new_tokens: int, rounds: int, warmup: list[int], threads: int = 2,
-               timeout: float = 1800) -> dict:
+               timeout: float = 1800, max_model_len: int | None = None) -> dict:
     """Run one vLLM method on token-id ``prompts`` (batch size -> its prompts) in a child process;
-    its result as :func:`read_result` gives it. RuntimeError with the child's last output if it fails."""
+    its result as :func:`read_result` gives it. RuntimeError with the child's last output if it fails.
+    ``max_model_len``: vLLM's context (the runner's default is 2,048 tokens)."""
     python = pathlib.Path(python)
     with tempfile.TemporaryDirectory(prefix="logitspec-vllm-") as tmp:
         req, out = pathlib.Path(tmp, "request.json"), pathlib.Path(tmp, "result.json")
         req.write_text(json.dumps({"model": str(model_dir), "method": method, "dtype": "float32",
                                    "prompts": {str(b): p for b, p in prompts.items()},
-                                   "max_new_tokens": max_new_tokens, "rounds": rounds, "warmup": warmup}))
+                                   "max_new_tokens": max_new_tokens, "rounds": rounds, "warmup": warmup,
+                                   **({"max_model_len": max_model_len} if max_model_len else {})}))
         proc = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=runner_env(python, threads),
                               capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if proc.returncode != 0 or not out.exists():
