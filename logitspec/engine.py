@@ -27,6 +27,8 @@ from .masks import StepRow
 from .prefix_cache import PrefixCache
 from .session import Session
 from .stats import SequenceStats
+from .step_clock import StepClock
+from .stops import eos_ids, stop_cut
 from .target import ForwardResult, TargetForward
 from .tree import GUESS, DraftTree
 from .sampling import draw, walk
@@ -118,7 +120,7 @@ class Engine:
         if prefix_cache is not None:
             prefix_cache.bind(model)
         self.max_context = self.target.max_context
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
         # State that persists across generate() calls (the engine learns as a long-running job would):
         # acceptance rates per node kind, the draft-free step count, the cost curve.
         # Retrieved continuations start optimistic (offline replays accepted most of them); logit
@@ -264,7 +266,7 @@ class Engine:
 
     def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
         """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
-        clock = _StepClock()
+        clock = StepClock()
         trees = self._draft(active)
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         clock.lap("draft_s")
@@ -285,7 +287,7 @@ class Engine:
                 s.stats.count_origins([_origin_name(s, tree, n) for n in p[1:emitted + 1]])  # the emitted drafts
 
     @staticmethod
-    def _host_share(clock: _StepClock) -> float:
+    def _host_share(clock: StepClock) -> float:
         """Speculation's share of a drafting step's time: drafting, and verifying (acceptance, the
         guesses' top-k)."""
         return (clock.times["draft_s"] + clock.times["verify_s"]) / max(sum(clock.times.values()), 1e-9)
@@ -383,7 +385,7 @@ class Engine:
                 break
         if stops:
             before = len(seq.out)
-            cut = _stop_cut(self.tokenizer, seq.out + kept, before, stops)
+            cut = stop_cut(self.tokenizer, seq.out + kept, before, stops)
             if cut is not None:
                 kept = kept[: cut - before]
                 seq.finish = "stop"
@@ -407,33 +409,6 @@ class Engine:
                                 seq.key[0], seq.key[1])
 
 
-class _StepClock:
-    """Times the parts of one step; ``times`` holds seconds per part (``pack_s`` reported apart from
-    ``forward_s``)."""
-
-    def __init__(self) -> None:
-        self.t = time.perf_counter()
-        self.times: dict[str, float] = {}
-
-    def lap(self, part: str, pack_s: float = 0.0) -> None:
-        now = time.perf_counter()
-        self.times[part] = now - self.t - pack_s
-        if pack_s:
-            self.times["pack_s"] = pack_s
-        self.t = now
-
-
-def _stop_cut(tokenizer, out: list[int], before: int, stops: list[str]) -> int | None:
-    """Smallest token count > ``before`` whose text contains a stop string, or None."""
-    if not any(s in tokenizer.decode(out, skip_special_tokens=True) for s in stops):
-        return None
-    for n in range(before + 1, len(out) + 1):
-        text = tokenizer.decode(out[:n], skip_special_tokens=True)
-        if any(s in text for s in stops):
-            return n
-    return len(out)
-
-
 def _uniforms(active: list[_Sequence], trees: list[DraftTree], device) -> tuple[torch.Tensor, list[list]]:
     """Per node of every row (rows in order), the uniform its depth draws from the sequence's
     generator ([N] float64 on ``device``), and per row the generator's state after each draw."""
@@ -447,14 +422,3 @@ def _uniforms(active: list[_Sequence], trees: list[DraftTree], device) -> tuple[
         u.append(np.asarray(draws)[depths])
         states.append(st)
     return to_device(np.concatenate(u), torch.device(device)), states
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    gc = getattr(model, "generation_config", None)
-    for src in (getattr(gc, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(int(t) for t in src)
-    return ids

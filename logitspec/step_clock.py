@@ -1,0 +1,20 @@
+"""Timing the parts of one decoding step (drafting, packing, forward, verifying, committing)."""
+from __future__ import annotations
+
+import time
+
+
+class StepClock:
+    """Times the parts of one step; ``times`` holds seconds per part (``pack_s`` reported apart from
+    ``forward_s``)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self.times: dict[str, float] = {}
+
+    def lap(self, part: str, pack_s: float = 0.0) -> None:
+        now = time.perf_counter()
+        self.times[part] = now - self.t - pack_s
+        if pack_s:
+            self.times["pack_s"] = pack_s
+        self.t = now
