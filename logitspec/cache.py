@@ -174,8 +174,8 @@ class BatchKV:
 
     def add_rows(self, sources: list[tuple["BatchKV", int, int]]) -> None:
         """Append, in order, ``copies`` copies of row ``row`` of ``cache`` for each
-        ``(cache, row, copies)`` in ``sources`` (the sources are copied, not changed): one
-        concatenation per layer however many rows are added."""
+        ``(cache, row, copies)`` in ``sources`` (the sources are copied, not changed): one new
+        buffer per layer however many rows are added."""
         added = [n for src, r, copies in sources for n in [src.lengths[r]] * copies]
         if not any(src.columns for src, _, _ in sources):  # rows with no columns yet (nothing prefilled)
             if self.rows == 0:
@@ -192,30 +192,18 @@ class BatchKV:
         if len({len(x) for x, _ in src_layers}) != 1:
             raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
         held = list(self._layers()) if self.rows else []  # this cache's layers, none while it is empty
-        total = self.rows + len(added)
+        idx = [to_device(np.asarray(rows, dtype=np.int64), layers[0].keys.device) for layers, rows in src_layers]
+        stacked = []  # the new buffers, while this cache is empty
         for i in range(len(src_layers[0][0])):  # per layer: one new buffer, the held rows then the added
-            ref = src_layers[0][0][i].keys
-            bufs = [ref.new_empty(total, ref.shape[1], width + 64, ref.shape[3]) for _ in range(2)]  # K, V
             blocks = [(held[i].keys, held[i].values)] if held else []
-            for layers, rows in src_layers:
-                idx = to_device(np.asarray(rows, dtype=np.int64), ref.device)
-                blocks.append(tuple(t.index_select(0, idx)[:, :, :width] for t in (layers[i].keys, layers[i].values)))
-            r = 0
-            for block in blocks:  # [rows, heads, cols <= width, dim]; holes up to ``width`` are zeroed
-                n, cols = block[0].shape[0], block[0].shape[2]
-                for buf, t in zip(bufs, block):
-                    buf[r:r + n, :, :cols] = t
-                    buf[r:r + n, :, cols:width] = 0
-                r += n
+            blocks += [tuple(t.index_select(0, ix)[:, :, :width] for t in (layers[i].keys, layers[i].values))
+                       for (layers, _), ix in zip(src_layers, idx)]
             if held:
-                held[i].adopt(*bufs, width)
+                held[i].adopt(*_stack_rows(blocks, width), width)  # this layer's old buffers go now
             else:
-                if i == 0:
-                    self.hf = new_cache()
-                layer = GrowingLayer()
-                layer.lazy_initialization(bufs[0][:, :, :0], bufs[1][:, :, :0])
-                layer.adopt(*bufs, width)
-                self.hf.layers.append(layer)
+                stacked.append(_stack_rows(blocks, width))
+        if not held:
+            self.hf = _cache_holding(stacked, width)
         self.lengths += added
 
     def row_prefix(self, row: int, n: int) -> "BatchKV":
@@ -240,10 +228,35 @@ class BatchKV:
 
 def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -> Cache:
     """A cache whose layer i holds copies of ``layers[i]`` (keys, values) [rows, heads, cols, dim]."""
+    n = layers[0][0].shape[2] if layers else 0
+    return _cache_holding([_stack_rows([kv], n, room) for kv in layers], n)
+
+
+def _cache_holding(buffers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> Cache:
+    """A cache whose layer i adopts ``buffers[i]`` (keys, values) [rows, heads, capacity, dim], the
+    first ``n`` columns cached."""
     hf = new_cache()
-    for k, v in layers:
+    for k, v in buffers:
         layer = GrowingLayer()
-        layer.lazy_initialization(k, v)
-        layer.set(k, v, room=room)
+        layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+        layer.adopt(k, v, n)
         hf.layers.append(layer)
     return hf
+
+
+def _stack_rows(blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int,
+                room: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """New key and value buffers [rows of all blocks, heads, width + room, dim] holding ``blocks``
+    ((keys, values) [rows, heads, cols <= width, dim]) one after another; a block's columns past its
+    own up to ``width`` are zeroed (holes: masked, but they must be finite)."""
+    ref = blocks[0][0]
+    bufs = tuple(ref.new_empty(sum(k.shape[0] for k, _ in blocks), ref.shape[1], width + room, ref.shape[3])
+                 for _ in range(2))
+    r = 0
+    for block in blocks:
+        n, cols = block[0].shape[0], block[0].shape[2]
+        for buf, t in zip(bufs, block):
+            buf[r:r + n, :, :cols] = t
+            buf[r:r + n, :, cols:width] = 0
+        r += n
+    return bufs

@@ -8,9 +8,10 @@ first, and keeps at most ``max_tokens`` tokens: the oldest answers are dropped b
 from __future__ import annotations
 
 from collections import deque
+from itertools import islice
 from typing import Sequence
 
-from .index import SequenceIndex
+from .index import SequenceIndex, lookup_each
 
 
 class HistorySource:
@@ -39,13 +40,4 @@ class HistorySource:
 
     def lookup(self, key: Sequence[int], max_tokens: int, max_results: int = 1) -> list[list[int]]:
         """Continuations of ``key`` in the newest answers first (distinct first tokens)."""
-        out: list[list[int]] = []
-        firsts: set[int] = set()
-        for i, index in enumerate(reversed(self.answers)):
-            if i >= self.max_answers or len(out) >= max_results:
-                break
-            for cont in index.lookup(key, max_tokens, max_results):
-                if cont[0] not in firsts and len(out) < max_results:
-                    firsts.add(cont[0])
-                    out.append(cont)
-        return out
+        return lookup_each(islice(reversed(self.answers), self.max_answers), key, max_tokens, max_results)

@@ -6,7 +6,7 @@ never changes. Both answer ``lookup(key, max_tokens, max_results)``.
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -148,18 +148,23 @@ class SiblingSource:
 
     def lookup(self, key: Sequence[int], max_tokens: int, max_results: int = 1) -> list[list[int]]:
         """Up to ``max_results`` continuations with distinct first tokens, siblings in start order."""
-        out: list[list[int]] = []
-        firsts: set[int] = set()
-        for idx in self.group:
-            if idx is self.own:
-                continue
-            for cont in idx.lookup(key, max_tokens, max_results):
-                if cont[0] not in firsts:
-                    firsts.add(cont[0])
-                    out.append(cont)
-                    if len(out) >= max_results:
-                        return out
-        return out
+        return lookup_each((idx for idx in self.group if idx is not self.own), key, max_tokens, max_results)
+
+
+def lookup_each(sources: Iterable[NgramSource], key: Sequence[int], max_tokens: int,
+                max_results: int = 1) -> list[list[int]]:
+    """Up to ``max_results`` continuations of ``key`` with distinct first tokens, from ``sources``
+    in order (each asked only while results are missing)."""
+    out: list[list[int]] = []
+    firsts: set[int] = set()
+    for src in sources:
+        for cont in src.lookup(key, max_tokens, max_results):
+            if cont[0] not in firsts:
+                firsts.add(cont[0])
+                out.append(cont)
+                if len(out) >= max_results:
+                    return out
+    return out
 
 
 def retrieve(sources: Sequence[NgramSource], context: Sequence[int], max_tokens: int,

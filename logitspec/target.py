@@ -45,12 +45,12 @@ class TargetForward:
         self.model = model
         self.head = Head(model, fast=fast_head)
         self.windows = layer_windows(model.config)
-        kinds = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-        # sliding-window layers attend over their window only (pack's trim), given each layer's kind
-        self.layer_kinds = list(kinds) if kinds and any(w is not None for w in self.windows.values()) else None
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         cfg = model.config.get_text_config(decoder=True)
+        kinds = getattr(cfg, "layer_types", None)
+        # sliding-window layers attend over their window only (pack's trim), given each layer's kind
+        self.layer_kinds = list(kinds) if kinds and any(w is not None for w in self.windows.values()) else None
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
 
@@ -75,7 +75,8 @@ class TargetForward:
         if self.layer_kinds is not None:
             kv.attend_from([packed.starts[k] for k in self.layer_kinds])
         try:
-            nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact, argmax=argmax)  # [N, V]
+            nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact,
+                              argmax=argmax)  # [N, V]
         finally:
             if self.layer_kinds is not None:
                 kv.attend_from(None)

@@ -45,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--num-samples", type=int, default=1, help="samples per row (one prefill shared by them)")
-    p.add_argument("--no-stream", action="store_true", help="the job's per-task replicas (jobs/generate.py --no-stream)")
+    p.add_argument("--no-stream", action="store_true",
+                   help="the job's per-task replicas (jobs/generate.py --no-stream)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)

@@ -109,7 +109,7 @@ class ActorReplica:
 
     def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":
         """``history``: other replicas' answers for this one's history (``--share-history``)."""
-        return self.actor.generate.remote(rows) if history is None else self.actor.generate.remote(rows, history)
+        return self.actor.generate.remote(rows, history)
 
     def info(self) -> "ray.ObjectRef":
         return self.actor.info.remote()

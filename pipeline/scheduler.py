@@ -188,8 +188,7 @@ class Scheduler:
                         self.queue[0].alone or any(b.alone for _, b in slot.inflight)):
                     break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
-                ref = (slot.replica.submit(batch.rows) if self.history is None
-                       else slot.replica.submit(batch.rows, self.history.for_replica(name)))
+                ref = slot.replica.submit(batch.rows, self.history.for_replica(name) if self.history else None)
                 slot.inflight.append((ref, batch))
                 self.task_refs[ref] = name
                 if self.stats.first_dispatch is None:

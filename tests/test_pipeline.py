@@ -1101,7 +1101,7 @@ def test_deaths_on_a_concurrent_replica_count_for_every_batch_and_suspects_run_a
         def ready(self):
             return (self.name, "ready")
 
-        def submit(self, rows):
+        def submit(self, rows, history=None):
             return (self.name, next(self.refs))
 
         def kill(self):

@@ -40,7 +40,8 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
 
     given = configs or {}
     configs = {m: given[m] if m in given else SpecConfig(method=m) for m in methods}  # a variant's is given
-    engines = {(m, b): Engine(model, tokenizer, configs[m].with_(max_batch_size=b)) for m in methods for b in batch_sizes}
+    engines = {(m, b): Engine(model, tokenizer, configs[m].with_(max_batch_size=b))
+               for m in methods for b in batch_sizes}
     # warm-up (and the auto budget's first calibration) on a prompt that is not measured
     warm = warmup_question(tokenizer, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     for e in engines.values():

@@ -3,9 +3,10 @@ the configuration's ``ar`` baseline, peak memory, and whether lossless methods g
 
 Input rows are the sweep's output rows (dicts with ``key``, ``dataset``, ``config``, ``generation``,
 ``token_ids``, ``n_prompt_tokens``, ``n_new_tokens``, ``steps``, ``prefill_s``, ``run_share_s``,
-``peak_rss_bytes``, ``error``, optionally ``max_step_gap_s``); no engine or Ray here. Times: ``run_share_s`` is a row's share of the
-wall time of the ``Engine.run`` it was generated in, so their sum is the configuration's end-to-end time;
-``prefill_s`` sums the prefills; decode time is the difference.
+``peak_rss_bytes``, ``error``, optionally ``max_step_gap_s``); no engine or Ray here. Times:
+``run_share_s`` is a row's share of the wall time of the ``Engine.run`` it was generated in, so their
+sum is the configuration's end-to-end time; ``prefill_s`` sums the prefills; decode time is the
+difference.
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
             lines.append(f"| {name} | {_fmt(c['score'])} | {c['rows']} ({c['errors']}) | "
                          f"{_fmt(c['tokens_per_s'], 1)} | {_fmt(c['decode_tokens_per_s'], 1)} | "
                          f"{_fmt(c['prefill_tokens_per_s'], 0)} | {_fmt(c['prefill_share'], 0, 100, '%')} | "
-                         f"{_fmt(c['mat'])} | {_fmt(c['decode_step_s'], 0, 1000)} | {_fmt(c.get('max_step_gap_s'), 1)} | "
+                         f"{_fmt(c['mat'])} | {_fmt(c['decode_step_s'], 0, 1000)} | "
+                         f"{_fmt(c.get('max_step_gap_s'), 1)} | "
                          f"{_fmt(c.get('decode_speedup'), 2, 1, 'x')} | {_fmt(c.get('e2e_speedup'), 2, 1, 'x')} | "
                          f"{_fmt(c.get('e2e_speedup_same_prefill'), 2, 1, 'x')} | "
                          f"{_fmt(c['peak_rss_bytes'], 2, 2**-30)} | "
