@@ -5,12 +5,13 @@ On CPU the output projection (262k x 640 for Gemma 3: 671 MB of float32) costs a
 whole decoder at one token and grows with every verified node. Two things make it cheap:
 
 * logits only for real tree nodes (padding skipped; prefill: last position only);
-* for greedy decoding, an exact argmax screened at half precision (:class:`ScreenedArgmax`): one
-  pass over a float16 copy of the weight (fbgemm's fp16 GEMM for up to 4 nodes, our F16C skinny
-  kernel for more; float32 products and sums) gives
-  approximate logits with a proven error bound; only the tokens that can still be the float32
-  argmax (almost always one) are rescored in float32. The argmax is the float32 one; the
-  approximate logits serve ranking only (LogitSpec's next-next guesses).
+* for greedy decoding, an exact argmax screened by one fast pass (:class:`ScreenedArgmax`): over a
+  float16 copy of the weight (fbgemm's fp16 GEMM, or our F16C skinny kernel; float32 products and
+  sums) or a packed float32 copy (oneDNN, the fastest from about 24 nodes), whichever was timed the
+  fastest for the step's node count; it gives approximate logits with a proven error bound, and
+  only the tokens that can still be the float32 argmax (almost always one) are rescored in
+  float32. The argmax is the float32 one; the approximate logits serve ranking only (LogitSpec's
+  next-next guesses). One screen per output weight, shared by every engine on the model.
 
 Sampling on the host draws from the screen too (:mod:`logitspec.sampling`: float32 logits only
 where the bound cannot decide, only at the nodes a tree walk visits); with ``exact`` it gets the
@@ -22,11 +23,13 @@ output layer is sharded, e.g. DeepSpeed AutoTP).
 from __future__ import annotations
 
 import logging
+import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .kernels import skinny
+from .kernels import onednn, skinny
 
 log = logging.getLogger("logitspec.head")
 
@@ -63,50 +66,95 @@ class NodeLogits:
 
 
 class ScreenedArgmax:
-    """Exact float32 argmax of ``W @ x`` from one float16 pass plus a few float32 dot products.
+    """Exact float32 argmax of ``W @ x`` from one fast approximate pass plus a few float32 dot products.
 
-    With ``W16`` the float16 copy, ``|W16_v . x - W_v . x| <= ||W16_v - W_v|| ||x||``; add float32
-    rounding of both computations (``ROUNDING_SLACK * ||W_v|| ||x||``) and call the largest such
-    bound over the vocabulary ``B(x)``. Every token whose approximate logit is within ``2 B(x)`` of
-    the best approximate logit is a candidate; the float32 argmax is always among them.
+    A pass gives approximate logits with a proven bound. For the float16 passes, with ``W16`` the
+    float16 copy, ``|W16_v . x - W_v . x| <= ||W16_v - W_v|| ||x||``; add float32 rounding of both
+    computations (``ROUNDING_SLACK * ||W_v|| ||x||``; the oneDNN float32 pass errs by that alone)
+    and call the largest such bound over the vocabulary ``B(x)``. Every token whose approximate
+    logit is within ``2 B(x)`` of the best approximate logit is a candidate; the float32 argmax is
+    always among them.
     """
 
-    KINDS = ("both", "f16c", "fbgemm")
-    FBGEMM_MAX_ROWS = 4  # "both": fbgemm up to this many rows, the F16C kernel above
+    KINDS = ("auto", "f16c", "fbgemm", "onednn")
+    TRIALS = 2  # "auto": timed calls of each pass per row-count bucket before it settles on one
 
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
-        """``kind``: the float16 pass. "f16c": the skinny kernel (reads the float16 weight once for up
-        to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "both" (the default where both exist): fbgemm for
-        up to ``FBGEMM_MAX_ROWS`` rows, where it streams faster, the F16C kernel above (timings in
-        docs/performance.md, ``scripts/head_bench.py``), at the price of a second float16 copy of the
-        weight. ValueError for a pass this machine lacks."""
+        """``kind``: the approximate pass. "f16c": the skinny kernel over a float16 copy (reads it
+        once for up to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "onednn": oneDNN's float32 GEMM over a
+        packed copy (compute-bound past about 24 rows, where it is the fastest here); "auto" (the
+        default): fbgemm and oneDNN where both exist (else whichever of the three exist), the
+        faster per row count as timed on the first calls of each size (:meth:`approx_logits`).
+        ValueError for a pass this machine lacks."""
         w = weight.detach()  # [V, H] float32
         self.weight = w
-        w16 = w.half()  # [V, H]
-        fbgemm = has_fbgemm()
-        self.kind = kind or ("both" if skinny.available() and fbgemm else "f16c" if skinny.available() else "fbgemm")
+        have = [k for k, ok in (("fbgemm", has_fbgemm()), ("onednn", onednn.available()),
+                                ("f16c", skinny.available())) if ok]
+        self.kind = kind or "auto"
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
-        if (self.kind != "fbgemm" and not skinny.available()) or (self.kind != "f16c" and not fbgemm):
-            raise ValueError(f"screen {self.kind!r} is not available here (skinny kernel: {skinny.available()}, "
-                             f"fbgemm: {fbgemm})")
-        self.w16 = w16.contiguous() if self.kind in ("both", "f16c") else None
-        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None) if self.kind in ("both", "fbgemm") else None
-        err = (w - w16.float()).norm(dim=1).max().item()
+        if self.kind != "auto" and self.kind not in have:
+            raise ValueError(f"screen {self.kind!r} is not available here (available: {have})")
+        use = [self.kind] if self.kind != "auto" else (have[:2] if have[:2] == ["fbgemm", "onednn"] else have)
+        if not use:
+            raise ValueError("no screen pass is available here (no fbgemm, oneDNN or skinny kernel)")
+        self.passes = {k: self._pass(k, w) for k in use}
+        err = (w - w.half().float()).norm(dim=1).max().item() if set(use) - {"onednn"} else 0.0
         self.bound_per_norm = err + ROUNDING_SLACK * w.norm(dim=1).max().item()  # B(x) / ||x||
+        self._chosen: dict[int, str] = {}  # row-count bucket -> pass
+        self._times: dict[int, dict[str, list[float]]] = {}  # "auto" trials: bucket -> pass -> seconds
+
+    @staticmethod
+    def _pass(kind: str, w: torch.Tensor):
+        """The approximate pass ``x`` [N, H] -> [N, V] float32 of ``kind``, holding its own copy of ``w``."""
+        if kind == "fbgemm":
+            packed16 = torch.ops.quantized.linear_prepack_fp16(w, None)
+            return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed16)
+        if kind == "onednn":
+            packed = onednn.pack(w)
+            return lambda x: onednn.linear(x.contiguous(), packed)
+        w16 = w.half().contiguous()  # [V, H]
+
+        def f16c(x):
+            if len(x) <= skinny.MAX_ROWS:  # the usual step: no [N, V] copy through torch.cat
+                return skinny.skinny_linear_f16(x, w16)
+            chunks = range(0, len(x), skinny.MAX_ROWS)
+            return torch.cat([skinny.skinny_linear_f16(x[i:i + skinny.MAX_ROWS], w16) for i in chunks])
+        return f16c
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return rows if rows <= 8 else min(1 << (rows - 1).bit_length(), 256)
 
     def approx_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, V] float32 logits of ``x`` [N, H] against the float16 weight (error <= the bound)."""
-        if self.packed is not None and (self.w16 is None or len(x) <= self.FBGEMM_MAX_ROWS):
-            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
-        if len(x) <= skinny.MAX_ROWS:  # the usual step: no [N, V] copy through torch.cat
-            return skinny.skinny_linear_f16(x, self.w16)
-        chunks = range(0, len(x), skinny.MAX_ROWS)
-        return torch.cat([skinny.skinny_linear_f16(x[i:i + skinny.MAX_ROWS], self.w16) for i in chunks])
+        """[N, V] float32 logits of ``x`` [N, H] from the pass chosen for N rows (error <= the bound).
+        With several passes, the first ``TRIALS`` calls of each per bucket of row counts time them in
+        turn; the fastest is used from then on."""
+        if len(self.passes) == 1:
+            return next(iter(self.passes.values()))(x)
+        b = self._bucket(len(x))
+        name = self._chosen.get(b)
+        if name is not None:
+            return self.passes[name](x)
+        times = self._times.setdefault(b, {k: [] for k in self.passes})
+        name = min(times, key=lambda k: len(times[k]))
+        t0 = time.perf_counter()
+        out = self.passes[name](x)
+        times[name].append(time.perf_counter() - t0)
+        if all(len(t) >= self.TRIALS for t in times.values()):
+            self._chosen[b] = min(times, key=lambda k: min(times[k]))
+            log.debug("screen pass for %d rows: %s (%s)", b, self._chosen[b],
+                      {k: round(min(t) * 1e3, 1) for k, t in times.items()})
+        return out
+
+    def choices(self) -> dict[int, str]:
+        """The pass settled on per row-count bucket so far (one pass: it, under bucket 0)."""
+        return dict(self._chosen) if len(self.passes) > 1 else {0: next(iter(self.passes))}
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (skinny.available() or has_fbgemm())
+        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
+            skinny.available() or has_fbgemm() or onednn.available())
 
     def __call__(self, x: torch.Tensor, argmax: bool = True) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> approximate logits [N, V] and the exact argmax [N]
@@ -135,6 +183,23 @@ class ScreenedArgmax:
         return arg
 
 
+_SCREENS: dict[int, tuple[weakref.ref, "ScreenedArgmax"]] = {}  # id(weight) -> (weight, its screen)
+
+
+def shared_screen(weight: torch.Tensor) -> "ScreenedArgmax":
+    """The :class:`ScreenedArgmax` of ``weight`` (an output-layer parameter), made once per weight:
+    engines over one model share its copies of the weight and its timing of the passes (dropped
+    with the weight)."""
+    held = _SCREENS.get(id(weight))
+    if held is not None and held[0]() is weight:
+        return held[1]
+    for key in [k for k, (ref, _) in _SCREENS.items() if ref() is None]:
+        del _SCREENS[key]
+    screen = ScreenedArgmax(weight)
+    _SCREENS[id(weight)] = (weakref.ref(weight), screen)
+    return screen
+
+
 def has_fbgemm() -> bool:
     try:
         return "fbgemm" in torch.backends.quantized.supported_engines and \
@@ -159,7 +224,7 @@ class Head:
             self.weight = emb.weight  # [V, H]
             # soft-capped logits can tie after tanh where the raw ones do not: screen raw logits only
             if not self.softcap and ScreenedArgmax.supported(self.weight):
-                self.screen = ScreenedArgmax(self.weight)
+                self.screen = shared_screen(self.weight)
 
     def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True,
                  argmax: bool = True) -> NodeLogits:

@@ -136,14 +136,18 @@ class Session:
 
     # ------------------------------------------------------------------ loop
     def _fill(self, finished: list) -> None:
-        """Admit waiting samples; prefill the next prompts while slots are free: at most one chunk's
-        worth of prompt tokens when rows were decoding before this iteration, otherwise (a batch
-        filling up from empty) until the slots are full. Short fresh prompts are prefilled together,
-        several rows in one forward (:meth:`_prefill_group`)."""
+        """Prefill the next prompts while slots are free, then admit the prefilled samples: their
+        rows join the batch's cache in one copy per iteration, however many forwards prefilled them."""
+        self._prefill_waiting()
+        self._admit_ready(finished)
+
+    def _prefill_waiting(self) -> None:
+        """Prefill while slots are free: at most one chunk's worth of prompt tokens when rows are
+        decoding, otherwise (a batch filling up from empty) until the slots are full. Short fresh
+        prompts are prefilled together, several rows in one forward (:meth:`_prefill_group`)."""
         decoding = bool(self.active)
         spent = 0  # prompt tokens prefilled in this iteration (padding included)
         while True:
-            self._admit_ready(finished)
             slots = self.engine.config.max_batch_size - len(self.active) - sum(
                 len(r.seeds) - r.admitted for r in self.ready)
             if slots <= 0 and self.prefilling is None:

@@ -1,6 +1,7 @@
 """The screened greedy output layer: its argmax is the float32 argmax, near-ties included."""
 import pytest
 import torch
+from torch import nn
 
 from logitspec.kernels import skinny
 from logitspec.head import ScreenedArgmax as _Screen
@@ -10,16 +11,20 @@ pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason
 
 def _kinds():
     from logitspec.head import has_fbgemm
+    from logitspec.kernels import onednn
 
     kinds = ["f16c"] if skinny.available() else []
     kinds += ["fbgemm"] if has_fbgemm() else []
-    return kinds + (["both"] if len(kinds) == 2 else [])
+    kinds += ["onednn"] if onednn.available() else []
+    return kinds + (["auto"] if len(kinds) >= 2 else [])
 
 
 @pytest.fixture(params=_kinds())
 def ScreenedArgmax(request):
-    """The screen with each float16 pass this machine has (the F16C kernel, fbgemm, both by row count)."""
-    return lambda weight: _Screen(weight, kind=request.param)
+    """The screen with each pass this machine has (the F16C kernel, fbgemm, oneDNN, the timed choice)."""
+    make = lambda weight: _Screen(weight, kind=request.param)  # noqa: E731
+    make.kind = request.param
+    return make
 
 
 def _reference(weight, x):
@@ -47,7 +52,8 @@ def test_near_ties_below_half_precision_resolved_in_float32(ScreenedArgmax):
         weight[(win + 1 + i) % weight.shape[0]] = weight[win] + 2e-4 * torch.randn(32, generator=g)
     out = ScreenedArgmax(weight)(x)
     ref = _reference(weight, x)
-    assert (out.scores.argmax(dim=1) != ref).sum() >= 3  # the fp16 pass alone would be wrong
+    if ScreenedArgmax.kind in ("f16c", "fbgemm"):
+        assert (out.scores.argmax(dim=1) != ref).sum() >= 3  # the fp16 pass alone would be wrong
     assert torch.equal(out.argmax, ref)
 
 
@@ -93,3 +99,28 @@ def test_a_pass_this_machine_lacks_is_rejected(monkeypatch):
     monkeypatch.setattr(skinny, "available", lambda: False)
     with pytest.raises(ValueError, match="not available"):
         _Screen(torch.randn(4, 8), kind="f16c")
+
+
+def test_auto_times_its_passes_then_keeps_the_fastest_per_row_count():
+    kinds = [k for k in _kinds() if k != "auto"]
+    if len(kinds) < 2:
+        pytest.skip("one pass only on this machine")
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4000, 64, generator=g)
+    screen = _Screen(weight, kind="auto")
+    calls = _Screen.TRIALS * len(screen.passes)
+    for rows in (1, 30):
+        x = torch.randn(rows, 64, generator=g)
+        for i in range(calls + 2):
+            assert torch.equal(screen(x).argmax, _reference(weight, x))  # exact whichever pass ran
+            settled = screen._bucket(rows) in screen.choices()
+            assert settled == (i >= calls - 1)
+    assert set(screen.choices().values()) <= set(screen.passes)
+
+
+def test_engines_over_one_model_share_one_screen():
+    from logitspec.head import shared_screen
+
+    weight = nn.Parameter(torch.randn(300, 16), requires_grad=False)
+    assert shared_screen(weight) is shared_screen(weight)
+    assert shared_screen(nn.Parameter(weight.detach().clone(), requires_grad=False)) is not shared_screen(weight)

@@ -142,8 +142,9 @@ def load_model(
     """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
 
     The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
-    CPU in float32, compute the decoder's linears with :mod:`logitspec.kernels.skinny` (exact float32,
-    same weights; a few rows cost about one row) when the kernel builds here. ``trust_remote_code``:
+    CPU in float32, compute the decoder's linears with oneDNN's packed GEMM where it is batch-invariant
+    here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
+    same weights; a few rows cost about one row) when that kernel builds here. ``trust_remote_code``:
     let ``transformers`` run Python code shipped with the model (off unless asked).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
@@ -158,17 +159,19 @@ def load_model(
     if device != "cpu":
         model.to(device)
     model.eval()
-    swapped = 0
+    swapped = {"onednn": 0, "skinny": 0}
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
+        from ..kernels.onednn import use_onednn_linears
         from ..kernels.skinny import use_skinny_linears
 
-        swapped = use_skinny_linears(model)  # 0 where the kernel cannot be built
+        swapped["onednn"] = use_onednn_linears(model)  # where oneDNN is batch-invariant here
+        swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, skinny linears=%d, tokenizer=%s, in %.1f s",
+        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, linears swapped=%s, tokenizer=%s, in %.1f s",
         type(model).__name__,
         os.fspath(spec),
         path,

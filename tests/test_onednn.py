@@ -1,0 +1,68 @@
+"""oneDNN's packed float32 linears: exact, batch-invariant where swapped, lossless in the engine."""
+import pytest
+import torch
+from torch import nn
+
+from logitspec import Engine, SpecConfig
+from logitspec.kernels import onednn
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch has no oneDNN here")
+N_NEW = 24
+
+
+def test_linear_matches_float32_product_for_any_row_count():
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(70, 40, generator=g)
+    packed = onednn.pack(w)
+    for n in (1, 2, 7, 70):
+        torch.testing.assert_close(onednn.linear(x[:n], packed, b), x[:n] @ w.T + b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_swapped_shape_gives_each_row_the_bits_it_gets_alone():
+    """What the swap relies on: a row's result is the same alone, in a few rows or in hundreds."""
+    if not onednn.batch_invariant(256, 64, torch.get_num_threads()):
+        pytest.skip("oneDNN is not batch-invariant for this shape on this CPU (nothing would be swapped)")
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 256, bias=False)
+    holder = nn.Sequential(lin)
+    assert onednn.use_onednn_linears(holder) == 1 and type(holder[0]) is onednn.OneDnnLinear
+    x = torch.randn(300, 64, generator=g)
+    with torch.inference_mode():
+        together = holder[0](x)
+        for i in (0, 1, 150, 299):
+            assert torch.equal(holder[0](x[i:i + 1]), together[i:i + 1])
+            assert torch.equal(holder[0](x[i:i + 5])[:1], together[i:i + 1])
+
+
+def test_shapes_that_fail_the_check_are_left_alone(monkeypatch):
+    monkeypatch.setattr(onednn, "batch_invariant", lambda *shape: shape[:2] != (32, 16))
+    holder = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    assert onednn.use_onednn_linears(holder) == 1
+    assert type(holder[0]) is nn.Linear and type(holder[1]) is onednn.OneDnnLinear
+
+
+def test_batch_invariance_check_finds_a_row_dependent_product(monkeypatch):
+    """The check compares bits: a product whose rows depend on the batch size fails it."""
+    real = onednn.linear
+    monkeypatch.setattr(onednn, "linear", lambda x, p, b=None: real(x, p, b) * (1 + 1e-6 * (len(x) > 8)))
+    onednn.batch_invariant.cache_clear()
+    try:
+        assert not onednn.batch_invariant(48, 24, torch.get_num_threads())
+    finally:
+        onednn.batch_invariant.cache_clear()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_onednn_linears_equal_stock_generate(family):
+    """Decoder linears on oneDNN, greedy `ar` and `logitspec` at batch 3 against stock transformers
+    (references computed before the swap, with plain nn.Linear modules)."""
+    model = tiny_model(family)
+    prompts = repetitive_prompts(6, seed=5)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    if onednn.use_onednn_linears(model) == 0:
+        pytest.skip("no weight shape of this model is batch-invariant under oneDNN here")
+    for method in ("ar", "logitspec"):
+        eng = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
+        assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
