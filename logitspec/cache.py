@@ -206,6 +206,19 @@ class BatchKV:
             self.hf = _cache_holding(stacked, width)
         self.lengths += added
 
+    def split_row(self, lengths: list[int]) -> "BatchKV":
+        """A new cache of ``len(lengths)`` rows from this one-row cache whose committed columns hold
+        several sequences back to back: row b holds the b-th run of ``lengths[b]`` columns."""
+        assert self.rows == 1 and sum(lengths) == self.lengths[0]
+        width = max(lengths)
+        offsets = np.cumsum([0] + list(lengths[:-1]))
+        out = BatchKV()
+        out.hf = _cache_holding([_stack_rows([(x.keys[:, :, o:o + n], x.values[:, :, o:o + n])
+                                              for o, n in zip(offsets, lengths)], width)
+                                 for x in self._layers()], width)
+        out.lengths = list(lengths)
+        return out
+
     def row_prefix(self, row: int, n: int) -> "BatchKV":
         """A compact one-row copy of the first ``n`` committed columns of ``row``."""
         assert 0 <= n <= self.lengths[row]

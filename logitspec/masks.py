@@ -45,6 +45,21 @@ class StepRow:
                    np.tril(np.ones((n, n), dtype=bool)), np.arange(n, dtype=np.int64) - 1)
 
 
+    @classmethod
+    def side_by_side(cls, prompts: list) -> "StepRow":
+        """Several fresh prompts as causal chunks back to back in one row, each from position 0 and
+        seeing only itself (a ragged prefill: no padding to the longest)."""
+        lens = [len(p) for p in prompts]
+        seg = np.repeat(np.arange(len(lens)), lens)  # [n]: which prompt each node belongs to
+        depths = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])  # [n]
+        n = len(seg)
+        visible = (seg[:, None] == seg[None, :]) & np.tril(np.ones((n, n), dtype=bool))  # [n, n]
+        parents = np.arange(n, dtype=np.int64) - 1
+        parents[depths == 0] = -1
+        tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        return cls(0, tokens, depths, visible, parents)
+
+
 @dataclass
 class PackedStep:
     """One step's rows as device tensors: the model's inputs and the tree structure the acceptance

@@ -146,7 +146,7 @@ class Session:
         decoding, otherwise (a batch filling up from empty) until the slots are full. Short fresh
         prompts are prefilled together, several rows in one forward (:meth:`_prefill_group`)."""
         decoding = bool(self.active)
-        spent = 0  # prompt tokens prefilled in this iteration (padding included)
+        spent = 0  # prompt tokens prefilled in this iteration
         while True:
             slots = self.engine.config.max_batch_size - len(self.active) - sum(
                 len(r.seeds) - r.admitted for r in self.ready)
@@ -178,16 +178,15 @@ class Session:
 
     def _take_group(self, slots: int, budget: int) -> list[_Request]:
         """Waiting prompts from the front of the queue to prefill in one forward: those the prefix
-        cache does not hold at all, each short enough for one chunk, while the padded forward
-        (rows x longest prompt) stays within ``budget`` tokens and their samples within ``slots``.
+        cache does not hold at all, each short enough for one chunk, while their tokens (run back to
+        back, unpadded) stay within ``budget`` and their samples within ``slots``.
         Whole cache hits found on the way go straight to ``ready``. Empty when the front prompt
         must go alone (a partial cache hit, or a prompt longer than a chunk)."""
         group: list[_Request] = []
-        longest = samples = 0
+        tokens = samples = 0
         while self.pending and samples < slots:
             req = self.pending[0]
-            width = max(longest, len(req.ids))
-            if (len(group) + 1) * width > budget or (group and samples + len(req.seeds) > slots):
+            if tokens + len(req.ids) > budget or (group and samples + len(req.seeds) > slots):
                 break
             self._start(self.pending.popleft())
             if req.last is not None:  # the whole prompt was cached: nothing to run
@@ -197,13 +196,13 @@ class Session:
                 self.pending.appendleft(req)
                 break
             group.append(req)
-            longest, samples = width, samples + len(req.seeds)
+            tokens, samples = tokens + len(req.ids), samples + len(req.seeds)
         return group
 
     def _prefill_group(self, group: list[_Request]) -> int:
         """Prefill the prompts of ``group`` (none cached, each within one chunk) in one forward;
         they become ready, sharing the group's cache. The forward's time is shared evenly among
-        them. Tokens run, padding included."""
+        them. Tokens run."""
         t0 = time.perf_counter()
         exact, argmax = self.engine.output_mode(self.params)
         rows, lasts = self.engine.target.prefill_rows([r.ids for r in group], exact=exact, argmax=argmax)
@@ -214,7 +213,7 @@ class Session:
             self.ready.append(req)
         self.prefill_chunks += 1
         self.prefills += len(group)
-        return len(group) * max(len(r.ids) for r in group)
+        return sum(len(r.ids) for r in group)
 
     def _start(self, req: _Request) -> _Request:
         """Begin the prompt's prefill from what the prefix cache holds of it (the whole prompt: nothing

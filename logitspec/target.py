@@ -55,9 +55,10 @@ class TargetForward:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
 
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
-                 argmax: bool = True) -> ForwardResult:
+                 argmax: bool = True, pick: list[np.ndarray] | None = None) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
-        padding); per row, the output layer's results for all its nodes, or its last node only.
+        padding); per row, the output layer's results for all its nodes, or its last node only, or
+        (``pick``) the nodes ``pick[b]``.
         ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores; with
         ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
         the model's device without waiting for it."""
@@ -65,9 +66,13 @@ class TargetForward:
         packed = pack(rows, kv.columns, self.windows, self.dtype, self.device,
                       trim=self.layer_kinds is not None)  # masks [B, 1, T, L - start + T]
         T = packed.ids.shape[1]
-        sizes = packed.sizes if all_logits else [1] * len(rows)
-        first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(packed.sizes)]
-        select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, sizes)])  # [N] flat node indices
+        if pick is not None:
+            sizes = [len(p) for p in pick]
+            select = np.concatenate([b * T + np.asarray(p, dtype=np.int64) for b, p in enumerate(pick)])
+        else:
+            sizes = packed.sizes if all_logits else [1] * len(rows)
+            first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(packed.sizes)]
+            select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, sizes)])  # [N] flat node indices
         starts = np.cumsum([0] + sizes[:-1])  # [B]
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)  # one transfer
         select_d, starts_d = both[:len(select)], both[len(select):]
@@ -94,14 +99,15 @@ class TargetForward:
 
     def prefill_rows(self, prompts: list[list[int]], exact: bool = True,
                      argmax: bool = True) -> tuple[BatchKV, list[NodeLogits]]:
-        """Prefill several prompts from scratch in one forward (short prompts, each one causal
-        chunk): a cache whose row b holds prompt b (columns past its length are holes), and per
-        prompt the output-layer result of its last token ([1, V])."""
-        batch = BatchKV()
-        batch.lengths = [0] * len(prompts)
-        out = self([StepRow.chain(0, p) for p in prompts], batch, all_logits=False, exact=exact, argmax=argmax)
-        batch.commit([list(range(len(p))) for p in prompts])
-        return batch, out.logits
+        """Prefill several prompts from scratch in one forward (short prompts, back to back in one
+        row, each attending only to itself: no padding): a cache whose row b holds prompt b, and
+        per prompt the output-layer result of its last token ([1, V])."""
+        row = BatchKV.empty_row()
+        lengths = [len(p) for p in prompts]
+        ends = np.cumsum(lengths) - 1  # each prompt's last node
+        out = self([StepRow.side_by_side(prompts)], row, all_logits=False, exact=exact, argmax=argmax, pick=[ends])
+        row.commit([list(range(sum(lengths)))])
+        return row.split_row(lengths), [out.nodes[i:i + 1] for i in range(len(prompts))]
 
     def extend(self, row: BatchKV, tokens: list[int], exact: bool = True, argmax: bool = True) -> NodeLogits:
         """Run ``tokens`` as one causal chunk after the committed columns of the one-row cache

@@ -124,3 +124,44 @@ def test_add_rows_gathers_rows_of_several_caches_like_one_at_a_time():
         for row, n in enumerate(together.lengths):  # committed columns equal; holes may differ
             assert torch.equal(a.keys[row, :, :n], b.keys[row, :, :n])
             assert torch.equal(a.values[row, :, :n], b.values[row, :, :n])
+
+
+def test_split_row_gives_each_sequence_its_own_row():
+    kv = BatchKV.empty_row()
+    layer_kv = [(torch.arange(2 * 9 * 3, dtype=torch.float32).view(1, 2, 9, 3),) * 2 for _ in range(2)]
+    kv.hf = _cache_of(layer_kv)
+    kv.lengths = [9]
+    rows = kv.split_row([4, 2, 3])
+    assert rows.lengths == [4, 2, 3] and rows.columns == 4
+    for layer in rows.hf.layers:
+        full = layer_kv[0][0][0]  # [heads, 9, dim]
+        assert torch.equal(layer.keys[0], full[:, 0:4])
+        assert torch.equal(layer.keys[1, :, :2], full[:, 4:6]) and not layer.keys[1, :, 2:].any()  # holes zeroed
+        assert torch.equal(layer.values[2, :, :3], full[:, 6:9])
+
+
+def test_prompts_side_by_side_restart_positions_and_see_only_themselves():
+    row = StepRow.side_by_side([[5, 6, 7], [8, 9]])
+    assert row.tokens.tolist() == [5, 6, 7, 8, 9] and row.depths.tolist() == [0, 1, 2, 0, 1]
+    assert row.parents.tolist() == [-1, 0, 1, -1, 3]
+    assert row.visible[4].tolist() == [False, False, False, True, True]
+    assert row.visible[2].tolist() == [True, True, True, False, False]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_side_by_side_equals_prefill_alone(family):
+    """Each prompt's KV and last-token logits from a ragged prefill equal its own prefill's (the
+    forward differs only in rows, so up to float32 summation order)."""
+    from logitspec.target import TargetForward
+
+    model = tiny_model(family)
+    target = TargetForward(model)
+    prompts = [[3, 9, 4, 1, 7, 7, 2], [5, 8], [11, 2, 6, 6, 1, 9, 4, 3, 8, 8, 2]]  # gemma3 window 6 < 11
+    with torch.inference_mode():
+        rows, lasts = target.prefill_rows(prompts, exact=True)
+        for b, p in enumerate(prompts):
+            alone, last = target.prefill(p, chunk=len(p), exact=True)
+            torch.testing.assert_close(lasts[b].scores, last.scores, rtol=1e-5, atol=1e-5)
+            for mine, ref in zip(rows.hf.layers, alone.hf.layers):
+                torch.testing.assert_close(mine.keys[b, :, :len(p)], ref.keys[0, :, :len(p)], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(mine.values[b, :, :len(p)], ref.values[0, :, :len(p)], rtol=1e-5, atol=1e-5)
