@@ -76,33 +76,56 @@ class ScreenedArgmax:
     always among them.
     """
 
-    KINDS = ("auto", "f16c", "fbgemm", "onednn")
+    KINDS = ("auto", "f16c", "fbgemm", "onednn", "bf16")
     TRIALS = 2  # "auto": timed calls of each pass per row-count bucket before it settles on one
 
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
         """``kind``: the approximate pass. "f16c": the skinny kernel over a float16 copy (reads it
-        once for up to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "onednn": oneDNN's float32 GEMM over a
-        packed copy (compute-bound past about 24 rows, where it is the fastest here); "auto" (the
-        default): fbgemm and oneDNN where both exist (else whichever of the three exist), the
-        faster per row count as timed on the first calls of each size (:meth:`approx_logits`).
-        ValueError for a pass this machine lacks."""
+        once for up to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "onednn": oneDNN's float32 GEMM over
+        a packed copy; "bf16": oneDNN's bfloat16 GEMM (inputs and weights rounded to bfloat16,
+        float32 sums; the fastest past a few rows where the CPU has bfloat16 dot products);
+        "auto" (the default): fbgemm and the bfloat16 pass (oneDNN float32 where bfloat16 is not
+        supported; the F16C kernel where one of them is missing), the faster per row count as
+        timed on the first calls of each size (:meth:`approx_logits`). ValueError for a pass
+        this machine lacks."""
         w = weight.detach()  # [V, H] float32
         self.weight = w
-        have = [k for k, ok in (("fbgemm", has_fbgemm()), ("onednn", onednn.available()),
-                                ("f16c", skinny.available())) if ok]
+        have = [k for k, ok in (("fbgemm", has_fbgemm()), ("bf16", onednn.available() and onednn.bf16_supported()),
+                                ("onednn", onednn.available()), ("f16c", skinny.available())) if ok]
         self.kind = kind or "auto"
         if self.kind not in self.KINDS:
             raise ValueError(f"kind must be one of {self.KINDS}, got {kind!r}")
         if self.kind != "auto" and self.kind not in have:
             raise ValueError(f"screen {self.kind!r} is not available here (available: {have})")
-        use = [self.kind] if self.kind != "auto" else (have[:2] if have[:2] == ["fbgemm", "onednn"] else have)
+        use = [self.kind] if self.kind != "auto" else self._auto_set(have)
         if not use:
             raise ValueError("no screen pass is available here (no fbgemm, oneDNN or skinny kernel)")
         self.passes = {k: self._pass(k, w) for k in use}
-        err = (w - w.half().float()).norm(dim=1).max().item() if set(use) - {"onednn"} else 0.0
-        self.bound_per_norm = err + ROUNDING_SLACK * w.norm(dim=1).max().item()  # B(x) / ||x||
+        self.bound_per_norm = max(self._bound_per_norm(k, w) for k in use)  # B(x) / ||x|| for any pass used
         self._chosen: dict[int, str] = {}  # row-count bucket -> pass
         self._times: dict[int, dict[str, list[float]]] = {}  # "auto" trials: bucket -> pass -> seconds
+
+    @staticmethod
+    def _auto_set(have: list[str]) -> list[str]:
+        """Two passes to time against each other: fbgemm and the fastest oneDNN one there is."""
+        dnnl = next((k for k in ("bf16", "onednn") if k in have), None)
+        pair = [k for k in ("fbgemm", dnnl) if k in have]
+        return pair if len(pair) == 2 else pair + [k for k in ("f16c",) if k in have and k not in pair]
+
+    @staticmethod
+    def _bound_per_norm(kind: str, w: torch.Tensor) -> float:
+        """The largest ``|approx - exact| / ||x||`` over the vocabulary for pass ``kind``: float32
+        rounding of both sums (``ROUNDING_SLACK``) plus, for the float16 passes, the weight's
+        rounding ``||W16_v - W_v||``; for bfloat16 also the input's (``|x~ - x| <= 2^-9 |x|`` per
+        element): ``||W~_v - W_v|| ||x~|| + ||W_v|| ||x~ - x||``."""
+        norm = w.norm(dim=1).max().item()
+        slack = ROUNDING_SLACK * norm
+        if kind == "onednn":
+            return slack
+        if kind == "bf16":
+            u = 2.0 ** -9
+            return (w - w.bfloat16().float()).norm(dim=1).max().item() * (1 + u) + norm * u + slack
+        return (w - w.half().float()).norm(dim=1).max().item() + slack
 
     @staticmethod
     def _pass(kind: str, w: torch.Tensor):
@@ -112,7 +135,10 @@ class ScreenedArgmax:
             return lambda x: torch.ops.quantized.linear_dynamic_fp16(x, packed16)
         if kind == "onednn":
             packed = onednn.pack(w)
-            return lambda x: onednn.linear(x.contiguous(), packed)
+            return lambda x: onednn.linear(x, packed)
+        if kind == "bf16":
+            packed = onednn.pack(w.bfloat16())
+            return lambda x: onednn.linear(x.bfloat16(), packed).float()
         w16 = w.half().contiguous()  # [V, H]
 
         def f16c(x):
@@ -168,7 +194,7 @@ class ScreenedArgmax:
     def exact_argmax(self, approx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[N] int64: the float32 argmax of ``W @ x`` per row of ``x`` [N, H], from its screened
         logits ``approx`` [N, V]: only tokens within twice the bound of the best are rescored."""
-        best = approx.max(dim=1).values  # [N]
+        best = approx.amax(dim=1)  # [N] (values only: far faster than max with indices)
         margin = 2 * self.bound_per_norm * x.norm(dim=1)  # [N]
         rows, toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)  # [K] each
         exact = (self.weight[toks] * x[rows]).sum(dim=1)  # [K] float32 logits of the candidates

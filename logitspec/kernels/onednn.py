@@ -43,14 +43,20 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 GEMMs on this CPU."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [O, I] float32 in oneDNN's layout (an opaque tensor, a copy)."""
+    """``weight`` [O, I] (float32 or bfloat16) in oneDNN's layout (an opaque tensor, a copy)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
 def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x2`` [n, I] float32 @ the packed weight^T (+ bias) -> [n, O]; one row runs as two (the
-    path taken for more rows, so the result is the row's in any batch)."""
+    """``x2`` [n, I] @ the packed weight^T (+ bias) -> [n, O], in the weight's dtype; one row runs as
+    two (the path taken for more rows, so the result is the row's in any batch)."""
     one = x2.shape[0] == 1
     if one:
         x2 = x2.expand(2, -1)
