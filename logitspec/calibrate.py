@@ -84,7 +84,8 @@ def kernel_fingerprint(model, head=None) -> str:
     KV-cache layer."""
     attn = getattr(model.config, "_attn_implementation", None)
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    screen = getattr(getattr(head, "screen", None), "kind", None)
+    screen = getattr(head, "screen", None)
+    screen = f"{screen.kind}:{'+'.join(screen.passes)}" if screen is not None else None
     return f"attn={attn}|linears={','.join(linears)}|screen={screen}|cache={GrowingLayer.__name__}"
 
 

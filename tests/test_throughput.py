@@ -33,6 +33,8 @@ def test_bad_options_fail_before_the_model_loads(tmp_path, capsys):
     assert "unknown baselines ['sglang']" in capsys.readouterr().err
     assert main(["throughput", "--model", missing, "--baselines", "vllm", "--vllm-methods", "eagle"]) == 2
     assert main(["throughput", "--model", missing, "--batch-sizes", "0"]) == 2
+    assert main(["throughput", "--model", missing, "--prompts-per-slot", "0"]) == 2
+    assert "--prompts-per-slot must be >= 1" in capsys.readouterr().err
     assert main(["throughput", "--model", missing, "--methods", "ar,logitspec@no_such_field=1"]) == 2
     assert "not a SpecConfig field" in capsys.readouterr().err
     assert main(["throughput", "--model", missing, "--methods", "ar,hf"]) == 2
@@ -127,3 +129,14 @@ def test_run_method_passes_the_context_length_and_reads_the_result(tmp_path):
     assert res["batches"][1]["tokens_per_s"] == 2.0 and res["batches"][1]["token_ids"] == [[7]]
     vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1])
     assert "max_model_len" not in json.loads(seen.read_text())  # the runner's default
+
+
+def test_prompts_per_slot_refills_the_slots_and_keeps_outputs_exact():
+    from tiny_models import repetitive_prompts, tiny_model
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(3, seed=4)
+    table = throughput.run(model, None, prompts, ["ar", "logitspec"], [2], max_new_tokens=8, rounds=1,
+                           prompts_per_slot=3)
+    row = table["logitspec@2"]
+    assert len(row["token_ids"]) == 6 and row["same_as_ar"]  # 2 slots x 3 prompts each, refilled

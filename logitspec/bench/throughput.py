@@ -31,11 +31,14 @@ def batch_prompts(prompts: list, batch_size: int) -> list:
 
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
-        configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding()) -> dict:
+        configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding(),
+        prompts_per_slot: int = 1) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
     batch size, MAT of the last round, the last round's new token ids and whether they equal ``ar``'s
     (sampled: the same draws from the same seeds). ``decoding``: greedy, or sampled with
-    ``num_samples`` per prompt."""
+    ``num_samples`` per prompt. ``prompts_per_slot``: batch size b runs ``b x prompts_per_slot``
+    prompts through its b slots (1: one static batch, which ends with its slowest row; more: slots
+    refilled as rows finish, as in a job)."""
     from ..engine import Engine
 
     given = configs or {}
@@ -52,7 +55,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         keys = list(engines)
         keys = keys[r % len(keys):] + keys[: r % len(keys)]
         for k in keys:
-            done = run_samples(engines[k], batch_prompts(prompts, k[1]), max_new_tokens, decoding)
+            done = run_samples(engines[k], batch_prompts(prompts, k[1] * prompts_per_slot), max_new_tokens, decoding)
             tps[k].append(done.stats["tokens_per_s"])
             outputs[k] = [x.token_ids for x in done.results]
             mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
@@ -90,6 +93,9 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--per-task", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompts-per-slot", type=int, default=1,
+                   help="batch size b runs b x N prompts (1: one static batch, done when its slowest row is; "
+                        "more: rows are refilled as they finish, as in a job; vLLM runs with 1 only)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("--baselines", default="", help="other engines to run on the same prompts: 'vllm' (vLLM's "
                    "CPU backend, float32, in its own environment; skipped with a message when absent)")
@@ -120,19 +126,26 @@ def _main(args) -> int:
         vllm_python, why = vllm_baseline.find_python(args.vllm_python)
         if vllm_python is None:
             print(why)
+    if args.prompts_per_slot < 1:
+        raise ValueError(f"--prompts-per-slot must be >= 1, got {args.prompts_per_slot}")
+    if args.prompts_per_slot > 1 and vllm_python is not None:
+        print("vLLM baseline skipped: it is compared on static batches (--prompts-per-slot 1) only")
+        vllm_python = None
     decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
-    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding)
+    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
+                args.prompts_per_slot)
     if vllm_python is not None:
         if not decoding.greedy:
             print("vLLM baseline skipped: it is compared under greedy decoding only")
         else:
             table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
     print(render(table))
-    print(f"\n{len(prompts)} prompts, {decoding.describe()}, {args.max_new_tokens} new tokens, {args.rounds} rounds, "
+    print(f"\n{len(prompts)} prompts, {args.prompts_per_slot} per slot, {decoding.describe()}, "
+          f"{args.max_new_tokens} new tokens, {args.rounds} rounds, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out:
         slim = {k: {f: v for f, v in row.items() if f != "token_ids"} for k, row in table.items()}
