@@ -74,9 +74,9 @@ def batch_invariant(out_features: int, in_features: int, threads: int) -> bool:
     x = torch.randn(max(CHECK_ROWS), in_features, generator=g)
     packed = pack(w)
     with torch.inference_mode():
+        first = linear(x[:2], packed)[:1]  # row 0 in a two-row product
         for n in CHECK_ROWS:
             y = linear(x[:n], packed)  # [n, O]
-            first = linear(x[:2], packed)[:1]
             last = linear(x[n - 1:n], packed)
             if not (torch.equal(y[:1], first) and torch.equal(y[n - 1:], last)):
                 return False
