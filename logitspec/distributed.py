@@ -134,7 +134,7 @@ def shard(model, tp_size: int, dtype: torch.dtype):
 
 
 def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                  attn_implementation: str | None = "sdpa", trust_remote_code: bool = False):
+                  attn_implementation: str | None = "logitspec_sdpa", trust_remote_code: bool = False):
     """``(sharded model, tokenizer, consensus)`` on this rank; the group must be initialised
     (:func:`init_rank`). ``consensus`` is the :class:`LogitsConsensus` hook on a sharded model (None
     when ``tp_size`` is 1).

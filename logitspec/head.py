@@ -253,16 +253,19 @@ class Head:
                 self.screen = shared_screen(self.weight)
 
     def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True,
-                 argmax: bool = True) -> NodeLogits:
+                 argmax: bool = True, segments: tuple | None = None) -> NodeLogits:
         """Output-layer results of the flat node indices ``select`` [N] into the [B, T] batch; the
         cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores, with
         the exact argmax unless ``argmax=False`` (sampling: draws from the screen, see
-        :mod:`logitspec.sampling`)."""
+        :mod:`logitspec.sampling`). ``segments``: the prompts of a packed prefill row, for
+        :mod:`logitspec.attention` (other attention functions ignore it; the mask alone is exact)."""
+        extra = {"segments": segments} if segments else {}
         if self.fast:
-            out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+            out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
+                               **extra)
             return self.output(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select], exact,
                                argmax)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, **extra)
         return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
 
     def output(self, h: torch.Tensor, exact: bool = True, argmax: bool = True) -> NodeLogits:

@@ -55,10 +55,11 @@ class TargetForward:
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
 
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
-                 argmax: bool = True, pick: list[np.ndarray] | None = None) -> ForwardResult:
+                 argmax: bool = True, pick: list[np.ndarray] | None = None,
+                 segments: tuple[tuple[int, int], ...] | None = None) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
         padding); per row, the output layer's results for all its nodes, or its last node only, or
-        (``pick``) the nodes ``pick[b]``.
+        (``pick``) the nodes ``pick[b]``. ``segments``: see :mod:`logitspec.attention`.
         ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores; with
         ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
         the model's device without waiting for it."""
@@ -81,7 +82,7 @@ class TargetForward:
             kv.attend_from([packed.starts[k] for k in self.layer_kinds])
         try:
             nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact,
-                              argmax=argmax)  # [N, V]
+                              argmax=argmax, segments=segments)  # [N, V]
         finally:
             if self.layer_kinds is not None:
                 kv.attend_from(None)
@@ -105,7 +106,9 @@ class TargetForward:
         row = BatchKV.empty_row()
         lengths = [len(p) for p in prompts]
         ends = np.cumsum(lengths) - 1  # each prompt's last node
-        out = self([StepRow.side_by_side(prompts)], row, all_logits=False, exact=exact, argmax=argmax, pick=[ends])
+        segments = tuple((int(e) + 1 - n, int(e) + 1) for e, n in zip(ends, lengths))
+        out = self([StepRow.side_by_side(prompts)], row, all_logits=False, exact=exact, argmax=argmax, pick=[ends],
+                   segments=segments)
         row.commit([list(range(sum(lengths)))])
         return row.split_row(lengths), [out.nodes[i:i + 1] for i in range(len(prompts))]
 

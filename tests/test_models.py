@@ -51,7 +51,7 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     model, tok = load_model(str(tmp_path / "tiny"))
     assert tok is None
     assert not model.training
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == "logitspec_sdpa"
     assert model.dtype == torch.float32
     ids = torch.randint(0, TINY["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():  # swapped linears (oneDNN or skinny, where usable here) sum in another order

@@ -5,12 +5,15 @@ import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
+from logitspec.attention import NAME as ATTENTION
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 96
 _NO_SPECIAL = dict(eos_token_id=None, bos_token_id=None, pad_token_id=None)
 
 
-def tiny_model(family: str, seed: int = 0, **overrides):
+def tiny_model(family: str, seed: int = 0, attn: str = ATTENTION, **overrides):
+    """A tiny random model of ``family`` with the engine's attention (``attn``), as ``load_model`` gives."""
     torch.manual_seed(seed)
     if family == "llama":
         cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -31,6 +34,7 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     model = cls(cfg).eval()
+    model.set_attn_implementation(attn)
     # sharpen the random logits so greedy ties (float noise) are vanishingly rare
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)

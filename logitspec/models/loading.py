@@ -135,7 +135,7 @@ def load_model(
     cache_dir: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
-    attn_implementation: str | None = "sdpa",
+    attn_implementation: str | None = "logitspec_sdpa",
     cpu_kernels: bool = True,
     trust_remote_code: bool = False,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
@@ -146,9 +146,13 @@ def load_model(
     here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
     same weights; a few rows cost about one row) when that kernel builds here. ``trust_remote_code``:
     let ``transformers`` run Python code shipped with the model (off unless asked).
+    ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
+    or any name transformers knows (``"sdpa"``, ``"eager"``).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import attention  # noqa: F401  (registers attention.NAME with transformers)
 
     path = resolve_model_path(spec, cache_dir)
     t0 = time.monotonic()

@@ -1,0 +1,60 @@
+"""The engine's attention: transformers' SDPA, without copying keys per query head, and packed
+prefill rows attended prompt by prompt.
+
+Registered with transformers' ``AttentionInterface`` (and its mask function, SDPA's) as :data:`NAME`;
+:func:`~logitspec.models.load_model` selects it by default. Two differences from ``sdpa``, both
+exact (the same products per query row):
+
+- **Grouped query heads share their key head.** For more than one query with a mask, transformers
+  copies every key and value to each query head (``repeat_kv``): at an 8k context a drafted step
+  of 4 rows copied 65 MB a layer. Here the query heads of a group are stacked as extra queries of
+  their key head and the mask repeated for them (``T x S`` per group, not ``S x D`` per head).
+- **Segments.** A forward given ``segments`` (``(start, end)`` node ranges of one fresh row, each a
+  prompt run from position 0: :meth:`~logitspec.target.TargetForward.prefill_rows`) attends each
+  prompt to itself only, instead of the whole packed square under a block-diagonal mask.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "logitspec_sdpa"
+
+
+def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              segments: tuple[tuple[int, int], ...] | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """``query`` [B, H, T, D], ``key``/``value`` [B, KV, S, D], ``attention_mask`` additive
+    [B, 1, T, S] or None -> (output [B, T, H, D], None), as transformers' attention functions."""
+    if segments is not None:
+        return _by_segment(module, query, key, value, attention_mask, segments, dropout=dropout,
+                           scaling=scaling, **kwargs)
+    groups = getattr(module, "num_key_value_groups", 1)
+    B, H, T, D = query.shape
+    if groups == 1 or T == 1 or attention_mask is None or dropout or query.device.type != "cpu":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    KV, S = key.shape[1], key.shape[2]
+    q = query.reshape(B, KV, groups * T, D)  # head h = kv * groups + g, as repeat_kv orders them
+    mask = attention_mask.expand(B, groups, T, S).reshape(B, 1, groups * T, S)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, T, H, D]
+
+
+def _by_segment(module, query, key, value, attention_mask, segments, **kwargs):
+    """Attention of one fresh row (no cached columns: ``S == T``) segment by segment."""
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"segments need one row without cached columns; got query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}")
+    outs = []
+    for a, z in segments:
+        mask = attention_mask[..., a:z, a:z] if attention_mask is not None else None
+        out, _ = attention(module, query[:, :, a:z], key[:, :, a:z], value[:, :, a:z], mask, **kwargs)
+        outs.append(out)  # [1, z - a, H, D]
+    return torch.cat(outs, dim=1), None
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)
