@@ -149,24 +149,30 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
     return best_n
 
 
-def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> list[int]:
+def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
+                 weights: Sequence[float] | None = None, margin: float = 0.0) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
-    ``probs[b]``: row b's draft-node probabilities, sorted descending. For each padded width T, the
+    ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
+    of row b is worth (default 1 for every row; see :func:`drain_weights`). Any drafting must score
+    ``1 + margin`` times plain decoding. For each padded width T, the
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
     are then taken most probable first (a row's kept nodes are its most probable ones), each
     prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
     is :func:`choose_size` for every row.
     """
     B = len(probs)
-    best, best_score = [0] * B, B / cost.step(B, 1)
+    w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
+    # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
+    # a drafting step has host work (drafts, acceptance) that the curve does not hold
+    best, best_score = [0] * B, w.sum() / cost.step(B, 1) * (1 + margin)
     top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
-        vals = np.concatenate(cand)  # [M]
         rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
+        vals = np.concatenate(cand) * w[rows]  # [M]: each node's expected tokens, weighted by its row
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
-        gain = B + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
+        gain = w.sum() + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
         full = cost.step(B, width + 1) - cost.head_time(B * (width + 1))  # the padded decoder
         score = gain / (full + cost.head_time(B + np.arange(len(vals) + 1)))
         k = int(np.argmax(score))
@@ -174,6 +180,19 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -
             best_score = score[k]
             best = np.bincount(rows[order[:k]], minlength=B).tolist()
     return best
+
+
+def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, near: float = 0.9) -> np.ndarray:
+    """Token weights for a batch that is only draining (no prompt waits for a slot), float64 [B].
+
+    The batch then ends with its slowest row: the rows whose estimated steps left (``remaining``
+    tokens over their recent ``rates`` of tokens per step) are within ``near`` of the most are
+    worth 1 a token. A row that is ahead, finishing sooner, saves only its own part of each later
+    step: ``share``, a row's marginal cost over the step's (from the cost curve), is what its
+    tokens are worth. Drafting then goes where it shortens the batch, and steps stay cheap
+    otherwise (a heuristic: a row's end of sequence is not known in advance)."""
+    est = np.asarray(remaining, dtype=float) / np.maximum(np.asarray(rates, dtype=float), 1e-9)  # [B]
+    return np.where(est >= near * est.max(), 1.0, float(np.clip(share, 0.0, 1.0)))
 
 
 def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import calibrate
-from .budget import AcceptanceStats, CostCurve, choose_sizes, top_nodes
+from .budget import AcceptanceStats, CostCurve, choose_sizes, drain_weights, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
 from .device import to_device
@@ -39,7 +39,10 @@ log = logging.getLogger("logitspec.engine")
 # every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
 # without verified drafts, so the steps between would almost surely choose none again
 RECHECK_EVERY = 4
+MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
+DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
+RATE_STEPS = 8  # a draining batch estimates each row's steps left from its tokens per step over this many steps
 STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
@@ -128,6 +131,7 @@ class Engine:
         self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in LOOKUP_KINDS},
                                           n_states=STREAK_STATES)
         self._steps_without_drafts = 0
+        self._recheck_every = RECHECK_EVERY  # steps between re-checks while no drafts are chosen (see _draft)
         self._draft_share = 1.0  # drafting's share of the last drafting step's time (see _draft)
         # a host-timed value -> the value every rank of a tensor-parallel group uses (rank 0's, see
         # distributed.make_engine); decisions taken from timings must not differ between ranks
@@ -245,9 +249,12 @@ class Engine:
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         return seq
 
-    def decode_step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
-        """One decoding step of every active row (``kv`` row b is ``active[b]``'s)."""
-        self._step(active, kv, params, stops)
+    def decode_step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops,
+                    draining: bool = False) -> None:
+        """One decoding step of every active row (``kv`` row b is ``active[b]``'s). ``draining``: no
+        prompt waits for a slot, so the batch ends with its slowest row (the budget weighs rows by
+        what they have left: :func:`~logitspec.budget.drain_weights`)."""
+        self._step(active, kv, params, stops, draining)
 
     def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
         """The next token after the one node whose output is ``logits``."""
@@ -264,10 +271,11 @@ class Engine:
         """The head's (``exact``, ``argmax``) flags for sequences sampled with ``params``."""
         return self._exact(params), params.greedy
 
-    def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops) -> None:
+    def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops,
+              draining: bool = False) -> None:
         """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
         clock = StepClock()
-        trees = self._draft(active)
+        trees = self._draft(active, draining)
         rows = [StepRow.from_tree(len(s.index) - 1, tree) for s, tree in zip(active, trees)]
         clock.lap("draft_s")
         cols = kv.columns
@@ -292,13 +300,13 @@ class Engine:
         guesses' top-k)."""
         return (clock.times["draft_s"] + clock.times["verify_s"]) / max(sum(clock.times.values()), 1e-9)
 
-    def _draft(self, active: list[_Sequence]) -> list[DraftTree]:
+    def _draft(self, active: list[_Sequence], draining: bool = False) -> list[DraftTree]:
         """A draft tree per row, within the step's budget, the row's remaining tokens and the context.
         While the auto budget keeps choosing plain decoding and drafting (with verifying: the
         guesses' top-k) is a noticeable share of a step's time (``SKIP_DRAFT_SHARE``, e.g. many
-        rows), only every
-        ``RECHECK_EVERY``-th step drafts (to re-check); the others skip drafting altogether."""
-        if self.auto_budget and self._steps_without_drafts % RECHECK_EVERY and self._draft_share >= SKIP_DRAFT_SHARE:
+        rows), only every ``RECHECK_EVERY``-th step drafts (to re-check; the interval doubles, up to
+        ``MAX_RECHECK_EVERY``, each time the re-check chooses none again); the others skip drafting."""
+        if self.auto_budget and self._steps_without_drafts % self._recheck_every and self._draft_share >= SKIP_DRAFT_SHARE:
             self._steps_without_drafts += 1
             self._drafted = False
             return [DraftTree.single(s.index.tokens[-1]) for s in active]
@@ -309,7 +317,7 @@ class Engine:
             room = min(s.max_new - len(s.out), self.max_context - len(s.index)) - 1
             trees.append(self.drafter.draft(s.sources, s.index.tokens, s.guesses, max(0, min(budget, room))))
         if self.auto_budget:
-            trees = self._prune(trees, [s.streak for s in active])
+            trees = self._prune(trees, active, draining)
         return trees
 
     def _accept(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult,
@@ -332,7 +340,7 @@ class Engine:
         """Whether the next step can use next-next guesses from this one: not when it will skip
         drafting (:meth:`_draft`), so their top-k over the vocabulary is not computed for nothing.
         A drafting step always computes them, so the draft share it measures includes them."""
-        return self._drafted or not self._steps_without_drafts % RECHECK_EVERY
+        return self._drafted or not self._steps_without_drafts % self._recheck_every
 
     def _decide(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult, params: SamplingParams):
         """:func:`~logitspec.verify.decide` for the step: paths, bonus tokens, top tokens (or None)."""
@@ -356,17 +364,26 @@ class Engine:
             top = torch.topk(last, k + 1, dim=-1).indices.tolist()  # [B][k + 1]
         return [[t for t in row if t != b][:k] for row, b in zip(top, bonus)]
 
-    def _prune(self, trees: list, states: list[int]) -> list:
-        """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`)."""
+    def _prune(self, trees: list, active: list[_Sequence], draining: bool) -> list:
+        """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`); a
+        ``draining`` batch weighs its rows' tokens by :func:`~logitspec.budget.drain_weights`."""
         if self.cost_curve is None:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
-        probs = [self.acceptance.node_probs(t, st) for t, st in zip(trees, states)]
+        weights, B = None, len(active)
+        if draining and B > 1:
+            step = self.cost_curve.step(B, 1)
+            weights = drain_weights([s.max_new - len(s.out) for s in active],
+                                    [np.mean(s.stats.accepted_lengths[-RATE_STEPS:]) for s in active],
+                                    share=(step - self.cost_curve.step(B - 1, 1)) / step)
+        probs = [self.acceptance.node_probs(t, s.streak) for t, s in zip(trees, active)]
         most = max(len(t) - 1 for t in trees)
-        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most)
+        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most, weights,
+                             margin=DRAFT_MARGIN if B > 1 else 0.0)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover
         self._steps_without_drafts = self._steps_without_drafts + 1 if not any(sizes) else 0
+        self._recheck_every = min(2 * self._recheck_every, MAX_RECHECK_EVERY) if not any(sizes) else RECHECK_EVERY
         if self._steps_without_drafts > 16 * len(trees):
             sizes, self._steps_without_drafts = [min(2, most)] * len(trees), 0
         return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]

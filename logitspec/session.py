@@ -108,7 +108,8 @@ class Session:
         finished: list = []
         self._fill(finished)
         if self.active:
-            self.engine.decode_step(self.active, self.kv, self.params, self.stops)
+            draining = not (self.pending or self.ready or self.prefilling)
+            self.engine.decode_step(self.active, self.kv, self.params, self.stops, draining)
             self.steps += 1
             self.active_sum += len(self.active)
             now = time.perf_counter()

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from logitspec.budget import AcceptanceStats, CostCurve, choose_size, choose_sizes, top_nodes
+from logitspec.budget import AcceptanceStats, CostCurve, choose_size, choose_sizes, drain_weights, top_nodes
 from logitspec.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
@@ -124,3 +124,30 @@ def test_choose_sizes_is_never_worse_than_plain_or_uniform(seed):
         probs = [np.sort(np.cumprod(rng.uniform(0.0, 1.0, 4)))[::-1] for _ in range(B)]
         best = _score(probs, c, choose_sizes(probs, c, 4))
         assert all(best >= _score(probs, c, [n] * B) * (1 - 1e-9) for n in range(5))
+
+
+def test_drain_weights_value_the_rows_that_set_the_batch_end():
+    # steps left: 40 / 1 = 40, 38 / 1 = 38 (within 0.9 of 40), 30 / 3 = 10, 10 / 1 = 10
+    w = drain_weights([40, 38, 30, 10], [1.0, 1.0, 3.0, 1.0], share=0.05)
+    assert w.tolist() == [1.0, 1.0, 0.05, 0.05]
+    assert drain_weights([5, 5], [1.0, 1.0], share=0.3).tolist() == [1.0, 1.0]
+
+
+def test_weighted_rows_draft_only_where_it_shortens_the_batch():
+    """A row whose tokens are worth little (ahead in a draining batch) gets no nodes, even copying;
+    the row that sets the end gets them."""
+    head = {"tokens": [1, 64], "seconds": [0.004, 0.004 * 64]}
+    c = CostCurve([1, 64], [0.1, 2.0], batches={4: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.24, 0.28, 0.32]}},
+                  head=head)
+    copying = np.array([0.95, 0.9, 0.85])
+    probs = [copying] * 4
+    assert choose_sizes(probs, c, 3) == [3] * 4
+    assert choose_sizes(probs, c, 3, weights=[1.0, 0.02, 0.02, 0.02]) == [3, 0, 0, 0]
+
+
+def test_margin_refuses_drafts_that_barely_pay():
+    c = CostCurve([1, 2, 64], [1.0, 1.2, 10.0])
+    probs = [np.array([0.25])]  # 1.25 tokens for 1.2x the time: 4% better than plain
+    assert choose_sizes(probs, c, 1) == [1]
+    assert choose_sizes(probs, c, 1, margin=0.1) == [0]
+    assert choose_sizes([np.array([0.9])], c, 1, margin=0.1) == [1]

@@ -1,5 +1,6 @@
 """Cost curves per device: the grid each device is measured on, the store keyed by device, and the
 draft budget a flat (GPU-like) curve leads to against a steep (CPU-like) one."""
+import json
 import numpy as np
 import pytest
 import torch
@@ -85,6 +86,11 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     calibrate.load_or_measure(target, 3)  # the stored curve has no batch curve: measured again
     calibrate.load_or_measure(target, 4)  # covered by the 4-row curve
     assert calls == [(), (4,)]
+    doc = json.loads(path.read_text())
+    doc["batches"]["4"] = {"tokens": [1, 2, 3], "seconds": [0.1, 0.2, 0.3]}  # a curve from an older, smaller grid
+    path.write_text(json.dumps(doc))
+    calibrate.load_or_measure(target, 4)  # lacks the grid's 4 and 6 tokens a row: measured again
+    assert calls == [(), (4,), (4,)]
 
 
 def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():

@@ -118,6 +118,25 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
     assert [results[i] for i in ids] == ref
 
 
+def test_decode_steps_know_when_the_batch_is_only_draining(llama):
+    """While a prompt waits for a slot the batch is refilled (every row's tokens count alike); once
+    none waits it only drains, and the budget weighs rows by what they have left."""
+    eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=2))
+    seen, decode = [], eng.decode_step
+
+    def spy(active, kv, params, stops, draining=False):
+        seen.append((len(active), draining))
+        return decode(active, kv, params, stops, draining)
+
+    eng.decode_step = spy
+    session = eng.open(max_new_tokens=6)
+    for p in repetitive_prompts(3, seed=2):
+        session.submit(p)
+    session.drain()
+    assert seen[0] == (2, False)  # the third prompt waits for a slot
+    assert seen[-1][1] is True and all(d for n, d in seen if n == 1)
+
+
 # ---------------------------------------------------------------- prefill interleaved with decoding
 def test_long_prefill_is_interleaved_with_decoding():
     model = tiny_model("gemma3")  # sliding window 6: the window wraps inside every chunk
