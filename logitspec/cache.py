@@ -7,6 +7,8 @@ window has wrapped (docs/engine.md).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -22,6 +24,14 @@ class GrowingLayer(DynamicLayer):
     forward for sliding-window layers, :meth:`BatchKV.attend_from`; the cache itself keeps all)."""
 
     start = 0
+    reserve = 0  # columns to make room for when the buffer grows (a prompt's known length)
+
+    @classmethod
+    def reserving(cls, columns: int) -> "GrowingLayer":
+        """A layer whose first growth makes room for ``columns`` columns."""
+        layer = cls()
+        layer.reserve = columns
+        return layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -53,8 +63,9 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         T = key_states.shape[2]
-        if self.n + T > self._k.shape[2]:  # grow by an eighth, at least 64 columns: amortised O(T) per
-            self.set(self.keys, self.values, room=T + max(64, self.n // 8))  # step, little spare at 32k
+        if self.n + T > self._k.shape[2]:  # grow by an eighth, at least 64 columns (amortised O(T) per step,
+            # little spare at 32k), or at once to the reserved columns (a chunked prefill copies no buffer)
+            self.set(self.keys, self.values, room=T + max(64, self.n // 8, self.reserve - self.n - T))
         self._k[:, :, self.n:self.n + T] = key_states
         self._v[:, :, self.n:self.n + T] = value_states
         self.n += T
@@ -73,22 +84,24 @@ class GrowingLayer(DynamicLayer):
             super().crop(tokens_to_remove)
 
 
-def new_cache() -> Cache:
-    """An empty cache whose layers are :class:`GrowingLayer`, created as the model first writes them."""
-    return Cache(layer_class_to_replicate=GrowingLayer)
+def new_cache(reserve: int = 0) -> Cache:
+    """An empty cache whose layers are :class:`GrowingLayer`, created as the model first writes them
+    (``reserve``: with room for that many columns at their first growth)."""
+    return Cache(layer_class_to_replicate=functools.partial(GrowingLayer.reserving, reserve) if reserve else GrowingLayer)
 
 
 class BatchKV:
     """Rows of committed KV entries; ``lengths[b]`` columns of row b are valid."""
 
-    def __init__(self) -> None:
-        self.hf = new_cache()
+    def __init__(self, reserve: int = 0) -> None:
+        self.hf = new_cache(reserve)
         self.lengths: list[int] = []
 
     @classmethod
-    def empty_row(cls) -> "BatchKV":
-        """A cache of one row with no columns yet (a prompt about to be prefilled)."""
-        kv = cls()
+    def empty_row(cls, reserve: int = 0) -> "BatchKV":
+        """A cache of one row with no columns yet (a prompt about to be prefilled; ``reserve``: its
+        length, so a chunked prefill grows the buffers once)."""
+        kv = cls(reserve)
         kv.lengths = [0]
         return kv
 

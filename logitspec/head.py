@@ -253,13 +253,13 @@ class Head:
                 self.screen = shared_screen(self.weight)
 
     def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True,
-                 argmax: bool = True, segments: tuple | None = None) -> NodeLogits:
+                 argmax: bool = True, attn: dict | None = None) -> NodeLogits:
         """Output-layer results of the flat node indices ``select`` [N] into the [B, T] batch; the
         cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores, with
         the exact argmax unless ``argmax=False`` (sampling: draws from the screen, see
-        :mod:`logitspec.sampling`). ``segments``: the prompts of a packed prefill row, for
-        :mod:`logitspec.attention` (other attention functions ignore it; the mask alone is exact)."""
-        extra = {"segments": segments} if segments else {}
+        :mod:`logitspec.sampling`). ``attn``: keywords for :mod:`logitspec.attention` (other
+        attention functions ignore them; the mask alone is exact)."""
+        extra = attn or {}
         if self.fast:
             out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
                                **extra)

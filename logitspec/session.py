@@ -224,7 +224,7 @@ class Session:
         cache = self.engine.prefix_cache
         hit = cache.lookup(req.ids, self._output_kind()) if cache is not None else None
         if hit is None:
-            req.row = BatchKV.empty_row()
+            req.row = BatchKV.empty_row(reserve=len(req.ids))
         else:
             req.row, req.last, req.done_tokens = hit.row, hit.last, hit.tokens
             req.cached_tokens = hit.tokens

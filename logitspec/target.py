@@ -56,10 +56,11 @@ class TargetForward:
 
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
                  argmax: bool = True, pick: list[np.ndarray] | None = None,
-                 segments: tuple[tuple[int, int], ...] | None = None) -> ForwardResult:
+                 segments: tuple[tuple[int, int], ...] | None = None, prefill: bool = False) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
         padding); per row, the output layer's results for all its nodes, or its last node only, or
-        (``pick``) the nodes ``pick[b]``. ``segments``: see :mod:`logitspec.attention`.
+        (``pick``) the nodes ``pick[b]``. ``segments`` (prompts side by side in one row) and
+        ``prefill`` (every row a causal chunk): see :mod:`logitspec.attention`.
         ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores; with
         ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
         the model's device without waiting for it."""
@@ -82,7 +83,7 @@ class TargetForward:
             kv.attend_from([packed.starts[k] for k in self.layer_kinds])
         try:
             nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact,
-                              argmax=argmax, segments=segments)  # [N, V]
+                              argmax=argmax, attn=_attention_keywords(segments, prefill))  # [N, V]
         finally:
             if self.layer_kinds is not None:
                 kv.attend_from(None)
@@ -93,7 +94,7 @@ class TargetForward:
                 argmax: bool = True) -> tuple[BatchKV, NodeLogits]:
         """A one-row cache holding ``tokens`` (run in causal chunks of ``chunk``), and the output-layer
         result of the last token (``exact``, ``argmax`` as for :meth:`__call__`)."""
-        row = BatchKV.empty_row()
+        row = BatchKV.empty_row(reserve=len(tokens))
         for start in range(0, len(tokens), chunk):
             last = self.extend(row, tokens[start:start + chunk], exact, argmax)
         return row, last
@@ -108,7 +109,7 @@ class TargetForward:
         ends = np.cumsum(lengths) - 1  # each prompt's last node
         segments = tuple((int(e) + 1 - n, int(e) + 1) for e, n in zip(ends, lengths))
         out = self([StepRow.side_by_side(prompts)], row, all_logits=False, exact=exact, argmax=argmax, pick=[ends],
-                   segments=segments)
+                   segments=segments, prefill=True)
         row.commit([list(range(sum(lengths)))])
         return row.split_row(lengths), [out.nodes[i:i + 1] for i in range(len(prompts))]
 
@@ -117,6 +118,11 @@ class TargetForward:
         ``row`` and commit them; the output-layer result of the last token ([1, V])."""
         cols = row.columns
         last = self([StepRow.chain(row.lengths[0], tokens)], row, all_logits=False, exact=exact,
-                    argmax=argmax).logits[0]
+                    argmax=argmax, prefill=True).logits[0]
         row.commit([list(range(cols, cols + len(tokens)))])
         return last
+
+
+def _attention_keywords(segments, prefill: bool) -> dict:
+    """The keywords :mod:`logitspec.attention` reads, those that are set."""
+    return {k: v for k, v in (("segments", segments), ("prefill", prefill)) if v}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from logitspec.attention import NAME, attention
+from logitspec.attention import NAME, PREFILL_BLOCK, attention
 from logitspec.engine import Engine
 from logitspec.config import SpecConfig
 from tiny_models import repetitive_prompts, tiny_model
@@ -67,3 +67,23 @@ def test_engine_output_is_the_same_under_stock_sdpa(family):
             engine = Engine(model, None, SpecConfig(method=method, max_batch_size=4))
             outs[attn, method] = [r.token_ids for r in engine.run(prompts, max_new_tokens=12).results]
     assert len({str(v) for v in outs.values()}) == 1
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_prefill_chunk_in_blocks_equals_the_whole_chunk(window):
+    """A causal chunk after a cached prefix, blocked by queries over only the columns each block sees."""
+    cached, T, H, D = 70, 2 * PREFILL_BLOCK + 37, 4, 8
+    S = cached + T
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, H, T, D, generator=g)
+    k, v = torch.randn(2, 1, 1, S, D, generator=g)
+    pos = torch.arange(cached, S)[:, None]  # [T, 1]: query positions; column c holds position c
+    seen = torch.arange(S)[None, :] <= pos
+    if window is not None:
+        seen &= pos - torch.arange(S)[None, :] < window
+    mask = torch.zeros(1, 1, T, S).masked_fill(~seen, torch.finfo(torch.float32).min)
+    module = types.SimpleNamespace(num_key_value_groups=H)
+    blocked, _ = attention(module, q, k, v, mask, scaling=0.4, prefill=True)
+    whole, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.4)
+    assert blocked.shape == whole.shape == (1, T, H, D)
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ import torch
 
 from logitspec.cache import BatchKV, _cache_of
 from logitspec.masks import StepRow, layer_windows, pack_step
+from logitspec.target import TargetForward
 from logitspec.tree import DraftTree
 from tiny_models import VOCAB, tiny_model
 
@@ -165,3 +166,18 @@ def test_prefill_side_by_side_equals_prefill_alone(family):
             for mine, ref in zip(rows.hf.layers, alone.hf.layers):
                 torch.testing.assert_close(mine.keys[b, :, :len(p)], ref.keys[0, :, :len(p)], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(mine.values[b, :, :len(p)], ref.values[0, :, :len(p)], rtol=1e-5, atol=1e-5)
+
+
+def test_a_reserved_row_grows_its_buffers_once_over_a_chunked_prefill():
+    target = TargetForward(tiny_model("llama"))
+    tokens = [(5 * i + 2) % VOCAB for i in range(200)]
+    reserved, plain = BatchKV.empty_row(reserve=len(tokens)), BatchKV.empty_row()
+    buffers = {"reserved": set(), "plain": set()}
+    for start in range(0, len(tokens), 16):
+        for name, row in (("reserved", reserved), ("plain", plain)):
+            target.extend(row, tokens[start:start + 16])
+            buffers[name].add(row.hf.layers[0]._k.data_ptr())
+    assert len(buffers["reserved"]) == 1 and len(buffers["plain"]) > 1  # the plain row re-copied as it grew
+    assert reserved.lengths == plain.lengths == [200]
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+               for a, b in zip(reserved.hf.layers, plain.hf.layers))
