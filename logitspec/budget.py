@@ -75,15 +75,19 @@ class CostCurve:
     """
 
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None,
-                 head: dict | None = None):
+                 head: dict | None = None, context: dict | None = None):
         """``head``: optional ``{"tokens": [N], "seconds": [s]}``, the output layer alone over N nodes
-        (part of every forward time above, where each row's every node gets output-layer results)."""
+        (part of every forward time above, where each row's every node gets output-layer results).
+        ``context``: optional ``{"per_column": s, "columns": c}``, the seconds a node's attention
+        adds per cached column it reads beyond the ``c`` columns the curves were measured at
+        (columns averaged over the layers: a sliding-window layer reads at most its window)."""
         order = np.argsort(tokens)
         self.tokens = [int(tokens[i]) for i in order]
         self.seconds = [float(seconds[i]) for i in order]
         self.batches = {int(b): c if isinstance(c, CostCurve) else CostCurve(c["tokens"], c["seconds"])
                         for b, c in (batches or {}).items()}
         self.head = None if head is None else CostCurve(head["tokens"], head["seconds"])
+        self.context = dict(context) if context else None
 
     def head_time(self, nodes) -> np.ndarray:
         """Output-layer seconds for ``nodes`` (array) nodes; 0 without a head curve."""
@@ -104,10 +108,18 @@ class CostCurve:
         x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
 
-    def step(self, rows: int, per_row: int) -> float:
+    def step(self, rows: int, per_row: int, columns: float | None = None) -> float:
         """Forward time of ``rows`` sequences adding ``per_row`` tokens each: the measured batch
         curves, linear in ``rows`` between them and proportional beyond the largest; the token
-        curve alone when no batch curve was measured."""
+        curve alone when no batch curve was measured. ``columns``: the cached columns the rows'
+        nodes read (averaged over layers); beyond the curves' own, each node costs ``context``'s
+        ``per_column`` more a column."""
+        extra = 0.0
+        if columns is not None and self.context:
+            extra = self.context["per_column"] * rows * per_row * max(0.0, columns - self.context["columns"])
+        return self._step(rows, per_row) + extra
+
+    def _step(self, rows: int, per_row: int) -> float:
         if rows <= 1 or not self.batches:
             return self(rows * per_row)
         sizes = sorted({1, *self.batches})
@@ -129,6 +141,8 @@ class CostCurve:
             d["batches"] = {str(b): c.to_dict() for b, c in sorted(self.batches.items())}
         if self.head is not None:
             d["head"] = self.head.to_dict()
+        if self.context:
+            d["context"] = dict(self.context)
         return d
 
 
@@ -150,12 +164,14 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
 
 
 def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
-                 weights: Sequence[float] | None = None, margin: float = 0.0) -> list[int]:
+                 weights: Sequence[float] | None = None, margin: float = 0.0,
+                 columns: float | None = None) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
     ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
     of row b is worth (default 1 for every row; see :func:`drain_weights`). Any drafting must score
-    ``1 + margin`` times plain decoding. For each padded width T, the
+    ``1 + margin`` times plain decoding. ``columns``: the cached columns the nodes read (see
+    :meth:`CostCurve.step`). For each padded width T, the
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
     are then taken most probable first (a row's kept nodes are its most probable ones), each
     prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
@@ -165,7 +181,7 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
     # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
     # a drafting step has host work (drafts, acceptance) that the curve does not hold
-    best, best_score = [0] * B, w.sum() / cost.step(B, 1) * (1 + margin)
+    best, best_score = [0] * B, w.sum() / cost.step(B, 1, columns) * (1 + margin)
     top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
@@ -173,7 +189,7 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
         vals = np.concatenate(cand) * w[rows]  # [M]: each node's expected tokens, weighted by its row
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
         gain = w.sum() + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
-        full = cost.step(B, width + 1) - cost.head_time(B * (width + 1))  # the padded decoder
+        full = cost.step(B, width + 1, columns) - cost.head_time(B * (width + 1))  # the padded decoder
         score = gain / (full + cost.head_time(B + np.arange(len(vals) + 1)))
         k = int(np.argmax(score))
         if score[k] > best_score * (1 + 1e-12):

@@ -41,14 +41,16 @@ class Grid:
     per_row: tuple[int, ...]  # new tokens per row in those
     max_tokens: int  # batch points with more new tokens in the forward are skipped
     context: int  # cached tokens of row 0 (row r holds 16 r more)
+    long_context: int  # a longer cache, for what a node's attention adds per cached column
 
 
-CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 128, 256)
+CONTEXT_CHUNK = 512  # prompt tokens per forward of a measurement's context (the engine's default chunk)
+CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 128, 256, 2048)
 # per row up to 6 tokens: extrapolating a batch's cost past 3 tokens a row under-stated it (measured
 # 5 rows x 5 tokens: 52-67 ms; from 1-3 tokens: 49 ms)
 CPU_QUICK = replace(CPU_GRID, tokens=(1, 2, 4, 8, 16, 32), per_row=(1, 2, 3, 4, 6))
 # a GPU's forward stays flat to far more tokens: the batch sizes it runs, trees up to 64 nodes a row
-GPU_GRID = Grid((1, 2, 4, 8, 16, 32, 64), (8, 32, 64), (1, 2, 4, 8, 16, 32, 64), 64 * 64, 1024)
+GPU_GRID = Grid((1, 2, 4, 8, 16, 32, 64), (8, 32, 64), (1, 2, 4, 8, 16, 32, 64), 64 * 64, 1024, 8192)
 
 
 def grid_for(device, quick: bool = False) -> Grid:
@@ -126,7 +128,22 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     head = None
     if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
-    return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None)
+    return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None,
+                     measure_columns(target, context, g.long_context, reps, warmup))
+
+
+def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16) -> dict | None:
+    """What a node's attention adds per cached column it reads: the growth of one row's cost per
+    node (``nodes`` new tokens against one) from ``low`` to ``high`` cached tokens, over the growth
+    of the columns read (:meth:`~logitspec.target.TargetForward.read_columns`); None where the
+    model's context or windows leave no difference to measure."""
+    high = min(high, target.max_context - nodes - 1)
+    gained = target.read_columns(high) - target.read_columns(low)
+    if gained <= 0:
+        return None
+    per_node = [(c.seconds[1] - c.seconds[0]) / (nodes - 1)
+                for c in (measure_rows(target, 1, (1, nodes), n, reps, warmup) for n in (low, high))]
+    return {"per_column": max(0.0, (per_node[1] - per_node[0]) / gained), "columns": target.read_columns(low)}
 
 
 def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCurve:
@@ -149,8 +166,9 @@ def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: i
     each, for each n in ``tokens`` (interleaved over ``warmup + reps`` rounds)."""
     vocab = target.vocab_size
     lengths = [min(context + 16 * r, target.max_context - max(tokens) - 1) for r in range(rows)]
-    # one prefill, copied to every row: the cost depends on the cached lengths, not the tokens
-    kv, _ = target.prefill([(7 * i + 3) % vocab for i in range(max(lengths))], chunk=max(lengths))
+    # one prefill (in the engine's chunks: a long context in one chunk is a large transient),
+    # copied to every row: the cost depends on the cached lengths, not the tokens
+    kv, _ = target.prefill([(7 * i + 3) % vocab for i in range(max(lengths))], chunk=CONTEXT_CHUNK)
     kv.repeat_row(lengths)
     times = {n: [] for n in tokens}
     for rep in range(warmup + reps):
@@ -173,7 +191,7 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
         try:
             d = json.loads(path.read_text())
             if _covers(d, grid, rows) and (not rows or not target.head.fast or "head" in d):
-                return CostCurve(d["tokens"], d["seconds"], d.get("batches"), d.get("head"))
+                return CostCurve(d["tokens"], d["seconds"], d.get("batches"), d.get("head"), d.get("context"))
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
@@ -185,16 +203,17 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
 
 
 def _covers(doc: dict, grid: Grid, rows) -> bool:
-    """Whether a stored curve has every batch size in ``rows`` with the grid's tokens per row."""
+    """Whether a stored curve has every batch size in ``rows`` with the grid's tokens per row, and
+    the cost per cached column (None where it could not be measured)."""
     batches = doc.get("batches") or {}
-    return all(str(b) in batches and {n for n in grid.per_row if b * n <= grid.max_tokens} <= set(batches[str(b)]["tokens"])
+    return "context" in doc and all(str(b) in batches and {n for n in grid.per_row if b * n <= grid.max_tokens} <= set(batches[str(b)]["tokens"])
                for b in rows)
 
 
 def save(curve: CostCurve, path: pathlib.Path, target: TargetForward) -> None:
     """Write ``curve`` with what it was measured on (atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {**curve.to_dict(), "model": target.model.config._name_or_path, "dtype": str(target.dtype),
+    doc = {**curve.to_dict(), "context": curve.context, "model": target.model.config._name_or_path, "dtype": str(target.dtype),
            "machine": machine_fingerprint(target.device), "kernels": kernel_fingerprint(target.model, target.head)}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1))

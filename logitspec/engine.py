@@ -377,8 +377,9 @@ class Engine:
                                     share=(step - self.cost_curve.step(B - 1, 1)) / step)
         probs = [self.acceptance.node_probs(t, s.streak) for t, s in zip(trees, active)]
         most = max(len(t) - 1 for t in trees)
+        columns = self.target.read_columns(float(np.mean([len(s.index) for s in active])))
         sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most, weights,
-                             margin=DRAFT_MARGIN if B > 1 else 0.0)
+                             margin=DRAFT_MARGIN if B > 1 else 0.0, columns=columns)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover

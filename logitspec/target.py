@@ -51,8 +51,17 @@ class TargetForward:
         kinds = getattr(cfg, "layer_types", None)
         # sliding-window layers attend over their window only (pack's trim), given each layer's kind
         self.layer_kinds = list(kinds) if kinds and any(w is not None for w in self.windows.values()) else None
+        # per layer, its attention window (None: all columns)
+        self._windows_per_layer = ([self.windows[k] for k in kinds] if kinds
+                                   else [next(iter(self.windows.values()))] * int(cfg.num_hidden_layers))
         self.vocab_size = int(cfg.vocab_size)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+
+    def read_columns(self, cached: float) -> float:
+        """Cached columns a new node's attention reads, averaged over the layers, with ``cached``
+        columns in its row (a sliding-window layer reads at most its window)."""
+        w = self._windows_per_layer
+        return sum(cached if x is None else min(cached, x) for x in w) / max(len(w), 1)
 
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
                  argmax: bool = True, pick: list[np.ndarray] | None = None,

@@ -151,3 +151,14 @@ def test_margin_refuses_drafts_that_barely_pay():
     assert choose_sizes(probs, c, 1) == [1]
     assert choose_sizes(probs, c, 1, margin=0.1) == [0]
     assert choose_sizes([np.array([0.9])], c, 1, margin=0.1) == [1]
+
+
+def test_long_context_makes_each_node_dearer():
+    """Beyond the columns the curve was measured at, each node of the forward costs per column read."""
+    c = CostCurve([1, 2, 8, 64], [1.0, 1.05, 1.4, 6.0], context={"per_column": 1e-4, "columns": 256})
+    assert c.step(1, 8, columns=100) == c.step(1, 8) == pytest.approx(1.4)
+    assert c.step(1, 8, columns=2256) == pytest.approx(1.4 + 1e-4 * 8 * 2000)
+    assert CostCurve(**c.to_dict()).step(2, 4, columns=1256) == pytest.approx(c.step(2, 4, columns=1256))
+    probs = [np.array([0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05])]
+    short, long = choose_sizes(probs, c, 7, columns=256)[0], choose_sizes(probs, c, 7, columns=8256)[0]
+    assert short > long >= 1

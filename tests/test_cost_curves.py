@@ -114,3 +114,15 @@ def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
     c = calibrate.measure(target, tokens=(1, 2), context=8, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1,))
     assert c.head is not None and c.head.tokens[0] == 1 and all(s > 0 for s in c.head.seconds)
     assert calibrate.measure(target, tokens=(1,), context=8, reps=1, warmup=0, batch_rows=()).head is None
+
+
+def test_columns_read_follow_the_windows_and_their_cost_is_measured():
+    gemma = TargetForward(tiny_model("gemma3"))  # sliding window 6 on all but every 6th layer
+    kinds = gemma.model.config.layer_types
+    full = sum(k == "full_attention" for k in kinds)
+    assert gemma.read_columns(100) == pytest.approx((full * 100 + (len(kinds) - full) * 6) / len(kinds))
+    assert gemma.read_columns(4) == 4
+    llama = TargetForward(tiny_model("llama"))
+    assert llama.read_columns(300) == 300
+    ctx = calibrate.measure_columns(llama, 16, 200, reps=1, warmup=0, nodes=4)
+    assert ctx["columns"] == 16 and ctx["per_column"] >= 0
