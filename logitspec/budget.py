@@ -22,6 +22,18 @@ import numpy as np
 from .tree import DraftTree
 
 
+# acceptance-rate states by the drafted tokens a row's previous step accepted: 0, 1, 2-3, 4-7, >= 8.
+# Inside a long copied span whole chains are accepted, and pooling those steps with ones that took 2
+# tokens made a chain's deep nodes look like poor bets (measured: docs/longbench_report.md)
+STREAK_BOUNDS = (1, 2, 4, 8)
+N_STREAK_STATES = len(STREAK_BOUNDS) + 1
+
+
+def streak_state(accepted: int) -> int:
+    """The acceptance-rate state after a step that accepted ``accepted`` drafted tokens."""
+    return bisect.bisect_right(STREAK_BOUNDS, accepted)
+
+
 class AcceptanceStats:
     """P(node accepted | its parent accepted), per (state, kind, offset), with a Beta prior.
 
@@ -31,13 +43,17 @@ class AcceptanceStats:
 
     def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0,
                  kind_priors: dict[int, tuple[float, float]] | None = None, n_states: int = 1):
-        """``kind_priors``: (hits, misses) for particular kinds, e.g. an optimistic one for retrieved
-        chains, so a fresh engine tries them (a rate is only learned from nodes that get verified)."""
+        """``kind_priors``: (hits, misses) for particular kinds (key ``kind``: in every state) or
+        for a kind in one state (key ``(state, kind)``, applied after the former), e.g. an
+        optimistic one for retrieved chains, so a fresh engine tries them (a rate is only learned
+        from nodes that get verified)."""
         self.max_offset = max_offset
         self.hits = np.full((n_states, n_kinds, max_offset), prior_hits)
         self.tries = np.full((n_states, n_kinds, max_offset), prior_hits + prior_misses)
-        for kind, (h, m) in (kind_priors or {}).items():
-            self.hits[:, kind], self.tries[:, kind] = h, h + m
+        items = sorted((kind_priors or {}).items(), key=lambda kv: isinstance(kv[0], tuple))
+        for key, (h, m) in items:
+            where = (slice(None), key) if not isinstance(key, tuple) else key
+            self.hits[where], self.tries[where] = h, h + m
 
     def _cells(self, tree: DraftTree, nodes):
         return tree.kinds[nodes], np.minimum(tree.offsets[nodes], self.max_offset - 1)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import calibrate
-from .budget import AcceptanceStats, CostCurve, choose_sizes, drain_weights, top_nodes
+from .budget import N_STREAK_STATES, AcceptanceStats, CostCurve, choose_sizes, drain_weights, streak_state, top_nodes
 from .cache import BatchKV
 from .config import SpecConfig
 from .device import to_device
@@ -43,7 +43,6 @@ MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
 RATE_STEPS = 8  # a draining batch estimates each row's steps left from its tokens per step over this many steps
-STREAK_STATES = 3  # acceptance rates are kept apart after 0, 1 and >= 2 accepted drafted tokens
 
 
 @dataclass
@@ -81,7 +80,7 @@ class _Sequence:
     out: list[int] = field(default_factory=list)
     guesses: list[int] = field(default_factory=list)
     finish: str | None = None
-    streak: int = 0  # drafted tokens its previous step accepted, capped: the acceptance-rate state
+    streak: int = 0  # the acceptance-rate state: budget.streak_state of its previous step's accepted drafts
 
 
 def _origin_name(seq: _Sequence, tree: DraftTree, node: int) -> str:
@@ -126,10 +125,13 @@ class Engine:
         self.eos_ids = eos_ids(model, tokenizer)
         # State that persists across generate() calls (the engine learns as a long-running job would):
         # acceptance rates per node kind, the draft-free step count, the cost curve.
-        # Retrieved continuations start optimistic (offline replays accepted most of them); logit
-        # guesses start at 1/4; both are then learned from every verified node.
-        self.acceptance = AcceptanceStats(N_KINDS, kind_priors={k: (3.0, 1.0) for k in LOOKUP_KINDS},
-                                          n_states=STREAK_STATES)
+        # Retrieved continuations start optimistic (offline replays accepted most of them), more so
+        # right after a step that accepted 4 or more drafted tokens (inside a copied span the copy
+        # goes on: a fresh engine verifies whole chains there, as PLD does); logit guesses start at
+        # 1/4; all are then learned from every verified node.
+        priors = {k: (3.0, 1.0) for k in LOOKUP_KINDS}
+        priors.update({(streak_state(n), k): (9.0, 1.0) for n in (4, 8) for k in LOOKUP_KINDS})
+        self.acceptance = AcceptanceStats(N_KINDS, kind_priors=priors, n_states=N_STREAK_STATES)
         self._steps_without_drafts = 0
         self._recheck_every = RECHECK_EVERY  # steps between re-checks while no drafts are chosen (see _draft)
         self._draft_share = 1.0  # drafting's share of the last drafting step's time (see _draft)
@@ -333,7 +335,7 @@ class Engine:
             paths, bonus, top = [p for p, _ in picks], [b for _, b in picks], None
         for s, tree, path in zip(active, trees, paths):
             self.acceptance.update(tree, path, s.streak)
-            s.streak = min(len(path) - 1, STREAK_STATES - 1)
+            s.streak = streak_state(len(path) - 1)
         return paths, bonus, self._next_guesses(fwd.logits, paths, bonus, top)
 
     def _want_guesses(self) -> bool:

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from logitspec.budget import AcceptanceStats, CostCurve, choose_size, choose_sizes, drain_weights, top_nodes
+from logitspec.budget import (N_STREAK_STATES, AcceptanceStats, CostCurve, choose_size, choose_sizes, drain_weights,
+                              streak_state, top_nodes)
 from logitspec.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
@@ -58,6 +59,28 @@ def test_states_learn_separately():
         st.update(TREE, [0], state=0)  # after a miss: nothing accepted
     assert st.node_probs(TREE, state=1)[3] > 0.7
     assert st.node_probs(TREE, state=0)[1] < 0.1
+
+
+def test_long_streaks_have_a_state_of_their_own():
+    """A step after a whole copied chain was accepted is not pooled with one after 2 tokens."""
+    assert [streak_state(n) for n in (0, 1, 2, 3, 4, 7, 8, 10)] == [0, 1, 2, 2, 3, 3, 4, 4]
+    assert N_STREAK_STATES == 5
+    chain = DraftTree(np.arange(11), np.arange(-1, 10), kinds=np.zeros(11, dtype=int), offsets=np.r_[0, np.arange(10)])
+    st = AcceptanceStats(n_kinds=1, max_offset=16, n_states=N_STREAK_STATES)
+    for _ in range(30):
+        st.update(chain, list(range(11)), state=streak_state(10))  # inside a copy: the whole chain
+        st.update(chain, [0, 1, 2, 3], state=streak_state(2))  # after 2 tokens: 3, then a miss
+    assert st.node_probs(chain, streak_state(10))[-1] > 0.3 > 0.01 > st.node_probs(chain, streak_state(3))[-1]
+
+
+def test_priors_per_kind_and_per_state_and_kind():
+    st = AcceptanceStats(n_kinds=2, max_offset=2, prior_hits=1, prior_misses=3, n_states=3,
+                         kind_priors={(2, 0): (9.0, 1.0), 0: (3.0, 1.0)})
+    chain = DraftTree(np.array([5, 6]), np.array([-1, 0]), kinds=np.array([0, 0]), offsets=np.array([0, 0]))
+    guess = DraftTree(np.array([5, 6]), np.array([-1, 0]), kinds=np.array([0, 1]), offsets=np.array([0, 0]))
+    assert st.node_probs(chain, 0)[1] == st.node_probs(chain, 1)[1] == 0.75  # the kind's, in every state
+    assert st.node_probs(chain, 2)[1] == 0.9  # the state's own, whatever the order given
+    assert st.node_probs(guess, 2)[1] == 0.25  # other kinds keep the default
 
 
 def test_batch_curves_interpolate_in_rows():
