@@ -129,20 +129,24 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None,
-                     measure_columns(target, context, g.long_context, reps, warmup))
+                     measure_columns(target, context, g.long_context, reps, warmup, at_low=one))
 
 
-def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16) -> dict | None:
+def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16,
+                    at_low: CostCurve | None = None) -> dict | None:
     """What a node's attention adds per cached column it reads: the growth of one row's cost per
     node (``nodes`` new tokens against one) from ``low`` to ``high`` cached tokens, over the growth
     of the columns read (:meth:`~logitspec.target.TargetForward.read_columns`); None where the
-    model's context or windows leave no difference to measure."""
+    model's context or windows leave no difference to measure. ``at_low``: one row's curve already
+    measured at ``low`` cached tokens with 1 and ``nodes`` tokens among its points (else measured)."""
     high = min(high, target.max_context - nodes - 1)
     gained = target.read_columns(high) - target.read_columns(low)
     if gained <= 0:
         return None
-    per_node = [(c.seconds[1] - c.seconds[0]) / (nodes - 1)
-                for c in (measure_rows(target, 1, (1, nodes), n, reps, warmup) for n in (low, high))]
+    if at_low is None or not {1, nodes} <= set(at_low.tokens):
+        at_low = measure_rows(target, 1, (1, nodes), low, reps, warmup)
+    at_high = measure_rows(target, 1, (1, nodes), high, reps, warmup)
+    per_node = [(c(nodes) - c(1)) / (nodes - 1) for c in (at_low, at_high)]
     return {"per_column": max(0.0, (per_node[1] - per_node[0]) / gained), "columns": target.read_columns(low)}
 
 
@@ -191,7 +195,7 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
         try:
             d = json.loads(path.read_text())
             if _covers(d, grid, rows) and (not rows or not target.head.fast or "head" in d):
-                return CostCurve(d["tokens"], d["seconds"], d.get("batches"), d.get("head"), d.get("context"))
+                return curve_from_doc(d)
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
@@ -202,19 +206,27 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
     return curve
 
 
+def curve_from_doc(doc: dict) -> CostCurve:
+    """The curve of a stored calibration document (:func:`save`'s)."""
+    return CostCurve(doc["tokens"], doc["seconds"], doc.get("batches"), doc.get("head"), doc.get("context"))
+
+
 def _covers(doc: dict, grid: Grid, rows) -> bool:
     """Whether a stored curve has every batch size in ``rows`` with the grid's tokens per row, and
     the cost per cached column (None where it could not be measured)."""
     batches = doc.get("batches") or {}
-    return "context" in doc and all(str(b) in batches and {n for n in grid.per_row if b * n <= grid.max_tokens} <= set(batches[str(b)]["tokens"])
-               for b in rows)
+    return "context" in doc and all(
+        str(b) in batches and {n for n in grid.per_row if b * n <= grid.max_tokens} <= set(batches[str(b)]["tokens"])
+        for b in rows)
 
 
 def save(curve: CostCurve, path: pathlib.Path, target: TargetForward) -> None:
-    """Write ``curve`` with what it was measured on (atomically)."""
+    """Write ``curve`` with what it was measured on (atomically); ``context`` is written even when
+    None, so a reader can tell a curve measured without a column cost from an older one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {**curve.to_dict(), "context": curve.context, "model": target.model.config._name_or_path, "dtype": str(target.dtype),
-           "machine": machine_fingerprint(target.device), "kernels": kernel_fingerprint(target.model, target.head)}
+    doc = {**curve.to_dict(), "context": curve.context, "model": target.model.config._name_or_path,
+           "dtype": str(target.dtype), "machine": machine_fingerprint(target.device),
+           "kernels": kernel_fingerprint(target.model, target.head)}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)

@@ -199,7 +199,7 @@ def group_cost_curve(target):
     import json
 
     from .budget import CostCurve
-    from .calibrate import curve_path, measure, save
+    from .calibrate import curve_from_doc, curve_path, measure, save
 
     dist = torch.distributed
     world = dist.get_world_size()
@@ -209,7 +209,7 @@ def group_cost_curve(target):
     if dist.get_rank() == 0 and path is not None and path.exists():
         with contextlib.suppress(OSError, ValueError, KeyError):
             d = json.loads(path.read_text())
-            doc[0] = {"tokens": d["tokens"], "seconds": d["seconds"], "batches": d.get("batches")}
+            doc[0] = curve_from_doc(d).to_dict()  # the curve as measured: its head and column cost too
     dist.broadcast_object_list(doc, src=0)
     if doc[0] is None:
         t0 = time.perf_counter()
