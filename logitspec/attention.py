@@ -1,9 +1,14 @@
-"""The engine's attention: transformers' SDPA, without copying keys per query head, and packed
-prefill rows attended prompt by prompt.
+"""The engine's attention: transformers' SDPA, without copying keys per query head, packed
+prefill rows attended prompt by prompt, and decoding steps by a batch-invariant kernel of our own.
 
 Registered with transformers' ``AttentionInterface`` (and its mask function, SDPA's) as :data:`NAME`;
-:func:`~logitspec.models.load_model` selects it by default. Two differences from ``sdpa``, both
+:func:`~logitspec.models.load_model` selects it by default. Three differences from ``sdpa``, all
 exact (the same products per query row):
+
+- **Decoding and verification steps on CPU** (at most ``decode_attention.MAX_QUERIES`` nodes per row,
+  not a prefill chunk) run :mod:`logitspec.kernels.decode_attention`: each query's sums run over
+  its visible columns only, in column order, so a verified node's output is bitwise the one it gets
+  when decoded alone, and one query per row reads the cache 1.4-2.5x faster than SDPA's kernel.
 
 - **Grouped query heads share their key head.** For more than one query with a mask, transformers
   copies every key and value to each query head (``repeat_kv``): at an 8k context a drafted step
@@ -20,6 +25,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .kernels import decode_attention
+
 NAME = "logitspec_sdpa"
 PREFILL_BLOCK = 128  # queries per block of a prefill chunk (:func:`_causal_blocks`)
 
@@ -34,6 +41,10 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if segments is not None:
         return _by_segment(module, query, key, value, attention_mask, segments, dropout=dropout,
                            scaling=scaling, prefill=prefill, **kwargs)
+    if (not prefill and not dropout and not getattr(module, "attn_logit_softcapping", None)
+            and decode_attention.applies(query, key, attention_mask)):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return decode_attention.attention(query, key, value, attention_mask, scale), None  # [B, T, H, D]
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
     if prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout and query.device.type == "cpu":

@@ -181,10 +181,18 @@ torch::Tensor skinny_linear_f16(const torch::Tensor& x, const torch::Tensor& W) 
   return y;
 }
 
+// decode_attention.cpp (built into the same extension)
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                               const torch::Tensor& mask, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
         py::arg("x"), py::arg("W"), py::call_guard<py::gil_scoped_release>());
   m.def("skinny_linear_f16", &skinny_linear_f16,
         "y[n, O] = x[n, I] @ float32(W16[O, I])^T (float16 weights via F16C, float32 math, batch-invariant)",
         py::arg("x"), py::arg("W"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention,
+        "attention of few queries per row over their visible columns, batch-invariant (decode_attention.cpp)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
 }

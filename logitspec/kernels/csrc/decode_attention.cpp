@@ -1,0 +1,254 @@
+// Exact float32 attention for decoding and tree-verification steps (few queries per row, AVX2 + FMA).
+//
+// out[b, t, h, :] = softmax_j(scale * q[b, h, t] . k[b, kv(h), j]) v[b, kv(h), j] over the columns j
+// that query node t of row b may see (mask[b, 0, t, j] == 0 for an additive float mask whose hidden
+// entries are large negative numbers, or true for a boolean mask).
+//
+// Why a kernel of our own: SDPA's CPU kernels read a batch's cached keys at about 9 GB/s here for one
+// query per row (docs/performance.md), and their sums run over the whole padded row, holes included,
+// so a node's result depends on where its row's holes and its tree siblings sit.
+//
+// Batch invariance, by construction: each query's result depends only on the sequence of (key, value)
+// columns it sees, in increasing column order. A step's rows hold their committed tokens first
+// (column = position) and the step's nodes after them, a node's ancestors before it, so a node
+// verified in a tree of k nodes sees the same sequence as the same token decoded alone after its
+// ancestors were committed: one forward or the other, its output is bitwise the same.
+//   - a score is one dot product over D (8-lane FMA chain in D order, then a fixed horizontal sum);
+//   - the softmax runs over the query's visible scores packed densely in column order (max, exp of
+//     the difference, 8-lane sum over the packed index, fixed horizontal sum), so holes do not shift
+//     any lane;
+//   - the output accumulates p_j * v_j in increasing j over visible columns, one chain per lane of D.
+// Work is split over torch's threads by (row, key head, column chunk) for the scores, by query for
+// the softmax and by (row, key head, 64-lane chunk of D) for the output; no split changes the order
+// of any sum. Built with -ffp-contract=off (see skinny_linear.cpp).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x <= 0, 8 lanes (Cephes' single-precision polynomial; the same operations on every lane).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+struct Shape {
+  int64_t B, H, KV, G, T, S, D, Q;  // Q = G * T queries per (row, key head): i = g * T + t
+  const float* q; int64_t qs0, qs1, qs2;
+  const float* k; int64_t ks0, ks1, ks2;
+  const float* v; int64_t vs0, vs1, vs2;
+  const float* mf; const bool* mb; int64_t ms0, ms2;
+  float scale;
+};
+
+inline bool visible(const Shape& s, int64_t b, int64_t t, int64_t j) {
+  const int64_t o = b * s.ms0 + t * s.ms2 + j;
+  return s.mf ? s.mf[o] == 0.0f : s.mb[o];
+}
+
+inline const float* query(const Shape& s, int64_t b, int64_t h, int64_t i) {
+  const int64_t g = i / s.T, t = i % s.T;
+  return s.q + b * s.qs0 + (h * s.G + g) * s.qs1 + t * s.qs2;
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  return hsum8(acc);
+}
+
+constexpr int64_t kColumnChunk = 64;
+constexpr int64_t kHeadBlock = 4;  // query heads of one key head whose dot products share each load of k
+
+// Dot products of NG queries (a, a + stride, ...) with the column kj: each its own 8-lane FMA chain
+// in D order and horizontal sum, exactly as one at a time; k is loaded once for all NG.
+template <int NG>
+inline void dots(const float* const* qs, const float* kj, int64_t D, float* out) {
+  __m256 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(kj + d);
+    for (int g = 0; g < NG; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + d), kv, acc[g]);
+  }
+  for (int g = 0; g < NG; ++g) out[g] = hsum8(acc[g]);
+}
+
+// scores[(b, h), i, j] for visible (t, j); other entries are left as they are (never read).
+void scores(const Shape& s, float* out) {
+  const int64_t chunks = (s.S + kColumnChunk - 1) / kColumnChunk;
+  at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<const float*> qs(s.G);
+    float d[kHeadBlock];
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV;
+      float* row = out + bh * s.Q * s.S;
+      for (int64_t j = c * kColumnChunk; j < std::min(s.S, (c + 1) * kColumnChunk); ++j) {
+        const float* kj = s.k + b * s.ks0 + h * s.ks1 + j * s.ks2;
+        for (int64_t t = 0; t < s.T; ++t) {
+          if (!visible(s, b, t, j)) continue;
+          for (int64_t g = 0; g < s.G; ++g) qs[g] = query(s, b, h, g * s.T + t);
+          for (int64_t g0 = 0; g0 < s.G; g0 += kHeadBlock) {
+            const int64_t ng = std::min(kHeadBlock, s.G - g0);
+            switch (ng) {
+              case 4: dots<4>(&qs[g0], kj, s.D, d); break;
+              case 3: dots<3>(&qs[g0], kj, s.D, d); break;
+              case 2: dots<2>(&qs[g0], kj, s.D, d); break;
+              default: dots<1>(&qs[g0], kj, s.D, d); break;
+            }
+            for (int64_t x = 0; x < ng; ++x) row[((g0 + x) * s.T + t) * s.S + j] = d[x] * s.scale;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Per query: its visible scores -> unnormalised softmax weights in place; their sum into total.
+void softmax(const Shape& s, float* sc, float* total) {
+  at::parallel_for(0, s.B * s.KV * s.Q, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> buf(s.S + 8);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t bh = u / s.Q, i = u % s.Q, b = bh / s.KV, t = i % s.T;
+      float* row = sc + u * s.S;
+      int64_t n = 0;
+      for (int64_t j = 0; j < s.S; ++j)
+        if (visible(s, b, t, j)) buf[n++] = row[j];
+      if (n == 0) { total[u] = 0.0f; continue; }
+      float m = buf[0];
+      for (int64_t c = 1; c < n; ++c) m = std::max(m, buf[c]);
+      const __m256 mv = _mm256_set1_ps(m);
+      std::fill(buf.begin() + n, buf.begin() + ((n + 7) & ~int64_t{7}), m);  // padding lanes -> e^0, not summed
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < n; c += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(&buf[c]), mv));
+        _mm256_storeu_ps(&buf[c], e);
+        if (c + 8 > n) {  // the last partial chunk: lanes past n add +0
+          const int r = static_cast<int>(n - c);
+          const __m256i keep = _mm256_setr_epi32(-1, r > 1 ? -1 : 0, r > 2 ? -1 : 0, r > 3 ? -1 : 0,
+                                                 r > 4 ? -1 : 0, r > 5 ? -1 : 0, r > 6 ? -1 : 0, 0);
+          e = _mm256_and_ps(e, _mm256_castsi256_ps(keep));
+        }
+        acc = _mm256_add_ps(acc, e);
+      }
+      total[u] = hsum8(acc);
+      n = 0;
+      for (int64_t j = 0; j < s.S; ++j)
+        if (visible(s, b, t, j)) row[j] = buf[n++];
+    }
+  });
+}
+
+constexpr int64_t kLanes = 32;   // lanes of D per output unit: 4 ymm registers of v
+constexpr int kOutHeads = 3;       // query heads accumulated together (3 x 4 accumulators + 4 of v)
+
+// For node t and query heads g0 .. g0 + NG - 1 of key head h: sum_j p_j v_j[d0 .. d0 + 32) over the
+// columns t sees, in increasing j (one FMA chain per lane and query), scaled by 1 / total.
+template <int NG>
+inline void weigh(const Shape& s, const float* prow, const float* total, float* out, int64_t b, int64_t h,
+                  int64_t bh, int64_t t, int64_t g0, int64_t d0) {
+  __m256 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_setzero_ps();
+  const float* p[NG];
+  for (int g = 0; g < NG; ++g) p[g] = prow + ((g0 + g) * s.T + t) * s.S;
+  const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
+  for (int64_t j = 0; j < s.S; ++j) {
+    if (!visible(s, b, t, j)) continue;
+    const float* vj = vb + j * s.vs2;
+    __m256 vv[4];
+    for (int x = 0; x < 4; ++x) vv[x] = _mm256_loadu_ps(vj + 8 * x);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 w = _mm256_set1_ps(p[g][j]);
+      for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_fmadd_ps(w, vv[x], acc[g][x]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const float l = total[bh * s.Q + (g0 + g) * s.T + t];
+    const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    float* o = out + ((b * s.T + t) * s.H + h * s.G + g0 + g) * s.D + d0;
+    for (int x = 0; x < 4; ++x) _mm256_storeu_ps(o + 8 * x, _mm256_mul_ps(acc[g][x], inv));
+  }
+}
+
+// out[b, t, h * G + g, :] = sum_j p_j v_j / total over visible j. D must be a multiple of 32 here
+// (checked by the caller); units are (row, key head, 32-lane chunk of D).
+void weighted_values(const Shape& s, const float* p, const float* total, float* out) {
+  const int64_t chunks = s.D / kLanes;
+  at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV;
+      const float* prow = p + bh * s.Q * s.S;
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t g0 = 0; g0 < s.G; g0 += kOutHeads) {
+          switch (std::min<int64_t>(kOutHeads, s.G - g0)) {
+            case 3: weigh<3>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
+            case 2: weigh<2>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
+            default: weigh<1>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
+          }
+        }
+    }
+  });
+}
+
+}  // namespace
+
+// query [B, H, T, D], key/value [B, KV, S, D], mask [B, 1, T, S] (float additive 0 / large negative,
+// or bool) -> [B, T, H, D]. The last dimension of every input must be contiguous, D a multiple of 32.
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                               const torch::Tensor& mask, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() && mask.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "decode_attention: float32 query, key and value");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, "decode_attention: 4-D inputs");
+  TORCH_CHECK(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBool, "decode_attention: float or bool mask");
+  Shape s;
+  s.B = query.size(0); s.H = query.size(1); s.T = query.size(2); s.D = query.size(3);
+  s.KV = key.size(1); s.S = key.size(2);
+  TORCH_CHECK(s.KV > 0 && s.H % s.KV == 0, "decode_attention: query heads must be a multiple of key heads");
+  TORCH_CHECK(key.size(0) == s.B && value.sizes() == key.sizes() && key.size(3) == s.D && s.D % 32 == 0,
+              "decode_attention: key/value [B, KV, S, D] with D a multiple of 32");
+  TORCH_CHECK(mask.size(0) == s.B && mask.size(1) == 1 && mask.size(2) == s.T && mask.size(3) == s.S,
+              "decode_attention: mask must be [B, 1, T, S]");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1 && mask.stride(3) == 1,
+              "decode_attention: the last dimension must be contiguous");
+  s.G = s.H / s.KV; s.Q = s.G * s.T; s.scale = static_cast<float>(scale);
+  s.q = query.data_ptr<float>(); s.qs0 = query.stride(0); s.qs1 = query.stride(1); s.qs2 = query.stride(2);
+  s.k = key.data_ptr<float>(); s.ks0 = key.stride(0); s.ks1 = key.stride(1); s.ks2 = key.stride(2);
+  s.v = value.data_ptr<float>(); s.vs0 = value.stride(0); s.vs1 = value.stride(1); s.vs2 = value.stride(2);
+  s.mf = mask.scalar_type() == at::kFloat ? mask.data_ptr<float>() : nullptr;
+  s.mb = mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
+  s.ms0 = mask.stride(0); s.ms2 = mask.stride(2);
+  auto out = torch::empty({s.B, s.T, s.H, s.D}, query.options());
+  if (out.numel() == 0 || s.S == 0) return out.zero_();
+  auto sc = torch::empty({s.B * s.KV * s.Q, s.S}, query.options());
+  auto total = torch::empty({s.B * s.KV * s.Q}, query.options());
+  scores(s, sc.data_ptr<float>());
+  softmax(s, sc.data_ptr<float>(), total.data_ptr<float>());
+  weighted_values(s, sc.data_ptr<float>(), total.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}

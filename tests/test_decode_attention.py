@@ -1,0 +1,74 @@
+"""The batch-invariant decode attention kernel (logitspec/kernels/decode_attention.py)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logitspec.kernels import decode_attention, skinny
+
+pytestmark = pytest.mark.skipif(not skinny.available(), reason="the CPU kernels cannot be built here")
+
+HIDE = torch.finfo(torch.float32).min
+
+
+def _inputs(B, H, KV, D, S, T, seed=0, room=7):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, KV, S + room, D, generator=g)[:, :, :S]  # views of a buffer with spare room, as the cache's
+    v = torch.randn(B, KV, S + room, D, generator=g)[:, :, :S]
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # [B, H, T, D], as transformers passes it
+    vis = torch.rand(B, 1, T, S, generator=g) > 0.4
+    vis[..., -1] = True
+    return q, k, v, vis
+
+
+@pytest.mark.parametrize("B,H,KV,D,S,T", [(3, 4, 1, 256, 50, 1), (2, 4, 1, 256, 300, 6), (2, 14, 2, 64, 77, 3),
+                                          (1, 8, 8, 32, 9, 2)])
+def test_matches_sdpa_for_float_and_bool_masks(B, H, KV, D, S, T):
+    q, k, v, vis = _inputs(B, H, KV, D, S, T)
+    mask = torch.zeros(B, 1, T, S).masked_fill_(~vis, HIDE)
+    G = H // KV
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1),
+                                          attn_mask=mask, scale=0.1).transpose(1, 2)  # [B, T, H, D]
+    got = decode_attention.attention(q, k, v, mask, 0.1)
+    assert got.shape == (B, T, H, D) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(decode_attention.attention(q, k, v, vis, 0.1), got)
+
+
+def test_tree_node_equals_the_same_token_decoded_alone():
+    """A node at depth t of a verified chain (its row holding holes before the step's nodes) gets
+    bitwise the output of one query after its ancestors were committed, and other rows of the batch
+    do not change it."""
+    H, KV, D, P, holes, T = 4, 1, 256, 37, 11, 5
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(P + T, D, generator=g)  # the row's committed columns, then the chain's nodes
+    vals = torch.randn(P + T, D, generator=g)
+    qs = torch.randn(T, H, D, generator=g)
+    # the verification step: 3 rows, row 1 is ours; its cache has P columns then holes, then T nodes
+    S = P + holes + T
+    k = torch.randn(3, KV, S, D, generator=g)
+    v = torch.randn(3, KV, S, D, generator=g)
+    k[1, 0, :P], v[1, 0, :P] = keys[:P], vals[:P]
+    k[1, 0, P + holes:], v[1, 0, P + holes:] = keys[P:], vals[P:]
+    vis = torch.zeros(3, 1, T, S, dtype=torch.bool)
+    vis[:, :, :, :P] = True
+    vis[:, 0, :, P + holes:] = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    q = torch.randn(3, H, T, D, generator=g)
+    q[1] = qs.transpose(0, 1)
+    mask = torch.zeros(3, 1, T, S).masked_fill_(~vis, HIDE)
+    tree = decode_attention.attention(q, k, v, mask, 0.0625)[1]  # [T, H, D]
+    for t in range(T):  # decoded alone: the committed columns and its t ancestors, then itself
+        n = P + t + 1
+        alone = decode_attention.attention(qs[t][None, :, None], keys[None, None, :n], vals[None, None, :n],
+                                           torch.zeros(1, 1, 1, n), 0.0625)[0, 0]
+        assert torch.equal(tree[t], alone), t
+
+
+def test_applies_only_where_it_can_run():
+    q, k, v, vis = _inputs(1, 4, 1, 256, 10, 2)
+    assert decode_attention.applies(q, k, vis)
+    assert not decode_attention.applies(q, k, None)
+    assert not decode_attention.applies(q.double(), k.double(), vis)
+    q80, k80, _, vis80 = _inputs(1, 4, 1, 256, 100, decode_attention.MAX_QUERIES + 1)
+    assert not decode_attention.applies(q80, k80, vis80)
+    q48, k48, _, vis48 = _inputs(1, 2, 1, 48, 10, 1)  # D not a multiple of 32
+    assert not decode_attention.applies(q48, k48, vis48)
