@@ -39,7 +39,8 @@ logger = logging.getLogger("logitspec.skinny")
 MAX_ROWS = 64
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
-_ATTENTION_SOURCE = pathlib.Path(__file__).with_name("csrc") / "decode_attention.cpp"
+# and the screen's candidate search of head.ScreenedArgmax
+_OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp"))
 _EXT_NAME = "logitspec_skinny_linear"
 
 _lock = threading.Lock()
@@ -100,7 +101,7 @@ def _load():
                 d = build_dir()
                 d.mkdir(parents=True, exist_ok=True)
                 with _venv_ninja_first():
-                    _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), str(_ATTENTION_SOURCE)], build_directory=str(d),
+                    _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), *map(str, _OTHER_SOURCES)], build_directory=str(d),
                                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
                                 extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # compiler missing, headers missing, build error, ...
@@ -117,7 +118,7 @@ def available() -> bool:
 
 
 def extension():
-    """The compiled extension (its ``skinny_linear``, ``skinny_linear_f16`` and ``decode_attention``),
+    """The compiled extension (``skinny_linear``, ``skinny_linear_f16``, ``decode_attention``, ``screen_candidates``),
     built on first call; None when it cannot be (see :func:`unavailable_reason`)."""
     return _load()
 

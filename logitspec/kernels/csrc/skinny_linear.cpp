@@ -181,9 +181,10 @@ torch::Tensor skinny_linear_f16(const torch::Tensor& x, const torch::Tensor& W) 
   return y;
 }
 
-// decode_attention.cpp (built into the same extension)
+// decode_attention.cpp and screen.cpp (built into the same extension)
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
+std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
@@ -195,4 +196,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention of few queries per row over their visible columns, batch-invariant (decode_attention.cpp)",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("mask"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("screen_candidates", &screen_candidates,
+        "per row of approx [N, V], the tokens within margin[r] of its largest value: (rows, tokens) (screen.cpp)",
+        py::arg("approx"), py::arg("margin"), py::call_guard<py::gil_scoped_release>());
 }

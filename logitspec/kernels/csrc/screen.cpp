@@ -1,0 +1,67 @@
+// Candidates of the output layer's screen (logitspec/head.py, ScreenedArgmax.exact_argmax).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+// The output layer's screen (logitspec/head.py): per row r of approx [N, V], the tokens whose
+// approximate logit is >= the row's largest minus margin[r], rows in order, tokens ascending (what
+// torch.nonzero(approx >= (approx.amax(1) - margin)[:, None]) gives, in one pass over each row and a
+// second over the same row while it is in cache). A row holding a NaN has no candidates.
+std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin) {
+  TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == at::kFloat && approx.dim() == 2 && approx.is_contiguous(),
+              "screen_candidates: contiguous float32 approx [N, V] on CPU");
+  TORCH_CHECK(margin.scalar_type() == at::kFloat && margin.dim() == 1 && margin.size(0) == approx.size(0) && margin.is_contiguous(),
+              "screen_candidates: float32 margin [N]");
+  const int64_t N = approx.size(0), V = approx.size(1);
+  const float* a = approx.data_ptr<float>();
+  const float* mg = margin.data_ptr<float>();
+  std::vector<std::vector<int64_t>> found(N);
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = a + r * V;
+      const int64_t V8 = V & ~int64_t{7};
+      __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 bad = _mm256_setzero_ps();
+      for (int64_t v = 0; v < V8; v += 8) {
+        const __m256 x = _mm256_loadu_ps(row + v);
+        mx = _mm256_max_ps(mx, x);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      float best = *std::max_element(lanes, lanes + 8);
+      bool nan = _mm256_movemask_ps(bad) != 0;
+      for (int64_t v = V8; v < V; ++v) {
+        nan |= row[v] != row[v];
+        best = std::max(best, row[v]);
+      }
+      if (nan || V == 0) continue;
+      const float thr = best - mg[r];
+      const __m256 tv = _mm256_set1_ps(thr);
+      for (int64_t v = 0; v < V8; v += 8) {
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), tv, _CMP_GE_OQ));
+        while (bits) {
+          found[r].push_back(v + __builtin_ctz(bits));
+          bits &= bits - 1;
+        }
+      }
+      for (int64_t v = V8; v < V; ++v)
+        if (row[v] >= thr) found[r].push_back(v);
+    }
+  });
+  int64_t K = 0;
+  for (const auto& f : found) K += static_cast<int64_t>(f.size());
+  auto rows = torch::empty({K}, approx.options().dtype(at::kLong));
+  auto toks = torch::empty({K}, approx.options().dtype(at::kLong));
+  int64_t* rp = rows.data_ptr<int64_t>();
+  int64_t* tp = toks.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t v : found[r]) { *rp++ = r; *tp++ = v; }
+  return {rows, toks};
+}
