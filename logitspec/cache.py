@@ -72,6 +72,21 @@ class GrowingLayer(DynamicLayer):
         self._views()
         return self._k[:, :, self.start:self.n], self._v[:, :, self.start:self.n]
 
+    def move_rows(self, dst: torch.Tensor | None, src: torch.Tensor | None, rows: int, columns: int) -> None:
+        """Copy rows ``src`` [K] over rows ``dst`` [K] (their first ``columns`` columns), then keep the
+        first ``rows`` rows and ``columns`` columns: in the same buffer, unless that would leave
+        half of its rows or more unused (then the kept ones are copied into a buffer of their own,
+        so finished rows do not hold memory for long)."""
+        if dst is not None:
+            for buf in (self._k, self._v):
+                buf[dst, :, :columns] = buf[src, :, :columns]
+        self.n = min(self.n, columns)
+        if 2 * rows <= self._k.shape[0] and rows < self._k.shape[0]:
+            self.set(self._k[:rows, :, :self.n], self._v[:rows, :, :self.n], room=64)
+            return
+        self._k, self._v = self._k[:rows], self._v[:rows]
+        self._views()
+
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` columns (the buffer stays)."""
         self.n = min(self.n, n)
@@ -154,18 +169,29 @@ class BatchKV:
                     t[bi, :, d] = t[bi, :, s]
             layer.truncate(keep)
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Release every row not in ``rows`` (finished sequences)."""
+    def keep_rows(self, rows: list[int]) -> list[int]:
+        """Release every row not in ``rows`` (finished sequences). Kept rows past the new row count
+        move into the freed slots (one row's columns copied per freed slot; compacting the whole
+        cache, as a finishing row used to, copied every row: 14 ms at 20 rows of 277 columns for
+        Gemma 3 270M); once half the buffer's rows are free, the kept rows get a buffer of their own
+        (:meth:`GrowingLayer.move_rows`). Returns the kept rows' old indices in their new order."""
         if rows == list(range(self.rows)):
-            return
-        self.lengths = [self.lengths[r] for r in rows]
+            return list(rows)
         if not rows:
+            self.lengths = []
             self.hf = new_cache()
-            return
-        idx = to_device(np.asarray(rows, dtype=np.int64), self._device())
+            return []
+        n = len(rows)
+        order = list(range(n))  # new row -> old row
+        for slot, src in zip(sorted(set(range(n)) - set(rows)), [r for r in rows if r >= n]):
+            order[slot] = src
+        moves = [(d, s) for d, s in enumerate(order) if d != s]
+        self.lengths = [self.lengths[r] for r in order]
         keep = max(self.lengths)
+        dst, src = (to_device(np.asarray(x, dtype=np.int64), self._device()) for x in zip(*moves)) if moves else (None, None)
         for layer in self._layers():
-            layer.set(layer.keys[idx, :, :keep], layer.values[idx, :, :keep], room=64)
+            layer.move_rows(dst, src, n, keep)
+        return order
 
     def repeat_row(self, lengths: list[int]) -> None:
         """Turn this one-row cache into ``len(lengths)`` copies of its row, row b committing its

@@ -117,8 +117,7 @@ class Session:
                 s.stats.mark_emit(now)
             still = [i for i, s in enumerate(self.active) if not s.finish]
             finished += [self.engine.result(s) for s in self.active if s.finish]
-            self.kv.keep_rows(still)
-            self.active = [self.active[i] for i in still]
+            self.active = [self.active[i] for i in self.kv.keep_rows(still)]
         return finished
 
     def drain(self) -> list:

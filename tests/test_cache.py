@@ -72,7 +72,30 @@ def test_keep_rows_releases_memory():
         assert kv.columns == 30
         kv.keep_rows([1])
     assert kv.lengths == [5] and kv.columns == 5
-    assert kv.hf.layers[0].keys.shape[0] == 1
+    assert kv.hf.layers[0].keys.shape[0] == 1 and kv.hf.layers[0]._k.shape[0] == 1  # half free: a buffer of its own
+
+
+def test_keep_rows_moves_the_last_rows_into_freed_slots():
+    """A finished row's slot takes a row from the end (only its columns are copied); every kept row
+    keeps its own columns and length, in the order returned."""
+    g = torch.Generator().manual_seed(0)
+    kv = BatchKV()
+    rows = []
+    for n in (4, 6, 3, 5, 2):
+        row = BatchKV.empty_row()
+        k, v = torch.randn(1, 1, n, 8, generator=g), torch.randn(1, 1, n, 8, generator=g)
+        row.hf.update(k, v, 0)
+        row.lengths = [n]
+        kv.add_row(row)
+        rows.append((k, v))
+    buffer = kv.hf.layers[0]._k
+    order = kv.keep_rows([0, 2, 3, 4])  # row 1 finished: row 4 moves into its slot
+    assert order == [0, 4, 2, 3]
+    assert kv.lengths == [4, 2, 3, 5] and kv.hf.layers[0]._k.data_ptr() == buffer.data_ptr()  # same buffer
+    for new, old in enumerate(order):
+        n = kv.lengths[new]
+        assert torch.equal(kv.hf.layers[0].keys[new, :, :n], rows[old][0][0])
+        assert torch.equal(kv.hf.layers[0].values[new, :, :n], rows[old][1][0])
 
 
 def test_growing_layer_appends_in_place_and_matches_concatenation():
