@@ -42,6 +42,10 @@ RECHECK_EVERY = 4
 MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
+# prompt tokens per forward of short prompts prefilled together into an idle batch: 24 Spec-Bench
+# prompts (2,808 tokens) took 2 forwards instead of 8 at 512 tokens a forward, and the decoder's GEMMs
+# run faster at 1-2k rows than at 300-500 (docs/performance.md)
+FILL_CHUNK = 2048
 RATE_STEPS = 8  # a draining batch estimates each row's steps left from its tokens per step over this many steps
 
 
@@ -93,11 +97,13 @@ class Engine:
     """Speculative (or plain) decoding of many prompts with one model replica."""
 
     def __init__(self, model, tokenizer=None, config: SpecConfig | None = None, *, prefill_chunk: int = 512,
-                 fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
+                 fill_chunk: int | None = None, fast_head: bool = True, cost_curve: CostCurve | None = None, sample_on_host: bool | None = None,
                  prefix_cache: PrefixCache | None = None, screened_sampling: bool = True,
                  history: NgramSource | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
-        worth per decoding step). ``prefix_cache``: prefilled prompts kept for reuse, shareable
+        worth per decoding step). ``fill_chunk``: prompt tokens per forward of short prompts
+        prefilled together while no row decodes (a batch filling up; default the larger of
+        ``prefill_chunk`` and ``FILL_CHUNK``). ``prefix_cache``: prefilled prompts kept for reuse, shareable
         between engines over this model. ``cost_curve``: forward time per new-token count for
         ``budget="auto"``; by default loaded from ``logitspec calibrate``'s store or measured quickly
         on first use. ``sample_on_host``: walk sampled trees on the host, computing distributions
@@ -118,6 +124,9 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.fill_chunk = max(prefill_chunk, FILL_CHUNK) if fill_chunk is None else fill_chunk
+        if self.fill_chunk < 1:
+            raise ValueError(f"fill_chunk must be >= 1, got {fill_chunk}")
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
             prefix_cache.bind(model)

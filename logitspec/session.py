@@ -156,7 +156,8 @@ class Session:
             if self.prefilling is None:
                 if not self.pending:
                     return
-                group = self._take_group(slots, budget)
+                # short prompts filling an idle batch: bigger forwards (no decoding row waits for them)
+                group = self._take_group(slots, budget if decoding else self.engine.fill_chunk)
                 if group:
                     spent += self._prefill_group(group)
                     continue

@@ -144,7 +144,8 @@ def test_long_prefill_is_interleaved_with_decoding():
     long_prompt = (repetitive_prompts(2, seed=8)[1] * 10)[:70]
     prompts = [short, long_prompt]
     refs = [hf_greedy(model, p, 40) for p in prompts]
-    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8)
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8,
+                 fill_chunk=8)
     log = _spy(eng)
     session = eng.open(max_new_tokens=40)
     session.submit(short)
@@ -162,6 +163,21 @@ def test_long_prefill_is_interleaved_with_decoding():
     assert [kind for kind, _ in log[mark:]].index("D") == 10  # from empty: the batch fills before decoding
     assert run.stats["max_step_gap_s"] > 0
     assert all("max_step_gap_s" in r.stats for r in run.results)
+
+
+def test_an_idle_batch_fills_with_bigger_prefill_forwards():
+    """While no row decodes, short prompts go several to a forward up to ``fill_chunk`` tokens (not
+    ``prefill_chunk``), with the same outputs."""
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(3, seed=4)
+    refs = [hf_greedy(model, p, 12) for p in prompts]
+    assert [len(p) for p in prompts] == [5, 9, 14]
+    for fill, prefills in ((None, [("G", [5, 9, 14])]), (8, [("G", [5]), ("P", 8), ("P", 1), ("P", 8), ("P", 6)])):
+        eng = Engine(model, None, SpecConfig(method="ar", max_batch_size=3), prefill_chunk=8, fill_chunk=fill)
+        log = _spy(eng)
+        run = eng.run(prompts, max_new_tokens=12)
+        assert [r.token_ids for r in run.results] == refs
+        assert log[:log.index(next(e for e in log if e[0] == "D"))] == prefills
 
 
 # ---------------------------------------------------------------- prefix cache
