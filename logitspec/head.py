@@ -116,15 +116,17 @@ class ScreenedArgmax:
     def _bound_per_norm(kind: str, w: torch.Tensor) -> float:
         """The largest ``|approx - exact| / ||x||`` over the vocabulary for pass ``kind``: float32
         rounding of both sums (``ROUNDING_SLACK``) plus, for the float16 passes, the weight's
-        rounding ``||W16_v - W_v||``; for bfloat16 also the input's (``|x~ - x| <= 2^-9 |x|`` per
-        element): ``||W~_v - W_v|| ||x~|| + ||W_v|| ||x~ - x||``."""
-        norm = w.norm(dim=1).max().item()
-        slack = ROUNDING_SLACK * norm
+        rounding ``||W16_v - W_v||``; for bfloat16 also the input's and the output's (oneDNN returns
+        bfloat16): with ``u = 2^-8`` (bfloat16's unit roundoff: ``|x~_i - x_i| <= u |x_i|``),
+        ``||W~_v - W_v|| ||x~|| + ||W_v|| ||x~ - x|| + u ||W~_v|| ||x~||``, ``||x~|| <= (1 + u) ||x||``."""
+        norms = w.norm(dim=1)  # [V]
+        slack = ROUNDING_SLACK * norms.max().item()
         if kind == "onednn":
             return slack
         if kind == "bf16":
-            u = 2.0 ** -9
-            return (w - w.bfloat16().float()).norm(dim=1).max().item() * (1 + u) + norm * u + slack
+            u = 2.0 ** -8
+            dw = (w - w.bfloat16().float()).norm(dim=1)  # [V]
+            return (dw * (1 + u) + norms * u + u * (1 + u) * (norms + dw)).max().item() + slack
         return (w - w.half().float()).norm(dim=1).max().item() + slack
 
     @staticmethod
