@@ -151,6 +151,24 @@ class CostCurve:
         hi = min(b for b in sizes if b > rows)
         return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
 
+    def monotone(self) -> "CostCurve":
+        """This curve with its noise made harmless: no point costs less than a smaller one, in new
+        tokens (per curve) and in rows (a batch curve at n tokens a row costs at least the next
+        smaller batch's, and one row's, at n). A measured point below a smaller one is noise (a
+        forward of more work does not cost less), and the budget would take it for free drafting:
+        a calibration run here measured 16 rows x 2 tokens at 171 ms and 16 x 1 at 204."""
+        def rising(c: "CostCurve", floor=None) -> "CostCurve":
+            secs = np.maximum.accumulate([max(t, floor(n)) if floor else t for n, t in zip(c.tokens, c.seconds)])
+            return CostCurve(c.tokens, secs.tolist())
+        one = rising(self)
+        batches, below = {}, one
+        for b in sorted(self.batches):
+            batches[b] = below = rising(self.batches[b], floor=below)
+        out = CostCurve(one.tokens, one.seconds, batches)
+        out.head = rising(self.head) if self.head is not None else None
+        out.context = dict(self.context) if self.context else None
+        return out
+
     def to_dict(self) -> dict:
         d = {"tokens": self.tokens, "seconds": self.seconds}
         if self.batches:

@@ -122,6 +122,9 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     batch_rows = g.rows if batch_rows is None else batch_rows
     batch_tokens = g.per_row if batch_tokens is None else batch_tokens
     batches = {}
+    if target.head.screen is not None:  # the screen's pass choice settled first: its timing trials are not costs
+        for n in {*tokens, *(b * n for b in batch_rows for n in batch_tokens), *HEAD_NODES}:
+            target.head.screen.settle(n, target.device)
     one = measure_rows(target, 1, tokens, context, reps, warmup)
     for b in batch_rows:
         batches[b] = measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup)
@@ -129,7 +132,7 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None,
-                     measure_columns(target, context, g.long_context, reps, warmup, at_low=one))
+                     measure_columns(target, context, g.long_context, reps, warmup, at_low=one)).monotone()
 
 
 def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16,
@@ -208,7 +211,7 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
 
 def curve_from_doc(doc: dict) -> CostCurve:
     """The curve of a stored calibration document (:func:`save`'s)."""
-    return CostCurve(doc["tokens"], doc["seconds"], doc.get("batches"), doc.get("head"), doc.get("context"))
+    return CostCurve(doc["tokens"], doc["seconds"], doc.get("batches"), doc.get("head"), doc.get("context")).monotone()
 
 
 def _covers(doc: dict, grid: Grid, rows) -> bool:

@@ -126,3 +126,20 @@ def test_columns_read_follow_the_windows_and_their_cost_is_measured():
     assert llama.read_columns(300) == 300
     ctx = calibrate.measure_columns(llama, 16, 200, reps=1, warmup=0, nodes=4)
     assert ctx["columns"] == 16 and ctx["per_column"] >= 0
+
+
+def test_a_noisy_curve_is_made_monotone_in_tokens_and_rows():
+    """A point measured below a smaller one (noise) is raised to it, so the budget never takes
+    noise for free drafting; points already in order are kept."""
+    curve = CostCurve([1, 2, 4], [0.05, 0.04, 0.07],
+                      batches={4: {"tokens": [1, 2], "seconds": [0.06, 0.09]},
+                               16: {"tokens": [1, 2], "seconds": [0.20, 0.17]},  # 16 x 2 "cheaper" than 16 x 1
+                               32: {"tokens": [1, 2], "seconds": [0.19, 0.29]}},  # 32 x 1 "cheaper" than 16 x 1
+                      head={"tokens": [1, 8], "seconds": [0.014, 0.012]}, context={"per_column": 1e-7, "columns": 256})
+    m = curve.monotone()
+    assert m.seconds == [0.05, 0.05, 0.07]
+    assert m.batches[4].seconds == [0.06, 0.09]
+    assert m.batches[16].seconds == [0.20, 0.20]
+    assert m.batches[32].seconds == [0.20, 0.29]
+    assert m.head.seconds == [0.014, 0.014] and m.context == curve.context
+    assert m.step(24, 2) >= m.step(24, 1)

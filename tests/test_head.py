@@ -161,3 +161,24 @@ def test_screen_candidates_kernel_equals_the_torch_search():
     want_rows, want_toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)
     assert torch.equal(rows, want_rows) and torch.equal(toks, want_toks)
     assert 4 not in rows.tolist() and 1001 in toks[rows == 2].tolist()
+
+
+def test_settle_runs_a_row_counts_timing_trials_at_once():
+    from logitspec.kernels import onednn
+    from logitspec.head import has_fbgemm
+    if not (has_fbgemm() and onednn.available()):
+        pytest.skip("one screen pass only: nothing to time")
+    screen = _Screen(torch.randn(300, 16), kind="auto")
+    assert screen._bucket(6) not in screen.choices()
+    screen.settle(6)
+    assert screen.choices()[screen._bucket(6)] in screen.passes
+
+
+def test_rescore_kernel_computes_each_candidates_logit():
+    from logitspec.head import _rescore
+    g = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(500, 37, generator=g), torch.randn(4, 37, generator=g)  # H not a multiple of 8
+    rows, toks = torch.tensor([0, 0, 3, 2, 3]), torch.tensor([5, 499, 0, 17, 17])
+    got = _rescore(weight, x, rows, toks)
+    torch.testing.assert_close(got, (weight[toks] * x[rows]).sum(dim=1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_rescore(weight, x, rows[2:3], toks[2:3]), got[2:3])  # a candidate's value is its own

@@ -185,6 +185,8 @@ torch::Tensor skinny_linear_f16(const torch::Tensor& x, const torch::Tensor& W) 
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
 std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin);
+torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const torch::Tensor& rows,
+                      const torch::Tensor& toks);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
@@ -199,4 +201,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screen_candidates", &screen_candidates,
         "per row of approx [N, V], the tokens within margin[r] of its largest value: (rows, tokens) (screen.cpp)",
         py::arg("approx"), py::arg("margin"), py::call_guard<py::gil_scoped_release>());
+  m.def("rescore", &rescore, "out[k] = weight[toks[k]] . x[rows[k]] in float32 (screen.cpp)", py::arg("weight"),
+        py::arg("x"), py::arg("rows"), py::arg("toks"), py::call_guard<py::gil_scoped_release>());
 }
