@@ -25,7 +25,7 @@ from .head import NodeLogits
 from .index import NgramSource, SequenceIndex, SiblingSource
 from .masks import StepRow
 from .prefix_cache import PrefixCache
-from .session import Session
+from .session import FILL_CHUNK, Session
 from .stats import SequenceStats
 from .step_clock import StepClock
 from .stops import eos_ids, stop_cut
@@ -42,10 +42,6 @@ RECHECK_EVERY = 4
 MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
-# prompt tokens per forward of short prompts prefilled together into an idle batch: 24 Spec-Bench
-# prompts (2,808 tokens) took 2 forwards instead of 8 at 512 tokens a forward, and the decoder's GEMMs
-# run faster at 1-2k rows than at 300-500 (docs/performance.md)
-FILL_CHUNK = 2048
 RATE_STEPS = 8  # a draining batch estimates each row's steps left from its tokens per step over this many steps
 
 
@@ -121,12 +117,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config or SpecConfig()
         self.drafter = make_drafter(self.config)
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_chunk < 1 or (fill_chunk is not None and fill_chunk < 1):
+            raise ValueError(f"prefill_chunk and fill_chunk must be >= 1, got {prefill_chunk}, {fill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.fill_chunk = max(prefill_chunk, FILL_CHUNK) if fill_chunk is None else fill_chunk
-        if self.fill_chunk < 1:
-            raise ValueError(f"fill_chunk must be >= 1, got {fill_chunk}")
         self.prefix_cache = prefix_cache
         if prefix_cache is not None:
             prefix_cache.bind(model)
