@@ -8,7 +8,7 @@ exact (the same products per query row):
 - **Decoding and verification steps on CPU** (at most ``decode_attention.MAX_QUERIES`` nodes per row,
   not a prefill chunk) run :mod:`logitspec.kernels.decode_attention`: each query's sums run over
   its visible columns only, in column order, so a verified node's output is bitwise the one it gets
-  when decoded alone, and one query per row reads the cache 1.4-2.5x faster than SDPA's kernel.
+  when decoded alone, and one query per row reads the cache 1.3-3x faster than SDPA's kernel.
 
 - **Grouped query heads share their key head.** For more than one query with a mask, transformers
   copies every key and value to each query head (``repeat_kv``): at an 8k context a drafted step

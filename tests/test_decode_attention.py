@@ -72,3 +72,5 @@ def test_applies_only_where_it_can_run():
     assert not decode_attention.applies(q80, k80, vis80)
     q48, k48, _, vis48 = _inputs(1, 2, 1, 48, 10, 1)  # D not a multiple of 32
     assert not decode_attention.applies(q48, k48, vis48)
+    # a tensor-parallel rank holding none of the heads (Gemma 3's single key head under AutoTP)
+    assert not decode_attention.applies(torch.zeros(1, 0, 2, 256), torch.zeros(1, 0, 10, 256), vis)

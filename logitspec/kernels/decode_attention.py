@@ -26,7 +26,8 @@ def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -
     return (mask is not None and query.device.type == "cpu" and query.dtype == torch.float32
             and key.dtype == torch.float32 and mask.dtype in (torch.float32, torch.bool)
             and query.shape[2] <= MAX_QUERIES and query.shape[-1] % 32 == 0 and mask.shape[1] == 1
-            and query.shape[1] % key.shape[1] == 0 and tuple(mask.shape[2:]) == (query.shape[2], key.shape[2])
+            and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0  # a TP rank may hold no head
+            and tuple(mask.shape[2:]) == (query.shape[2], key.shape[2])
             and skinny.available())
 
 
