@@ -164,10 +164,8 @@ class CostCurve:
         batches, below = {}, one
         for b in sorted(self.batches):
             batches[b] = below = rising(self.batches[b], floor=below)
-        out = CostCurve(one.tokens, one.seconds, batches)
-        out.head = rising(self.head) if self.head is not None else None
-        out.context = dict(self.context) if self.context else None
-        return out
+        head = rising(self.head).to_dict() if self.head is not None else None
+        return CostCurve(one.tokens, one.seconds, batches, head, self.context)
 
     def to_dict(self) -> dict:
         d = {"tokens": self.tokens, "seconds": self.seconds}

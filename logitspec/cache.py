@@ -81,7 +81,7 @@ class GrowingLayer(DynamicLayer):
             for buf in (self._k, self._v):
                 buf[dst, :, :columns] = buf[src, :, :columns]
         self.n = min(self.n, columns)
-        if 2 * rows <= self._k.shape[0] and rows < self._k.shape[0]:
+        if 2 * rows <= self._k.shape[0]:  # (rows >= 1: BatchKV.keep_rows drops an emptied cache)
             self.set(self._k[:rows, :, :self.n], self._v[:rows, :, :self.n], room=64)
             return
         self._k, self._v = self._k[:rows], self._v[:rows]

@@ -9,19 +9,12 @@ search to torch's amax / compare / nonzero; rounds alternate the order. Decode m
 """
 import argparse
 
-import torch
-
 import logitspec.attention as attention
 import logitspec.head as head
 from logitspec import Engine, SpecConfig
 from logitspec.bench.questions import first_turns, warmup_question
 from logitspec.bench.throughput import batch_prompts
 from logitspec.models import load_model
-
-
-def torch_candidates(approx, margin):
-    best = approx.amax(dim=1)
-    return torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)
 
 
 def main() -> None:
@@ -40,7 +33,7 @@ def main() -> None:
     for r in range(args.rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             attention.decode_attention.applies = real[0] if on else (lambda *a: False)
-            head._candidates = real[1] if on else torch_candidates
+            head._candidates = real[1] if on else head.torch_candidates
             first = eng.run(prompts, max_new_tokens=1).stats["wall_s"]
             run = eng.run(prompts, max_new_tokens=64)
             s = run.stats

@@ -41,6 +41,7 @@ _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
 # and the screen's candidate search of head.ScreenedArgmax
 _OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp"))
+_HEADERS = (pathlib.Path(__file__).with_name("csrc") / "vec8.h",)  # their hash is a build flag: an edit rebuilds
 _EXT_NAME = "logitspec_skinny_linear"
 
 _lock = threading.Lock()
@@ -85,6 +86,13 @@ def _venv_ninja_first():
         os.environ["PATH"] = old
 
 
+def _headers_hash() -> str:
+    """A digest of the headers the sources include (torch rebuilds when sources or flags change)."""
+    import hashlib
+
+    return hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
+
+
 def _load():
     """The compiled extension, building it on first call; None (and one warning) if it cannot be."""
     global _ext, _failed
@@ -102,7 +110,8 @@ def _load():
                 d.mkdir(parents=True, exist_ok=True)
                 with _venv_ninja_first():
                     _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), *map(str, _OTHER_SOURCES)], build_directory=str(d),
-                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"],
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
+                                              f"-DLOGITSPEC_HEADERS={_headers_hash()}"],
                                 extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # compiler missing, headers missing, build error, ...
                 reason = f"build failed: {type(e).__name__}: {str(e).strip()[-800:]}"

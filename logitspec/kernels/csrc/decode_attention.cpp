@@ -30,14 +30,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec8.h"
+
 namespace {
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));
-  return _mm_cvtss_f32(s);
-}
+using logitspec_vec8::hsum8;
 
 // e^x for x <= 0, 8 lanes (Cephes' single-precision polynomial; the same operations on every lane).
 inline __m256 exp8(__m256 x) {
@@ -73,12 +70,6 @@ inline bool visible(const Shape& s, int64_t b, int64_t t, int64_t j) {
 inline const float* query(const Shape& s, int64_t b, int64_t h, int64_t i) {
   const int64_t g = i / s.T, t = i % s.T;
   return s.q + b * s.qs0 + (h * s.G + g) * s.qs1 + t * s.qs2;
-}
-
-inline float dot(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return hsum8(acc);
 }
 
 constexpr int64_t kColumnChunk = 64;

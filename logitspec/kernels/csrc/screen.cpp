@@ -9,6 +9,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec8.h"
+
 // The output layer's screen (logitspec/head.py): per row r of approx [N, V], the tokens whose
 // approximate logit is >= the row's largest minus margin[r], rows in order, tokens ascending (what
 // torch.nonzero(approx >= (approx.amax(1) - margin)[:, None]) gives, in one pass over each row and a
@@ -77,7 +79,7 @@ torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const
               "rescore: contiguous float32 weight [V, H] and x [N, H]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && toks.scalar_type() == at::kLong && rows.numel() == toks.numel() &&
               rows.is_contiguous() && toks.is_contiguous(), "rescore: int64 rows and toks [K]");
-  const int64_t K = rows.numel(), H = x.size(1), H8 = H & ~int64_t{7};
+  const int64_t K = rows.numel(), H = x.size(1);
   auto out = torch::empty({K}, x.options());
   const float* w = weight.data_ptr<float>();
   const float* xs = x.data_ptr<float>();
@@ -86,16 +88,7 @@ torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const
   float* o = out.data_ptr<float>();
   at::parallel_for(0, K, 256, [&](int64_t k0, int64_t k1) {
     for (int64_t k = k0; k < k1; ++k) {
-      const float* a = w + t[k] * H;
-      const float* b = xs + r[k] * H;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t i = 0; i < H8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-      s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));
-      float v = _mm_cvtss_f32(s);
-      for (int64_t i = H8; i < H; ++i) v += a[i] * b[i];
-      o[k] = v;
+      o[k] = logitspec_vec8::dot(w + t[k] * H, xs + r[k] * H, H);
     }
   });
   return out;

@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "vec8.h"
+
 namespace {
 
 struct Dims {
@@ -37,12 +39,7 @@ struct Dims {
 // 2048 x 640 at n = 4 took 0.89 ms instead of 0.55 ms; n = 8 1.0 ms instead of 0.58 ms).
 constexpr int64_t kPrefetchBytes = 32768;
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l + h
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                         // (0+2, 1+3)
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));                                   // (0+2)+(1+3)
-  return _mm_cvtss_f32(s);
-}
+using logitspec_vec8::hsum8;
 
 // One 8-wide chunk of W as float32: a plain load, or 8 float16 values converted (exact).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -1,0 +1,29 @@
+// 8-lane float32 helpers shared by the CPU kernels (AVX2 + FMA). Each is a fixed sequence of
+// operations, so a result depends only on its inputs (the kernels' batch invariance rests on it).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace logitspec_vec8 {
+
+// The horizontal sum of 8 lanes, always in the order (0+4 + 2+6) + (1+5 + 3+7).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l + h
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                         // (0+2, 1+3)
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x1));                                   // (0+2)+(1+3)
+  return _mm_cvtss_f32(s);
+}
+
+// a . b over n floats: one 8-lane FMA chain over the multiples of 8, hsum8, then the tail in order.
+inline float dot(const float* a, const float* b, int64_t n) {
+  const int64_t n8 = n & ~int64_t{7};
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n8; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float v = hsum8(acc);
+  for (int64_t i = n8; i < n; ++i) v += a[i] * b[i];
+  return v;
+}
+
+}  // namespace logitspec_vec8
