@@ -39,8 +39,9 @@ logger = logging.getLogger("logitspec.skinny")
 MAX_ROWS = 64
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
-# and the screen's candidate search of head.ScreenedArgmax
-_OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp"))
+# the screen's candidate search of head.ScreenedArgmax and the fused RMS norm of kernels.rms_norm
+_OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp",
+                                                                                 "rms_norm.cpp"))
 _HEADERS = (pathlib.Path(__file__).with_name("csrc") / "vec8.h",)  # their hash is a build flag: an edit rebuilds
 _EXT_NAME = "logitspec_skinny_linear"
 
@@ -127,8 +128,9 @@ def available() -> bool:
 
 
 def extension():
-    """The compiled extension (``skinny_linear``, ``skinny_linear_f16``, ``decode_attention``, ``screen_candidates``),
-    built on first call; None when it cannot be (see :func:`unavailable_reason`)."""
+    """The compiled extension (``skinny_linear``, ``skinny_linear_f16``, ``decode_attention``,
+    ``screen_candidates``, ``rescore``, ``rms_norm``), built on first call; None when it cannot be
+    (see :func:`unavailable_reason`)."""
     return _load()
 
 

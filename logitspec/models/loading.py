@@ -144,7 +144,8 @@ def load_model(
     The tokenizer is ``None`` when the model directory holds no tokenizer files. ``cpu_kernels``: on
     CPU in float32, compute the decoder's linears with oneDNN's packed GEMM where it is batch-invariant
     here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
-    same weights; a few rows cost about one row) when that kernel builds here. ``trust_remote_code``:
+    same weights; a few rows cost about one row) when that kernel builds here, and its RMS norms in
+    one fused pass (:mod:`logitspec.kernels.rms_norm`). ``trust_remote_code``:
     let ``transformers`` run Python code shipped with the model (off unless asked).
     ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
@@ -163,13 +164,15 @@ def load_model(
     if device != "cpu":
         model.to(device)
     model.eval()
-    swapped = {"onednn": 0, "skinny": 0}
+    swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
         from ..kernels.onednn import use_onednn_linears
+        from ..kernels.rms_norm import use_fused_rms_norms
         from ..kernels.skinny import use_skinny_linears
 
         swapped["onednn"] = use_onednn_linears(model)  # where oneDNN is batch-invariant here
         swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
+        swapped["rms_norm"] = use_fused_rms_norms(model)  # where the fused kernel reproduces the module
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)

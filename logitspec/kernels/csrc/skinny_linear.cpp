@@ -178,12 +178,13 @@ torch::Tensor skinny_linear_f16(const torch::Tensor& x, const torch::Tensor& W) 
   return y;
 }
 
-// decode_attention.cpp and screen.cpp (built into the same extension)
+// decode_attention.cpp, screen.cpp and rms_norm.cpp (built into the same extension)
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
 std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin);
 torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const torch::Tensor& rows,
                       const torch::Tensor& toks);
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double offset, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
@@ -200,4 +201,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("approx"), py::arg("margin"), py::call_guard<py::gil_scoped_release>());
   m.def("rescore", &rescore, "out[k] = weight[toks[k]] . x[rows[k]] in float32 (screen.cpp)", py::arg("weight"),
         py::arg("x"), py::arg("rows"), py::arg("toks"), py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm,
+        "y = (x * rsqrt(mean(x^2, -1) + eps)) * (offset + weight), float32, one pass a row (rms_norm.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("offset"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
 }
