@@ -1,4 +1,6 @@
 """The fused RMS norm kernel (logitspec/kernels/rms_norm.py) and its swap into models."""
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -121,3 +123,15 @@ def test_engine_with_fused_norms_equals_generate(family):
     for method in ("ar", "pld", "logitspec"):
         eng = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
         assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=16)] == refs
+
+
+def test_a_swapped_model_pickles_as_the_original_classes():
+    model = tiny_model("llama")
+    _randomise_norm_weights(model)
+    originals = [type(m) for m in _norms(model)]
+    rms_norm.use_fused_rms_norms(model)
+    x = torch.randint(0, 90, (1, 7))
+    back = pickle.loads(pickle.dumps(model))
+    assert [type(m) for m in _norms(back)] == originals
+    with torch.inference_mode():
+        torch.testing.assert_close(back(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ calls the kernel for float32 CPU inputs outside autograd and the original forwar
 module matches if it has a one-dimensional ``weight``, an epsilon (``eps`` or
 ``variance_epsilon``), a forward of one input, and its output on probe rows (normal and tiny, where
 the epsilon matters) equals the kernel's with weight offset 0 or 1 to float32 rounding. Anything
-else is left alone.
+else is left alone. Pickled or deep-copied, a module is its original class again (correct, unfused).
 """
 from __future__ import annotations
 
@@ -84,6 +84,13 @@ def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
+def _rebuild(cls: type, state: dict) -> nn.Module:
+    """A module of class ``cls`` with the attributes ``state`` (unpickling a fused module)."""
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    return module
+
+
 @functools.lru_cache(maxsize=None)
 def fused_class(base: type) -> type:
     """A subclass of the RMSNorm module class ``base`` whose forward uses the kernel where it applies."""
@@ -93,8 +100,13 @@ def fused_class(base: type) -> type:
             return rms_norm(hidden_states, self.weight, self.rms_offset, _epsilon(self))
         return base.forward(self, hidden_states)
 
+    def __reduce_ex__(self, protocol):
+        # pickled (or deep-copied) as the original class: this class is made at run time, so no
+        # other process could find it by name
+        return _rebuild, (base, self.__getstate__())
+
     return type(f"Fused{base.__name__}", (base,), {
-        "forward": forward, "rms_offset": 0.0, "__module__": __name__,
+        "forward": forward, "__reduce_ex__": __reduce_ex__, "rms_offset": 0.0, "__module__": __name__,
         "__doc__": f"{base.__name__} computed by logitspec's fused kernel for float32 CPU inputs."})
 
 
