@@ -169,6 +169,16 @@ class BatchKV:
                     t[bi, :, d] = t[bi, :, s]
             layer.truncate(keep)
 
+    def truncate(self, lengths: list[int]) -> None:
+        """Row b keeps its first ``lengths[b]`` committed columns (at most its length): what was
+        committed after them is dropped (a cost measurement rolling its cache back)."""
+        if len(lengths) != self.rows or any(n > m for n, m in zip(lengths, self.lengths)):
+            raise ValueError(f"cannot truncate rows of lengths {self.lengths} to {lengths}")
+        self.lengths = list(lengths)
+        keep = max(self.lengths, default=0)
+        for layer in self._layers():
+            layer.truncate(keep)
+
     def keep_rows(self, rows: list[int]) -> list[int]:
         """Release every row not in ``rows`` (finished sequences). Kept rows past the new row count
         move into the freed slots (one row's columns copied per freed slot; compacting the whole

@@ -96,7 +96,6 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
 def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
     """The rows of a batch measurement are copies of one prefilled row with their own committed
     lengths: a step on them equals the same step on rows prefilled apart."""
-    from logitspec.cache import BatchKV
     from logitspec.masks import StepRow
 
     target = TargetForward(tiny_model("llama"))
@@ -143,3 +142,30 @@ def test_a_noisy_curve_is_made_monotone_in_tokens_and_rows():
     assert m.batches[32].seconds == [0.20, 0.29]
     assert m.head.seconds == [0.014, 0.014] and m.context == curve.context
     assert m.step(24, 2) >= m.step(24, 1)
+
+
+def test_one_row_is_measured_on_the_models_own_continuation():
+    """The one-row curve verifies a chain that reads like text to the model: an arbitrary first
+    token, then the model's greedy continuation (as stock ``generate`` gives it); the measured
+    cache is left as it was (lengths, columns, and the next forward's output)."""
+    from logitspec.masks import StepRow
+
+    model = tiny_model("llama")
+    target = TargetForward(model)
+    context = [(7 * i + 3) % target.vocab_size for i in range(20)]
+    with torch.inference_mode():
+        kv, _ = target.prefill(context, chunk=8)
+        kv.repeat_row([20, 14])
+        probe = [StepRow.chain(n, [5]) for n in kv.lengths]
+        before = target(probe, kv, all_logits=True).nodes.scores
+        kv.commit([[], []])
+        chains = calibrate.own_continuations(target, kv, 6)
+        assert kv.lengths == [20, 14] and kv.columns == 20
+        torch.testing.assert_close(target(probe, kv, all_logits=True).nodes.scores, before, rtol=0, atol=0)
+        kv.commit([[], []])
+        for row, n in enumerate((20, 14)):
+            ids = torch.tensor([context[:n] + [chains[row][0]]])
+            want = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, n + 1:].tolist()
+            assert chains[row][1:] == want
+    with pytest.raises(ValueError, match="cannot truncate"):
+        kv.truncate([21, 14])

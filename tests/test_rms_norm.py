@@ -135,3 +135,15 @@ def test_a_swapped_model_pickles_as_the_original_classes():
     assert [type(m) for m in _norms(back)] == originals
     with torch.inference_mode():
         torch.testing.assert_close(back(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_stored_cost_curves_tell_fused_norms_apart():
+    """A cost curve measured with transformers' norms is not reused for the fused ones (the kernel
+    fingerprint in the curve's key names the norm classes)."""
+    from logitspec import calibrate
+
+    model = tiny_model("qwen2")
+    before = calibrate.kernel_fingerprint(model)
+    rms_norm.use_fused_rms_norms(model)
+    after = calibrate.kernel_fingerprint(model)
+    assert "norms=Qwen2RMSNorm|" in before and "norms=FusedQwen2RMSNorm|" in after
