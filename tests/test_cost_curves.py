@@ -96,6 +96,7 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
 def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
     """The rows of a batch measurement are copies of one prefilled row with their own committed
     lengths: a step on them equals the same step on rows prefilled apart."""
+    from logitspec.cache import BatchKV
     from logitspec.masks import StepRow
 
     target = TargetForward(tiny_model("llama"))
