@@ -97,7 +97,7 @@ def fused_class(base: type) -> type:
 
     def forward(self, hidden_states):
         if _applies(hidden_states, self.weight):
-            return rms_norm(hidden_states, self.weight, self.rms_offset, _epsilon(self))
+            return rms_norm(hidden_states, self.weight, self.rms_offset, self.rms_eps)
         return base.forward(self, hidden_states)
 
     def __reduce_ex__(self, protocol):
@@ -106,7 +106,7 @@ def fused_class(base: type) -> type:
         return _rebuild, (base, self.__getstate__())
 
     return type(f"Fused{base.__name__}", (base,), {
-        "forward": forward, "__reduce_ex__": __reduce_ex__, "rms_offset": 0.0, "__module__": __name__,
+        "forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__,
         "__doc__": f"{base.__name__} computed by logitspec's fused kernel for float32 CPU inputs."})
 
 
@@ -123,8 +123,8 @@ def use_fused_rms_norms(model: nn.Module) -> int:
         if offset is None:
             refused.add(type(module).__name__)
             continue
+        module.rms_offset, module.rms_eps = offset, _epsilon(module)  # what the probe matched, read per call
         module.__class__ = fused_class(type(module))
-        module.rms_offset = offset
         swapped += 1
     if refused:
         logger.info("RMS norms left to transformers (the kernel did not reproduce them): %s", sorted(refused))
