@@ -197,7 +197,7 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
 
 def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
                  weights: Sequence[float] | None = None, margin: float = 0.0,
-                 columns: float | None = None) -> list[int]:
+                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
     ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
@@ -207,7 +207,9 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
     are then taken most probable first (a row's kept nodes are its most probable ones), each
     prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
-    is :func:`choose_size` for every row.
+    is :func:`choose_size` for every row. ``token_scale`` and ``cost_scale``: corrections learned
+    from the steps so far (:class:`~logitspec.feedback.Realised`): each node's expected tokens, and a
+    drafting forward's time against a plain one's, are multiplied by them.
     """
     B = len(probs)
     w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
@@ -218,16 +220,29 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
         rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
-        vals = np.concatenate(cand) * w[rows]  # [M]: each node's expected tokens, weighted by its row
+        vals = np.concatenate(cand) * w[rows] * token_scale  # [M]: each node's expected tokens, weighted by its row
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
         gain = w.sum() + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
         full = cost.step(B, width + 1, columns) - cost.head_time(B * (width + 1))  # the padded decoder
-        score = gain / (full + cost.head_time(B + np.arange(len(vals) + 1)))
+        score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * cost_scale)
+        score[0] = 0.0  # no node kept: plain decoding, scored above
         k = int(np.argmax(score))
         if score[k] > best_score * (1 + 1e-12):
             best_score = score[k]
             best = np.bincount(rows[order[:k]], minlength=B).tolist()
     return best
+
+
+def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
+             columns: float | None = None) -> tuple[float, float]:
+    """What :func:`choose_sizes`' model expects of keeping the ``sizes[b]`` first nodes of each
+    row's ``probs[b]`` (sorted descending): (accepted drafted tokens, forward seconds)."""
+    B, width = len(probs), max(sizes, default=0)
+    if width == 0:
+        return 0.0, cost.step(B, 1, columns)
+    tokens = sum(float(np.sum(p[:n])) for p, n in zip(probs, sizes))
+    secs = cost.step(B, width + 1, columns) - cost.head_time(B * (width + 1)) + cost.head_time(B + sum(sizes))
+    return tokens, float(secs)
 
 
 def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, near: float = 0.9) -> np.ndarray:

@@ -45,6 +45,7 @@ class Grid:
 
 
 CONTEXT_CHUNK = 512  # prompt tokens per forward of a measurement's context (the engine's default chunk)
+CHAINS = "own"  # what the curves verify (part of a stored curve's key): the model's own continuations
 CPU_GRID = Grid(TOKENS, BATCH_ROWS, BATCH_TOKENS, 128, 256, 2048)
 # per row up to 6 tokens: extrapolating a batch's cost past 3 tokens a row under-stated it (measured
 # 5 rows x 5 tokens: 52-67 ms; from 1-3 tokens: 49 ms)
@@ -92,7 +93,7 @@ def kernel_fingerprint(model, head=None) -> str:
     screen = getattr(head, "screen", None)
     screen = f"{screen.kind}:{'+'.join(screen.passes)}" if screen is not None else None
     return (f"attn={attn}|linears={','.join(linears)}|norms={','.join(norms)}|screen={screen}"
-            f"|cache={GrowingLayer.__name__}")
+            f"|cache={GrowingLayer.__name__}|chains={CHAINS}")
 
 
 def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
@@ -112,12 +113,15 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 
 @torch.inference_mode()
 def measure(target: TargetForward, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
-            batch_rows=None, batch_tokens=None) -> CostCurve:
+            batch_rows=None, batch_tokens=None, batch_chains: str = CHAINS) -> CostCurve:
     """Median time of one target forward (decoder + greedy output layer for every node, the device's
     work included) adding n tokens to a ``context``-token cache, for each n in ``tokens``; then, for
     each b in ``batch_rows``, b rows (caches of different lengths from ``context`` on) adding n
     tokens each, for n in ``batch_tokens``. Caches are rolled back after each forward. Arguments
-    left None come from the device's :func:`grid_for`."""
+    left None come from the device's :func:`grid_for`. ``batch_chains``: what the batch curves
+    verify, ``"own"`` (the model's continuation) or ``"arbitrary"`` (until 2026-12-02; for A/B runs)."""
+    if batch_chains not in ("own", "arbitrary"):
+        raise ValueError(f"batch_chains must be 'own' or 'arbitrary', got {batch_chains!r}")
     g = grid_for(target.device)
     tokens = g.tokens if tokens is None else tokens
     context = g.context if context is None else context
@@ -127,13 +131,14 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     if target.head.screen is not None:  # the screen's pass choice settled first: its timing trials are not costs
         for n in {*tokens, *(b * n for b in batch_rows for n in batch_tokens), *HEAD_NODES}:
             target.head.screen.settle(n, target.device)
-    # one row verifies chains of the model's own continuation (a drafted chain that reads like text);
-    # the batch curves keep arbitrary token chains, whose screen rescoring makes drafted steps look
-    # dearer than the engine's (docs/performance.md, 2026-12-02 (later)): with text-like chains there
-    # too, the batch budget's acceptance estimates drafted where it lost (6 and 24 rows: 0.97x, 0.92x `ar`)
+    # every curve verifies chains of the model's own continuation (a drafted chain that reads like
+    # text): on arbitrary chains the screen's rescoring made drafted steps look far dearer than the
+    # engine's (docs/performance.md, 2026-12-02 (later)); what the curve still gets wrong, the
+    # engine corrects from the steps it times (logitspec.feedback)
     one = measure_rows(target, 1, tokens, context, reps, warmup, own_chains=True)
     for b in batch_rows:
-        batches[b] = measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup)
+        batches[b] = measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup,
+                                  own_chains=batch_chains == "own")
     head = None
     if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)

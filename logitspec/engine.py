@@ -16,11 +16,12 @@ import numpy as np
 import torch
 
 from . import calibrate
-from .budget import N_STREAK_STATES, AcceptanceStats, CostCurve, choose_sizes, drain_weights, streak_state, top_nodes
+from .budget import (N_STREAK_STATES, AcceptanceStats, CostCurve, choose_sizes, drain_weights, estimate, streak_state,
+                     top_nodes)
 from .cache import BatchKV
 from .config import SpecConfig
-from .device import to_device
 from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
+from .feedback import Realised
 from .head import NodeLogits
 from .index import NgramSource, SequenceIndex, SiblingSource
 from .masks import StepRow
@@ -30,8 +31,8 @@ from .stats import SequenceStats
 from .step_clock import StepClock
 from .stops import eos_ids, stop_cut
 from .target import ForwardResult, TargetForward
-from .tree import GUESS, DraftTree
-from .sampling import draw, walk
+from .tree import DraftTree
+from .sampling import draw, tree_uniforms, walk
 from .verify import SamplingParams, decide
 
 log = logging.getLogger("logitspec.engine")
@@ -81,12 +82,6 @@ class _Sequence:
     guesses: list[int] = field(default_factory=list)
     finish: str | None = None
     streak: int = 0  # the acceptance-rate state: budget.streak_state of its previous step's accepted drafts
-
-
-def _origin_name(seq: _Sequence, tree: DraftTree, node: int) -> str:
-    """Which draft source supplied ``node``: one of ``seq.source_names``, or "guess" (the logits)."""
-    origin = GUESS if tree.origins is None else int(tree.origins[node])
-    return "guess" if origin == GUESS else seq.source_names[origin]
 
 
 class Engine:
@@ -144,6 +139,8 @@ class Engine:
         self._drafted = True  # whether the current step drafted
         self.cost_curve = cost_curve
         self.auto_budget = self.config.method == "logitspec" and self.config.budget == "auto"
+        self.realised = Realised()  # the budget's estimates against what steps delivered (logitspec.feedback)
+        self._expected: tuple[float, float] | None = None  # this step's (drafted tokens, curve seconds)
 
     # ------------------------------------------------------------------ input
     def encode(self, prompt, apply_chat_template: bool = False) -> list[int]:
@@ -227,6 +224,8 @@ class Engine:
                  "max_step_gap_s": max((r.stats["max_step_gap_s"] for r in results), default=0.0)}
         if self.prefix_cache is not None:
             stats.update({f"prefix_{k}": v for k, v in self.prefix_cache.stats.items()})
+        if self.auto_budget:
+            stats.update(self.realised.as_dict())
         return EngineRun(results, stats)
 
     # ------------------------------------------------------------------ loop parts (used by Session)
@@ -290,6 +289,11 @@ class Engine:
         clock.lap("verify_s")
         kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
+        if self._expected is not None:
+            expected, curve_s = self._expected
+            self.realised.of(len(active)).update(expected, sum(len(p) - 1 for p in paths), curve_s,
+                                                 self.agree_on(sum(clock.times.values())))  # a timing: every TP rank the same
+            self._expected = None
         if self._drafted:
             self._draft_share = self.agree_on(self._host_share(clock))
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
@@ -297,7 +301,7 @@ class Engine:
             emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
             if len(p) > 1:
-                s.stats.count_origins([_origin_name(s, tree, n) for n in p[1:emitted + 1]])  # the emitted drafts
+                s.stats.count_origins([tree.origin_name(n, s.source_names) for n in p[1:emitted + 1]])  # the emitted drafts
 
     @staticmethod
     def _host_share(clock: StepClock) -> float:
@@ -314,6 +318,8 @@ class Engine:
         if self.auto_budget and self._steps_without_drafts % self._recheck_every and self._draft_share >= SKIP_DRAFT_SHARE:
             self._steps_without_drafts += 1
             self._drafted = False
+            if self.cost_curve is not None:
+                self._expected = (0.0, self.cost_curve.step(len(active), 1, self._columns(active)))
             return [DraftTree.single(s.index.tokens[-1]) for s in active]
         self._drafted = True
         budget = self.config.budget_for(self.drafter.base_budget(), len(active))
@@ -350,7 +356,8 @@ class Engine:
     def _decide(self, active: list[_Sequence], trees: list[DraftTree], fwd: ForwardResult, params: SamplingParams):
         """:func:`~logitspec.verify.decide` for the step: paths, bonus tokens, top tokens (or None)."""
         k = self.config.top_k if self.drafter.wants_guesses and self._want_guesses() else 0
-        u, states = (None, None) if params.greedy else _uniforms(active, trees, self.target.device)
+        u, states = (None, None) if params.greedy else tree_uniforms([s.generator for s in active], trees,
+                                                                      self.target.device)
         d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, params, u, k)
         paths = [tree.path_to(last) for tree, last in zip(trees, d.last)]
         for s, st, path in zip(active, states or [], paths):
@@ -372,7 +379,8 @@ class Engine:
     def _prune(self, trees: list, active: list[_Sequence], draining: bool) -> list:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`); a
         ``draining`` batch weighs its rows' tokens by :func:`~logitspec.budget.drain_weights`."""
-        if self.cost_curve is None:
+        fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
+        if fresh:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
         weights, B = None, len(active)
         if draining and B > 1:
@@ -382,9 +390,11 @@ class Engine:
                                     share=(step - self.cost_curve.step(B - 1, 1)) / step)
         probs = [self.acceptance.node_probs(t, s.streak) for t, s in zip(trees, active)]
         most = max(len(t) - 1 for t in trees)
-        columns = self.target.read_columns(float(np.mean([len(s.index) for s in active])))
-        sizes = choose_sizes([np.sort(p[1:])[::-1] for p in probs], self.cost_curve, most, weights,
-                             margin=DRAFT_MARGIN if B > 1 else 0.0, columns=columns)
+        columns = self._columns(active)
+        ranked = [np.sort(p[1:])[::-1] for p in probs]
+        fix = self.realised.of(B)
+        sizes = choose_sizes(ranked, self.cost_curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
+                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover
@@ -392,7 +402,12 @@ class Engine:
         self._recheck_every = min(2 * self._recheck_every, MAX_RECHECK_EVERY) if not any(sizes) else RECHECK_EVERY
         if self._steps_without_drafts > 16 * len(trees):
             sizes, self._steps_without_drafts = [min(2, most)] * len(trees), 0
+        self._expected = None if fresh else estimate(ranked, sizes, self.cost_curve, columns)
         return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
+
+    def _columns(self, active: list[_Sequence]) -> float:
+        """The cached columns the rows' nodes read, averaged over layers (see CostCurve.step)."""
+        return self.target.read_columns(float(np.mean([len(s.index) for s in active])))
 
     def _emit(self, seq: _Sequence, tokens: list[int], stops) -> int:
         """Append accepted tokens, stopping at EOS, a stop string or the length limit; returns
@@ -431,17 +446,3 @@ class Engine:
         return GenerationResult(seq.out, text, seq.finish or "length", stats, [int(t) for t in prompt_ids],
                                 seq.key[0], seq.key[1])
 
-
-def _uniforms(active: list[_Sequence], trees: list[DraftTree], device) -> tuple[torch.Tensor, list[list]]:
-    """Per node of every row (rows in order), the uniform its depth draws from the sequence's
-    generator ([N] float64 on ``device``), and per row the generator's state after each draw."""
-    u, states = [], []
-    for s, tree in zip(active, trees):
-        depths = tree.depths
-        st, draws = [s.generator.get_state()], []
-        for _ in range(int(depths.max()) + 1):
-            draws.append(torch.rand((), generator=s.generator, dtype=torch.float64).item())
-            st.append(s.generator.get_state())
-        u.append(np.asarray(draws)[depths])
-        states.append(st)
-    return to_device(np.concatenate(u), torch.device(device)), states

@@ -27,8 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
+from .device import to_device
 from .tree import DraftTree
 from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
 
@@ -172,3 +174,18 @@ def walk(tree: DraftTree, nodes, params: SamplingParams, generator: torch.Genera
     """Sampled acceptance of ``tree`` (:func:`~logitspec.verify.accept_path`): a draw at each node the
     walk visits, none at the others. Returns (accepted node indices from the root, bonus token)."""
     return accept_path(tree, lambda node: draw(nodes, node, params, generator))
+
+
+def tree_uniforms(generators: list[torch.Generator], trees: list[DraftTree], device) -> tuple[torch.Tensor, list[list]]:
+    """Per node of every row (rows in order), the uniform its depth draws from the row's generator
+    ([N] float64 on ``device``), and per row the generator's state after each draw."""
+    u, states = [], []
+    for gen, tree in zip(generators, trees):
+        depths = tree.depths
+        st, draws = [gen.get_state()], []
+        for _ in range(int(depths.max()) + 1):
+            draws.append(torch.rand((), generator=gen, dtype=torch.float64).item())
+            st.append(gen.get_state())
+        u.append(np.asarray(draws)[depths])
+        states.append(st)
+    return to_device(np.concatenate(u), torch.device(device)), states

@@ -66,6 +66,12 @@ class DraftTree:
             m[i, i] = True
         return m
 
+    def origin_name(self, node: int, source_names: list[str]) -> str:
+        """Which draft source supplied ``node``: one of ``source_names`` (a row's sources, in order),
+        or "guess" (the logits)."""
+        origin = GUESS if self.origins is None else int(self.origins[node])
+        return "guess" if origin == GUESS else source_names[origin]
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` inclusive."""
         path = []

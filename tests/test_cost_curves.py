@@ -63,6 +63,25 @@ def test_measure_times_rows_and_nodes_per_row():
     assert all(s > 0 for s in c.seconds) and c.batches[3].tokens == [1, 2]
 
 
+def test_batch_curves_verify_the_models_own_continuation(monkeypatch):
+    """Every curve verifies chains of the model's own continuation unless told otherwise (A/B runs),
+    and the stored curve's key says which; a misspelt choice fails before any forward."""
+    target = TargetForward(tiny_model("llama"))
+    seen = []
+    real = calibrate.measure_rows
+    monkeypatch.setattr(calibrate, "measure_rows", lambda *a, own_chains=False, **k: seen.append(own_chains) or real(
+        *a, own_chains=own_chains, **k))
+    calibrate.measure(target, tokens=(1, 2), context=12, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1, 2))
+    assert seen and all(seen)
+    seen.clear()
+    calibrate.measure(target, tokens=(1, 2), context=12, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1, 2),
+                      batch_chains="arbitrary")
+    assert seen[0] and not seen[1]  # the one-row curve stays on the model's continuation
+    assert "chains=own" in calibrate.kernel_fingerprint(target.model)
+    with pytest.raises(ValueError, match="batch_chains"):
+        calibrate.measure(target, batch_chains="random")
+
+
 def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
     model = tiny_model("qwen2")
