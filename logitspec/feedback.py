@@ -17,7 +17,10 @@ speculation slower than plain decoding, which it must never be.
 
 Each is an exponentially weighted mean (``decay`` per step) that starts at 1 with the weight of
 ``prior`` steps, and is kept within ``[1 / LIMIT, LIMIT]``; they are kept apart per batch-size class
-(1, 2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). Steps that
+(2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). One row gets
+none: its curve is measured on the kind of step it takes, and there the corrections only added
+noise (`scripts/budget_ab.py`-style runs at batch 1: MAT 1.85-2.45 with them, 2.39-2.43 without;
+docs/performance.md). Steps that
 verified no drafts update the plain side; nothing else does, so a budget that stops drafting keeps
 its last corrections until its exploring steps (:meth:`~logitspec.engine.Engine._prune`) bring new ones.
 """
@@ -45,13 +48,17 @@ class Realised:
     """Corrections for the budget's token and cost estimates from the steps so far, per batch-size
     class (see the module): ``of(rows)`` gives the class's :class:`Corrections`."""
 
-    def __init__(self, prior: float = 8.0, decay: float = 0.95):
-        self.prior, self.decay = prior, decay
+    def __init__(self, prior: float = 8.0, decay: float = 0.95, min_rows: int = 2):
+        self.prior, self.decay, self.min_rows = prior, decay, min_rows
         self._classes: dict[int, Corrections] = {}
+        self._none = _Neutral()
 
     def of(self, rows: int) -> "Corrections":
-        """The corrections for steps of ``rows`` rows (created at the prior on first use)."""
-        key = max(1, int(rows)).bit_length()  # 1 | 2-3 | 4-7 | 8-15 | ...
+        """The corrections for steps of ``rows`` rows (created at the prior on first use; neutral,
+        learning nothing, below ``min_rows``)."""
+        if rows < self.min_rows:
+            return self._none
+        key = int(rows).bit_length()  # 2-3 | 4-7 | 8-15 | ...
         if key not in self._classes:
             self._classes[key] = Corrections(self.prior, self.decay)
         return self._classes[key]
@@ -98,6 +105,16 @@ class Corrections:
     def cost(self) -> float:
         """Multiply a drafting forward's curve time (against a plain one's) by this."""
         return _clip(self._draft_time.value)
+
+
+class _Neutral(Corrections):
+    """No corrections, and nothing learned."""
+
+    def __init__(self):
+        super().__init__(1.0, 1.0)
+
+    def update(self, expected_tokens: float, accepted_tokens: int, curve_s: float, measured_s: float) -> None:
+        pass
 
 
 def _clip(x: float) -> float:

@@ -32,12 +32,19 @@ def test_corrections_are_bounded_and_kept_per_batch_class():
         r.of(24).update(10.0, 0, curve_s=0.01, measured_s=5.0)  # nothing accepted, far dearer than the curve
     assert r.of(24).tokens == 1 / LIMIT and r.of(24).cost == LIMIT
     assert r.of(16) is r.of(31) and r.of(8) is not r.of(16)
-    assert r.of(1).tokens == 1.0 and r.of(4).cost == 1.0  # other classes untouched
+    assert r.of(4).tokens == 1.0 and r.of(4).cost == 1.0  # other classes untouched
     assert r.as_dict()["budget_cost_scale@16"] == LIMIT
 
 
+def test_one_row_gets_no_corrections():
+    r = Realised(prior=1.0, decay=0.5)
+    for _ in range(20):
+        r.of(1).update(10.0, 0, curve_s=0.01, measured_s=5.0)
+    assert r.of(1).tokens == 1.0 and r.of(1).cost == 1.0 and r.as_dict() == {}
+
+
 def test_bad_timings_are_ignored():
-    fix = Realised().of(1)
+    fix = Realised().of(2)
     fix.update(3.0, 3, curve_s=0.0, measured_s=0.1)
     fix.update(3.0, 0, curve_s=0.1, measured_s=0.0)
     assert fix.tokens == 1.0 and fix.cost == 1.0
