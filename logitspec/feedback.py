@@ -19,7 +19,7 @@ Each is an exponentially weighted mean (``decay`` per step) that starts at 1 wit
 ``prior`` steps, and is kept within ``[1 / LIMIT, LIMIT]``; they are kept apart per batch-size class
 (2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). One row gets
 none: its curve is measured on the kind of step it takes, and there the corrections only added
-noise (`scripts/budget_ab.py`-style runs at batch 1: MAT 1.85-2.45 with them, 2.39-2.43 without;
+noise (`scripts/feedback_ab.py --batch-size 1`: MAT 1.85-2.45 with them, 2.39-2.43 without;
 docs/performance.md). Steps that
 verified no drafts update the plain side; nothing else does, so a budget that stops drafting keeps
 its last corrections until its exploring steps (:meth:`~logitspec.engine.Engine._prune`) bring new ones.

@@ -10,26 +10,13 @@ the outputs equal `ar`'s, and the corrections the new engines learned.
 """
 import argparse
 import statistics
+import sys
 
 from logitspec import Engine, SpecConfig, calibrate
 from logitspec.bench.questions import first_turns, warmup_question
 from logitspec.bench.throughput import batch_prompts
+from logitspec.feedback import Realised
 from logitspec.models import load_model
-
-
-class _NoCorrections:
-    """The corrections of the budget before logitspec.feedback: none, and nothing learned."""
-
-    tokens = cost = 1.0
-
-    def of(self, rows):
-        return self
-
-    def update(self, *args):
-        pass
-
-    def as_dict(self):
-        return {}
 
 
 def main() -> None:
@@ -49,7 +36,7 @@ def main() -> None:
         before = calibrate.measure(now.target, tokens=grid.tokens, reps=2, batch_rows=calibrate.rows_for(grid, b),
                                    batch_tokens=grid.per_row, batch_chains="arbitrary")
         engines[("before", b)] = old = Engine(model, tok, config, cost_curve=before)
-        old.realised = _NoCorrections()
+        old.realised = Realised(min_rows=sys.maxsize)  # no corrections at any batch size
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     for e in engines.values():
         e.generate([warm], max_new_tokens=8)

@@ -6,8 +6,8 @@ Per round, method and batch size: a 1-token run (its wall time is the prefill's)
 run; ms per step = (64-token wall - 1-token wall) / (steps - 1). The same split for vLLM:
 ``scripts/vllm_prefill_and_step.py``.
 """
+import argparse
 import json
-import sys
 
 from logitspec import Engine, SpecConfig
 from logitspec.bench.questions import first_turns, warmup_question
@@ -16,7 +16,9 @@ from logitspec.models import load_model
 
 
 def main() -> None:
-    methods = sys.argv[1].split(",") if len(sys.argv) > 1 else ["ar"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("methods", nargs="?", default="ar", help="comma-separated engine methods")
+    methods = ap.parse_args().methods.split(",")
     model, tok = load_model("default")
     engines = {(m, b): Engine(model, tok, SpecConfig(method=m, max_batch_size=b)) for m in methods for b in (6, 24)}
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
