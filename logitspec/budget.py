@@ -248,27 +248,17 @@ def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
     return tokens, float(secs)
 
 
-def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, end: float = 1.0,
-                  near: float = 0.9) -> np.ndarray:
-    """What a drafted token of each row is worth, in plain steps, for a batch that is only draining
-    (no prompt waits for a slot), float64 [B]; a plain step is worth 1 (``choose_sizes``' ``base``):
-    it moves the batch's end one step.
+def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, near: float = 0.9) -> np.ndarray:
+    """Token weights for a batch that is only draining (no prompt waits for a slot), float64 [B].
 
-    The batch ends with its slowest row. A row that alone sets the end (its estimated steps left,
-    ``remaining`` tokens over its recent ``rates`` of tokens per step, the only ones within ``near``
-    of the most) moves the end with each token it gains: worth ``end``, the cost of the batch's last
-    steps over a step's. Any other row's token only makes the row finish sooner, saving its own part
-    of each later step: worth ``share``, a row's marginal cost over the step's. So is a token of a
-    row that ties with others for the end, since the end moves only if all of them gain (in a
-    static batch of equally long answers every row ties at first). A heuristic: a row's end of
-    sequence is not known in advance; a row without a recent rate counts one token a step."""
-    rates = np.nan_to_num(np.asarray(rates, dtype=float), nan=1.0)
-    est = np.asarray(remaining, dtype=float) / np.maximum(rates, 1e-9)  # [B]
-    critical = est >= near * est.max()
-    weights = np.full(len(est), float(np.clip(share, 0.0, 1.0)))
-    if critical.sum() == 1:
-        weights[critical] = max(float(end), 0.0)
-    return weights
+    The batch then ends with its slowest row: the rows whose estimated steps left (``remaining``
+    tokens over their recent ``rates`` of tokens per step) are within ``near`` of the most are
+    worth 1 a token. A row that is ahead, finishing sooner, saves only its own part of each later
+    step: ``share``, a row's marginal cost over the step's (from the cost curve), is what its
+    tokens are worth. Drafting then goes where it shortens the batch, and steps stay cheap
+    otherwise (a heuristic: a row's end of sequence is not known in advance)."""
+    est = np.asarray(remaining, dtype=float) / np.maximum(np.asarray(rates, dtype=float), 1e-9)  # [B]
+    return np.where(est >= near * est.max(), 1.0, float(np.clip(share, 0.0, 1.0)))
 
 
 def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:

@@ -383,13 +383,11 @@ class Engine:
         if fresh:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
         weights, base, B = None, None, len(active)
-        if draining and B > 1:  # tokens worth what they save of the batch's time (budget.drain_weights)
+        if draining and B > 1:
             step = self.cost_curve.step(B, 1)
             weights = drain_weights([s.max_new - len(s.out) for s in active],
-                                    [np.mean(s.stats.accepted_lengths[-RATE_STEPS:] or [1]) for s in active],
-                                    share=(step - self.cost_curve.step(B - 1, 1)) / step,
-                                    end=self.cost_curve.step(1, 1) / step)
-            base = 1.0
+                                    [np.mean(s.stats.accepted_lengths[-RATE_STEPS:]) for s in active],
+                                    share=(step - self.cost_curve.step(B - 1, 1)) / step)
         probs = [self.acceptance.node_probs(t, s.streak) for t, s in zip(trees, active)]
         most = max(len(t) - 1 for t in trees)
         columns = self._columns(active)
