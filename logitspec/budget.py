@@ -197,13 +197,11 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
 
 def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
                  weights: Sequence[float] | None = None, margin: float = 0.0,
-                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0,
-                 base: float | None = None) -> list[int]:
+                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
     ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
-    of row b is worth (default 1 for every row; see :func:`drain_weights`); ``base``: what a plain
-    step is worth (default the weights' sum: each row's token). Any drafting must score
+    of row b is worth (default 1 for every row; see :func:`drain_weights`). Any drafting must score
     ``1 + margin`` times plain decoding. ``columns``: the cached columns the nodes read (see
     :meth:`CostCurve.step`). For each padded width T, the
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
@@ -217,16 +215,15 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
     # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
     # a drafting step has host work (drafts, acceptance) that the curve does not hold
-    base = w.sum() if base is None else float(base)
-    best, best_score = [0] * B, base / cost.step(B, 1, columns) * (1 + margin)
+    best, best_score = [0] * B, w.sum() / cost.step(B, 1, columns) * (1 + margin)
     top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
         rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
         vals = np.concatenate(cand) * w[rows] * token_scale  # [M]: each node's expected tokens, weighted by its row
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
-        gain = base + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
-        full = cost.step(B, width + 1, columns) - cost.head_time(B * (width + 1))  # the padded decoder
+        gain = w.sum() + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
+        full = padded_decoder(cost, B, width, columns)
         score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * cost_scale)
         score[0] = 0.0  # no node kept: plain decoding, scored above
         k = int(np.argmax(score))
@@ -244,8 +241,13 @@ def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
     if width == 0:
         return 0.0, cost.step(B, 1, columns)
     tokens = sum(float(np.sum(p[:n])) for p, n in zip(probs, sizes))
-    secs = cost.step(B, width + 1, columns) - cost.head_time(B * (width + 1)) + cost.head_time(B + sum(sizes))
-    return tokens, float(secs)
+    return tokens, float(padded_decoder(cost, B, width, columns) + cost.head_time(B + sum(sizes)))
+
+
+def padded_decoder(cost: CostCurve, rows: int, width: int, columns: float | None = None) -> float:
+    """Seconds of a forward of ``rows`` rows padded to ``width`` draft nodes each, without the output
+    layer (which runs only for the real nodes: add ``cost.head_time`` of them)."""
+    return cost.step(rows, width + 1, columns) - float(cost.head_time(rows * (width + 1)))
 
 
 def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, near: float = 0.9) -> np.ndarray:

@@ -382,7 +382,7 @@ class Engine:
         fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
         if fresh:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
-        weights, base, B = None, None, len(active)
+        weights, B = None, len(active)
         if draining and B > 1:
             step = self.cost_curve.step(B, 1)
             weights = drain_weights([s.max_new - len(s.out) for s in active],
@@ -394,7 +394,7 @@ class Engine:
         ranked = [np.sort(p[1:])[::-1] for p in probs]
         fix = self.realised.of(B)
         sizes = choose_sizes(ranked, self.cost_curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
-                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
+                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover

@@ -2,9 +2,9 @@
 
 The auto budget (:func:`~logitspec.budget.choose_sizes`) chooses nodes from estimates: acceptance
 rates learned per node kind and a cost curve measured once. Both can be wrong in ways the budget
-cannot see from inside: the product of per-kind rates along a path overstates rows that are not
-copying, and the batch curves, measured on arbitrary token chains, price extra nodes at several
-rows by what they cost on nonsense, not on text (docs/performance.md). A wrong estimate makes
+cannot see from inside: the product of per-kind rates along a path can overstate rows that are
+not copying, and a curve measured on the model's own continuations leaves out the host's drafting
+and verifying and the screen's work at rejected nodes (docs/performance.md). A wrong estimate makes
 speculation slower than plain decoding, which it must never be.
 
 :class:`Realised` keeps two running ratios over recent steps and hands them to the budget:
@@ -20,9 +20,9 @@ Each is an exponentially weighted mean (``decay`` per step) that starts at 1 wit
 (2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). One row gets
 none: its curve is measured on the kind of step it takes, and there the corrections only added
 noise (`scripts/feedback_ab.py --batch-size 1`: MAT 1.85-2.45 with them, 2.39-2.43 without;
-docs/performance.md). Steps that
-verified no drafts update the plain side; nothing else does, so a budget that stops drafting keeps
-its last corrections until its exploring steps (:meth:`~logitspec.engine.Engine._prune`) bring new ones.
+docs/performance.md). Steps that verified no drafts update the plain side; nothing else does, so a
+budget that stops drafting keeps its last corrections until its exploring steps
+(:meth:`~logitspec.engine.Engine._prune`) bring new ones.
 """
 from __future__ import annotations
 
