@@ -144,19 +144,22 @@ def test_engines_over_one_model_share_one_screen():
     assert shared_screen(nn.Parameter(weight.detach().clone(), requires_grad=False)) is not shared_screen(weight)
 
 
-def test_screen_candidates_kernel_equals_the_torch_search():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screen_candidates_kernel_equals_the_torch_search(dtype):
     """The compiled candidate search gives exactly torch's nonzero(approx >= amax - margin), and no
-    candidates for a row holding a NaN (its argmax then comes from the full product)."""
+    candidates for a row holding a NaN (its argmax then comes from the full product); on bfloat16
+    scores (the bfloat16 pass's, not widened) the same as on their float32 copy."""
     from logitspec.head import _candidates
     from logitspec.kernels import skinny
     if skinny.extension() is None:
         pytest.skip("the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(5)
-    approx = torch.randn(7, 1003, generator=g) * 3  # V not a multiple of 8: the tail is searched too
+    approx = (torch.randn(7, 1003, generator=g) * 3).to(dtype)  # V not a multiple of 8: the tail is searched too
     approx[2, 1001] = approx[2].max() + 1
     approx[4, 17] = float("nan")
     margin = torch.rand(7, generator=g) * 2
     rows, toks = _candidates(approx, margin)
+    approx = approx.float()
     best = approx.amax(dim=1)
     want_rows, want_toks = torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)
     assert torch.equal(rows, want_rows) and torch.equal(toks, want_toks)

@@ -24,7 +24,7 @@ def _weights(V=64, H=32, seed=0, ties=12):
 
 def _node(screen, x):
     """(approx [V], bound) of one hidden state."""
-    return screen.approx_logits(x[None])[0], screen.bound_per_norm * float(x.norm())
+    return screen.approx_logits(x[None])[0].float(), screen.bound_per_norm * float(x.norm())
 
 
 def _reference_support(z, params):

@@ -93,6 +93,33 @@ def test_runner_record_is_read_back_into_table_rows(tmp_path):
         vllm_baseline.read_result(json.dumps({"method": "plain", "runs": [{"batch_size": 1}]}))
 
 
+def test_runner_slots_send_all_prompts_in_one_call_and_the_host_one_batch_size_per_run(tmp_path):
+    """With slots the runner hands vLLM all of a batch size's prompts at once (its scheduler keeps
+    b running), and the host starts one runner per batch size, each told its one size."""
+    calls = []
+
+    def generate(group):
+        calls.append(len(group))
+        return [[1]] * len(group)
+
+    runs = vllm_runner.measure(generate, {"2": [[1]] * 8}, rounds=2, clock=iter(range(100)).__next__, slots=True)
+    assert calls == [8, 8] and [r["tokens"] for r in runs] == [8, 8]
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"  # records each request, answers like the runner for its one batch size
+    fake.write_text("#!/bin/sh\ncat \"$2\" >> " + str(seen) + "\necho >> " + str(seen) + "\n"
+                    "b=$(sed 's/.*\"prompts\": {\"\\([0-9]*\\)\".*/\\1/' \"$2\")\n"
+                    "echo '{\"method\": \"plain\", \"engine_init_s\": 1, \"runs\": [{\"batch_size\": '$b', "
+                    "\"round\": 0, \"tokens\": 4, \"wall_s\": 1, \"token_ids\": [[7]]}]}' > \"$3\"\n")
+    fake.chmod(0o755)
+    rows = vllm_baseline.run_all(fake, tmp_path, ["plain"], {1: [[1]] * 3, 2: [[1]] * 6}, 1, 1, [1], ours={},
+                                 log=lambda _: None, slots=True)
+    requests = [json.loads(line) for line in seen.read_text().splitlines() if line.strip()]
+    assert [list(r["prompts"]) for r in requests] == [["1"], ["2"]] and all(r["slots"] for r in requests)
+    assert list(rows) == ["vllm-plain@1", "vllm-plain@2"] and rows["vllm-plain@2"]["tokens_per_s"] == 4.0
+    with pytest.raises(ValueError, match="one batch size per vLLM run"):
+        vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1]], 2: [[1]]}, 1, 1, [1], slots=True)
+
+
 def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

@@ -95,7 +95,8 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompts-per-slot", type=int, default=1,
                    help="batch size b runs b x N prompts (1: one static batch, done when its slowest row is; "
-                        "more: rows are refilled as they finish, as in a job; vLLM runs with 1 only)")
+                        "more: rows are refilled as they finish, as in a job; vLLM likewise, one engine start-up "
+                        "per batch size)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("--baselines", default="", help="other engines to run on the same prompts: 'vllm' (vLLM's "
                    "CPU backend, float32, in its own environment; skipped with a message when absent)")
@@ -128,9 +129,6 @@ def _main(args) -> int:
             print(why)
     if args.prompts_per_slot < 1:
         raise ValueError(f"--prompts-per-slot must be >= 1, got {args.prompts_per_slot}")
-    if args.prompts_per_slot > 1 and vllm_python is not None:
-        print("vLLM baseline skipped: it is compared on static batches (--prompts-per-slot 1) only")
-        vllm_python = None
     decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
@@ -161,8 +159,9 @@ def _add_vllm(table, python, methods, model, tok, prompts, sizes, args) -> dict:
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     warm_ids = tok(warm).input_ids if isinstance(warm, str) else list(warm)
     table = {**table, **vllm_baseline.run_all(
-        python, model.config._name_or_path, methods, {b: batch_prompts(ids, b) for b in sizes},
-        args.max_new_tokens, args.rounds, warm_ids, table, threads=torch.get_num_threads())}
+        python, model.config._name_or_path, methods, {b: batch_prompts(ids, b * args.prompts_per_slot) for b in sizes},
+        args.max_new_tokens, args.rounds, warm_ids, table, threads=torch.get_num_threads(),
+        slots=args.prompts_per_slot > 1)}
     return {k: table[k] for k in sorted(table, key=lambda k: table[k]["batch_size"])}
 
 

@@ -8,11 +8,14 @@ imports ``logitspec``. Usage::
 
 REQUEST: ``{"model": dir, "method": "plain"|"ngram"|"suffix", "prompts": {"<b>": [[ids]]} (the prompts
 batch size b runs), "max_new_tokens": n, "rounds": r, "dtype": "float32", "spec_tokens": k,
-"max_model_len": m, "warmup": [ids]}``. Prefix caching is off: our engines have none, and the
-repeated prompts of a batch would otherwise skip their prefill.
+"max_model_len": m, "warmup": [ids], "slots": bool}``. Prefix caching is off: our engines have none,
+and the repeated prompts of a batch would otherwise skip their prefill.
 RESULT (:func:`measure`'s record): ``{"method", "engine_init_s", "runs": [{"batch_size", "round",
 "tokens", "wall_s", "tokens_per_s", "token_ids"}]}``. Batch size b runs the prompts in consecutive
-groups of b, each group as one ``generate`` call (all of a group's rows decode together).
+groups of b, each group as one ``generate`` call (all of a group's rows decode together); with
+``slots`` all of them in one call, which vLLM's scheduler runs b at a time (``max_num_seqs``, the
+largest batch size of the request: send one batch size per request), a finished row's slot taken
+by the next prompt, as in a job.
 """
 from __future__ import annotations
 
@@ -28,18 +31,20 @@ SPECULATIVE = {  # vLLM speculative_config per method (k: drafted tokens per ste
 }
 
 
-def measure(generate, prompts: dict, rounds: int, clock=time.perf_counter) -> list[dict]:
+def measure(generate, prompts: dict, rounds: int, clock=time.perf_counter, slots: bool = False) -> list[dict]:
     """Per round and batch size b (``prompts``: b -> its prompts): ``generate(group)`` (a list of
-    prompts -> one list of new token ids per prompt) over consecutive groups of b prompts; tokens,
-    wall time, tokens/s and the outputs."""
+    prompts -> one list of new token ids per prompt) over consecutive groups of b prompts (``slots``:
+    all prompts as one group; the engine's own limit keeps b running); tokens, wall time, tokens/s
+    and the outputs."""
     runs = []
     for r in range(rounds):
         for key, batch in prompts.items():
             b = int(key)
+            group = len(batch) if slots else b
             outputs = []
             t0 = clock()
-            for i in range(0, len(batch), b):
-                outputs += generate(batch[i:i + b])
+            for i in range(0, len(batch), group):
+                outputs += generate(batch[i:i + group])
             wall = clock() - t0
             tokens = sum(len(o) for o in outputs)
             runs.append({"batch_size": b, "round": r, "tokens": tokens, "wall_s": wall,
@@ -69,7 +74,8 @@ def main(argv) -> int:
     init_s = time.perf_counter() - t0
     generate = vllm_generate(llm, SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"]))
     generate([req.get("warmup") or next(iter(req["prompts"].values()))[0]])  # warm-up, not measured
-    write_record(out_path, req["method"], init_s, measure(generate, req["prompts"], req.get("rounds", 1)))
+    write_record(out_path, req["method"], init_s, measure(generate, req["prompts"], req.get("rounds", 1),
+                                                                  slots=bool(req.get("slots", False))))
     return 0
 
 

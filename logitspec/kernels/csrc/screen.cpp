@@ -11,27 +11,29 @@
 
 #include "vec8.h"
 
-// The output layer's screen (logitspec/head.py): per row r of approx [N, V], the tokens whose
-// approximate logit is >= the row's largest minus margin[r], rows in order, tokens ascending (what
-// torch.nonzero(approx >= (approx.amax(1) - margin)[:, None]) gives, in one pass over each row and a
-// second over the same row while it is in cache). A row holding a NaN has no candidates.
-std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin) {
-  TORCH_CHECK(approx.device().is_cpu() && approx.scalar_type() == at::kFloat && approx.dim() == 2 && approx.is_contiguous(),
-              "screen_candidates: contiguous float32 approx [N, V] on CPU");
-  TORCH_CHECK(margin.scalar_type() == at::kFloat && margin.dim() == 1 && margin.size(0) == approx.size(0) && margin.is_contiguous(),
-              "screen_candidates: float32 margin [N]");
-  const int64_t N = approx.size(0), V = approx.size(1);
-  const float* a = approx.data_ptr<float>();
-  const float* mg = margin.data_ptr<float>();
-  std::vector<std::vector<int64_t>> found(N);
+namespace {
+
+// 8 consecutive approximate logits as float32 (a bfloat16 value widens exactly: its bits are the
+// upper half of the float's).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float load1(const float* p) { return *p; }
+inline float load1(const at::BFloat16* p) { return static_cast<float>(*p); }
+
+// Per row r of a [N, V]: the tokens within mg[r] of the row's largest value, ascending, into found[r].
+template <typename T>
+void candidates(const T* a, const float* mg, int64_t N, int64_t V, std::vector<std::vector<int64_t>>& found) {
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* row = a + r * V;
+      const T* row = a + r * V;
       const int64_t V8 = V & ~int64_t{7};
       __m256 mx = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
       __m256 bad = _mm256_setzero_ps();
       for (int64_t v = 0; v < V8; v += 8) {
-        const __m256 x = _mm256_loadu_ps(row + v);
+        const __m256 x = load8(row + v);
         mx = _mm256_max_ps(mx, x);
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
       }
@@ -40,23 +42,46 @@ std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const 
       float best = *std::max_element(lanes, lanes + 8);
       bool nan = _mm256_movemask_ps(bad) != 0;
       for (int64_t v = V8; v < V; ++v) {
-        nan |= row[v] != row[v];
-        best = std::max(best, row[v]);
+        const float x = load1(row + v);
+        nan |= x != x;
+        best = std::max(best, x);
       }
       if (nan || V == 0) continue;
       const float thr = best - mg[r];
       const __m256 tv = _mm256_set1_ps(thr);
       for (int64_t v = 0; v < V8; v += 8) {
-        int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), tv, _CMP_GE_OQ));
+        int bits = _mm256_movemask_ps(_mm256_cmp_ps(load8(row + v), tv, _CMP_GE_OQ));
         while (bits) {
           found[r].push_back(v + __builtin_ctz(bits));
           bits &= bits - 1;
         }
       }
       for (int64_t v = V8; v < V; ++v)
-        if (row[v] >= thr) found[r].push_back(v);
+        if (load1(row + v) >= thr) found[r].push_back(v);
     }
   });
+}
+
+}  // namespace
+
+// The output layer's screen (logitspec/head.py): per row r of approx [N, V] (float32, or bfloat16 as
+// the bfloat16 pass returns it: no float32 copy of the [N, V] scores), the tokens whose approximate
+// logit is >= the row's largest minus margin[r] (compared in float32), rows in order, tokens ascending
+// (what torch.nonzero(approx >= (approx.amax(1) - margin)[:, None]) gives, in one pass over each row
+// and a second over the same row while it is in cache). A row holding a NaN has no candidates.
+std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin) {
+  TORCH_CHECK(approx.device().is_cpu() && (approx.scalar_type() == at::kFloat || approx.scalar_type() == at::kBFloat16) &&
+              approx.dim() == 2 && approx.is_contiguous(),
+              "screen_candidates: contiguous float32 or bfloat16 approx [N, V] on CPU");
+  TORCH_CHECK(margin.scalar_type() == at::kFloat && margin.dim() == 1 && margin.size(0) == approx.size(0) && margin.is_contiguous(),
+              "screen_candidates: float32 margin [N]");
+  const int64_t N = approx.size(0), V = approx.size(1);
+  const float* mg = margin.data_ptr<float>();
+  std::vector<std::vector<int64_t>> found(N);
+  if (approx.scalar_type() == at::kFloat)
+    candidates(approx.data_ptr<float>(), mg, N, V, found);
+  else
+    candidates(approx.data_ptr<at::BFloat16>(), mg, N, V, found);
   int64_t K = 0;
   for (const auto& f : found) K += static_cast<int64_t>(f.size());
   auto rows = torch::empty({K}, approx.options().dtype(at::kLong));
