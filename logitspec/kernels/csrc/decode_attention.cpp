@@ -99,6 +99,10 @@ void scores(const Shape& s, float* out) {
       float* row = out + bh * s.Q * s.S;
       for (int64_t j = c * kColumnChunk; j < std::min(s.S, (c + 1) * kColumnChunk); ++j) {
         const float* kj = s.k + b * s.ks0 + h * s.ks1 + j * s.ks2;
+        if (j + 2 < s.S) {
+          const char* ahead = reinterpret_cast<const char*>(kj + 2 * s.ks2);
+          for (int64_t o = 0; o < s.D * 4; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        }
         for (int64_t t = 0; t < s.T; ++t) {
           if (!visible(s, b, t, j)) continue;
           for (int64_t g = 0; g < s.G; ++g) qs[g] = query(s, b, h, g * s.T + t);
@@ -154,6 +158,7 @@ void softmax(const Shape& s, float* sc, float* total) {
 }
 
 constexpr int64_t kLanes = 32;   // lanes of D per output unit: 4 ymm registers of v
+constexpr int64_t kPrefetch = 16; // columns ahead whose values are prefetched
 constexpr int kOutHeads = 3;       // query heads accumulated together (3 x 4 accumulators + 4 of v)
 
 // For node t and query heads g0 .. g0 + NG - 1 of key head h: sum_j p_j v_j[d0 .. d0 + 32) over the
@@ -168,6 +173,11 @@ inline void weigh(const Shape& s, const float* prow, const float* total, float* 
   for (int g = 0; g < NG; ++g) p[g] = prow + ((g0 + g) * s.T + t) * s.S;
   const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
   for (int64_t j = 0; j < s.S; ++j) {
+    // the chunk's two cache lines kPrefetch columns ahead: a column's 32 lanes sit a whole row of
+    // D apart from the next column's, a stride the hardware prefetchers follow poorly
+    const char* ahead = reinterpret_cast<const char*>(vb + std::min(j + kPrefetch, s.S - 1) * s.vs2);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
     if (!visible(s, b, t, j)) continue;
     const float* vj = vb + j * s.vs2;
     __m256 vv[4];
