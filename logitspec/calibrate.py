@@ -22,6 +22,7 @@ import torch
 from .budget import CostCurve
 from .cache import GrowingLayer
 from .device import elapsed
+from .kernels import skinny
 from .masks import StepRow
 from .target import TargetForward
 
@@ -86,14 +87,15 @@ def machine_fingerprint(device) -> str:
 
 def kernel_fingerprint(model, head=None) -> str:
     """What the cost depends on in the code: attention kernel, linear and norm modules, output-layer
-    screen, KV-cache layer."""
+    screen (its passes, and its scores kept in the pass's dtype), KV-cache layer, the compiled CPU
+    kernels' sources."""
     attn = getattr(model.config, "_attn_implementation", None)
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
     norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
     screen = getattr(head, "screen", None)
-    screen = f"{screen.kind}:{'+'.join(screen.passes)}" if screen is not None else None
+    screen = f"{screen.kind}:{'+'.join(screen.passes)}:scores=pass-dtype" if screen is not None else None
     return (f"attn={attn}|linears={','.join(linears)}|norms={','.join(norms)}|screen={screen}"
-            f"|cache={GrowingLayer.__name__}|chains={CHAINS}")
+            f"|cache={GrowingLayer.__name__}|chains={CHAINS}|kernels={skinny.sources_digest()}")
 
 
 def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:

@@ -82,6 +82,19 @@ def test_batch_curves_verify_the_models_own_continuation(monkeypatch):
         calibrate.measure(target, batch_chains="random")
 
 
+def test_an_edited_kernel_source_keys_a_new_curve(tmp_path, monkeypatch):
+    """A stored curve measured with other kernel code (an edited csrc file) is not reused."""
+    from logitspec.kernels import skinny
+
+    model = tiny_model("llama")
+    before = calibrate.kernel_fingerprint(model)
+    assert f"kernels={skinny.sources_digest()}" in before
+    edited = tmp_path / "screen.cpp"
+    edited.write_bytes(skinny._OTHER_SOURCES[1].read_bytes() + b"// edited\n")
+    monkeypatch.setattr(skinny, "_OTHER_SOURCES", (*skinny._OTHER_SOURCES[:1], edited, *skinny._OTHER_SOURCES[2:]))
+    assert calibrate.kernel_fingerprint(model) != before
+
+
 def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
     model = tiny_model("qwen2")

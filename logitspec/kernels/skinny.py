@@ -94,6 +94,14 @@ def _headers_hash() -> str:
     return hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
 
 
+def sources_digest() -> str:
+    """A digest of every compiled kernel's sources and headers: what a stored cost curve was measured
+    with (:func:`logitspec.calibrate.kernel_fingerprint`), so an edited kernel is measured afresh."""
+    import hashlib
+
+    return hashlib.sha1(b"".join(f.read_bytes() for f in (_SOURCE, *_OTHER_SOURCES, *_HEADERS))).hexdigest()[:12]
+
+
 def _load():
     """The compiled extension, building it on first call; None (and one warning) if it cannot be."""
     global _ext, _failed
