@@ -4,9 +4,10 @@ A :class:`Session` (from :meth:`Engine.open`) holds the batch: ``submit`` queues
 ``n`` samples share one prefill), and each ``step`` does one iteration:
 
 1. admit prefilled samples into free slots (their first token comes from the prefill's output);
-2. prefill the next waiting prompts: one chunk of ``prefill_chunk`` tokens per iteration while
-   other rows decode (so they are never stalled for a whole long prefill); a batch filling up from
-   empty is prefilled until its slots are full; short prompts are prefilled several to a forward;
+2. prefill the next waiting prompts: a long prompt one chunk of ``prefill_chunk`` tokens per
+   iteration while other rows decode (so they are never stalled for a whole long prefill); short
+   prompts several to a forward, up to ``fill_chunk`` tokens per iteration; a batch filling up from
+   empty is prefilled until its slots are full;
 3. one decoding step of every active row; finished rows are returned and their slots freed.
 
 :meth:`Engine.run` is ``submit`` for every prompt, then ``step`` until the session is idle.
@@ -147,9 +148,10 @@ class Session:
         self._admit_ready(finished)
 
     def _prefill_waiting(self) -> None:
-        """Prefill while slots are free: at most one chunk's worth of prompt tokens when rows are
-        decoding, otherwise (a batch filling up from empty) until the slots are full. Short fresh
-        prompts are prefilled together, several rows in one forward (:meth:`_prefill_group`)."""
+        """Prefill while slots are free: when rows are decoding, short fresh prompts together (several
+        rows in one forward, :meth:`_prefill_group`) up to ``fill_chunk`` tokens, or one chunk of
+        ``prefill_chunk`` tokens of a long prompt; otherwise (a batch filling up from empty) until the
+        slots are full."""
         decoding = bool(self.active)
         spent = 0  # prompt tokens prefilled in this iteration
         while True:
@@ -157,12 +159,13 @@ class Session:
                 len(r.seeds) - r.admitted for r in self.ready)
             if slots <= 0 and self.prefilling is None:
                 return
-            budget = self.engine.prefill_chunk - spent if decoding and spent else self.engine.prefill_chunk
             if self.prefilling is None:
                 if not self.pending:
                     return
-                # short prompts filling an idle batch: bigger forwards (no decoding row waits for them)
-                group = self._take_group(slots, budget if decoding else self.engine.fill_chunk)
+                # short prompts for free slots: up to fill_chunk tokens in all per iteration, also while
+                # rows decode (measured: 24 slots refilled from 96 prompts, 172-174 tokens/s at 512 tokens
+                # a step, 182-187 at 2,048; fewer, larger forwards, and slots filled sooner)
+                group = self._take_group(slots, self.engine.fill_chunk - spent if decoding else self.engine.fill_chunk)
                 if group:
                     spent += self._prefill_group(group)
                     continue
