@@ -197,11 +197,13 @@ def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) ->
 
 def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
                  weights: Sequence[float] | None = None, margin: float = 0.0,
-                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0) -> list[int]:
+                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0,
+                 base: float | None = None) -> list[int]:
     """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
 
     ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
-    of row b is worth (default 1 for every row; see :func:`drain_weights`). Any drafting must score
+    of row b is worth (default 1 for every row; see :func:`drain_weights`); ``base``: what a plain
+    step is worth (default the weights' sum: each row's token). Any drafting must score
     ``1 + margin`` times plain decoding. ``columns``: the cached columns the nodes read (see
     :meth:`CostCurve.step`). For each padded width T, the
     forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
@@ -215,14 +217,15 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
     # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
     # a drafting step has host work (drafts, acceptance) that the curve does not hold
-    best, best_score = [0] * B, w.sum() / cost.step(B, 1, columns) * (1 + margin)
+    base = w.sum() if base is None else float(base)
+    best, best_score = [0] * B, base / cost.step(B, 1, columns) * (1 + margin)
     top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
         rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
         vals = np.concatenate(cand) * w[rows] * token_scale  # [M]: each node's expected tokens, weighted by its row
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
-        gain = w.sum() + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
+        gain = base + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
         full = padded_decoder(cost, B, width, columns)
         score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * cost_scale)
         score[0] = 0.0  # no node kept: plain decoding, scored above
@@ -250,17 +253,27 @@ def padded_decoder(cost: CostCurve, rows: int, width: int, columns: float | None
     return cost.step(rows, width + 1, columns) - float(cost.head_time(rows * (width + 1)))
 
 
-def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, near: float = 0.9) -> np.ndarray:
-    """Token weights for a batch that is only draining (no prompt waits for a slot), float64 [B].
+def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, end: float = 1.0,
+                  near: float = 0.9) -> np.ndarray:
+    """What a drafted token of each row is worth, in plain steps, for a batch that is only draining
+    (no prompt waits for a slot), float64 [B]; a plain step is worth 1 (``choose_sizes``' ``base``):
+    it moves the batch's end one step.
 
-    The batch then ends with its slowest row: the rows whose estimated steps left (``remaining``
-    tokens over their recent ``rates`` of tokens per step) are within ``near`` of the most are
-    worth 1 a token. A row that is ahead, finishing sooner, saves only its own part of each later
-    step: ``share``, a row's marginal cost over the step's (from the cost curve), is what its
-    tokens are worth. Drafting then goes where it shortens the batch, and steps stay cheap
-    otherwise (a heuristic: a row's end of sequence is not known in advance)."""
-    est = np.asarray(remaining, dtype=float) / np.maximum(np.asarray(rates, dtype=float), 1e-9)  # [B]
-    return np.where(est >= near * est.max(), 1.0, float(np.clip(share, 0.0, 1.0)))
+    The batch ends with its slowest row. A row that alone sets the end (its estimated steps left,
+    ``remaining`` tokens over its recent ``rates`` of tokens per step, the only ones within ``near``
+    of the most) moves the end with each token it gains: worth ``end``, the cost of the batch's last
+    steps over a step's. Any other row's token only makes the row finish sooner, saving its own part
+    of each later step: worth ``share``, a row's marginal cost over the step's. So is a token of a
+    row that ties with others for the end, since the end moves only if all of them gain (in a
+    static batch of equally long answers every row ties at first). A heuristic: a row's end of
+    sequence is not known in advance; a row without a recent rate counts one token a step."""
+    rates = np.nan_to_num(np.asarray(rates, dtype=float), nan=1.0)
+    est = np.asarray(remaining, dtype=float) / np.maximum(rates, 1e-9)  # [B]
+    critical = est >= near * est.max()
+    weights = np.full(len(est), float(np.clip(share, 0.0, 1.0)))
+    if critical.sum() == 1:
+        weights[critical] = max(float(end), 0.0)
+    return weights
 
 
 def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:

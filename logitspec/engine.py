@@ -382,19 +382,21 @@ class Engine:
         fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
         if fresh:
             self.cost_curve = calibrate.load_or_measure(self.target, self.config.max_batch_size)
-        weights, B = None, len(active)
-        if draining and B > 1:
+        weights, base, B = None, None, len(active)
+        if draining and B > 1:  # tokens worth what they save of the batch's time (budget.drain_weights)
             step = self.cost_curve.step(B, 1)
             weights = drain_weights([s.max_new - len(s.out) for s in active],
-                                    [np.mean(s.stats.accepted_lengths[-RATE_STEPS:]) for s in active],
-                                    share=(step - self.cost_curve.step(B - 1, 1)) / step)
+                                    [np.mean(s.stats.accepted_lengths[-RATE_STEPS:] or [1]) for s in active],
+                                    share=(step - self.cost_curve.step(B - 1, 1)) / step,
+                                    end=self.cost_curve.step(1, 1) / step)
+            base = 1.0
         probs = [self.acceptance.node_probs(t, s.streak) for t, s in zip(trees, active)]
         most = max(len(t) - 1 for t in trees)
         columns = self._columns(active)
         ranked = [np.sort(p[1:])[::-1] for p in probs]
         fix = self.realised.of(B)
         sizes = choose_sizes(ranked, self.cost_curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
-                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost)
+                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
         # explore: rates are learned only from verified nodes, so after 16 draft-free steps per row
         # (an exploring step at batch B verifies B rows) verify a couple of nodes once, or a
         # pessimistic estimate could never recover
