@@ -37,8 +37,9 @@ def test_matches_sdpa_for_float_and_bool_masks(B, H, KV, D, S, T):
 def test_tree_node_equals_the_same_token_decoded_alone():
     """A node at depth t of a verified chain (its row holding holes before the step's nodes) gets
     bitwise the output of one query after its ancestors were committed, and other rows of the batch
-    do not change it."""
-    H, KV, D, P, holes, T = 4, 1, 256, 37, 11, 5
+    do not change it. P and the holes put the tree's columns in another of the kernel's 64-column
+    value blocks than the lone decode's: the sums run on across blocks unchanged."""
+    H, KV, D, P, holes, T = 4, 1, 256, 137, 11, 5
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(P + T, D, generator=g)  # the row's committed columns, then the chain's nodes
     vals = torch.randn(P + T, D, generator=g)

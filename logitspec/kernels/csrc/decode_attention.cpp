@@ -19,8 +19,9 @@
 //     any lane;
 //   - the output accumulates p_j * v_j in increasing j over visible columns, one chain per lane of D.
 // Work is split over torch's threads by (row, key head, column chunk) for the scores, by query for
-// the softmax and by (row, key head, 64-lane chunk of D) for the output; no split changes the order
-// of any sum. Built with -ffp-contract=off (see skinny_linear.cpp).
+// the softmax and by (row, key head, 32-lane chunk of D) for the output, whose sums pause and resume
+// at 64-column blocks (every node's over one block before the next); no split changes the order of
+// any sum. Built with -ffp-contract=off (see skinny_linear.cpp).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -157,27 +158,31 @@ void softmax(const Shape& s, float* sc, float* total) {
   });
 }
 
-constexpr int64_t kLanes = 32;   // lanes of D per output unit: 4 ymm registers of v
-constexpr int64_t kPrefetch = 16; // columns ahead whose values are prefetched
-constexpr int kOutHeads = 3;       // query heads accumulated together (3 x 4 accumulators + 4 of v)
+constexpr int64_t kLanes = 32;        // lanes of D per output unit: 4 ymm registers of v
+constexpr int64_t kPrefetch = 16;     // columns ahead whose values are prefetched
+constexpr int64_t kValueBlock = 64;   // columns whose values (8 KB of the unit's lanes) serve every node from L1
+constexpr int kOutHeads = 3;          // query heads accumulated together (3 x 4 accumulators + 4 of v)
 
-// For node t and query heads g0 .. g0 + NG - 1 of key head h: sum_j p_j v_j[d0 .. d0 + 32) over the
-// columns t sees, in increasing j (one FMA chain per lane and query), scaled by 1 / total.
+// For node t and query heads g0 .. g0 + NG - 1 of key head h: adds p_j v_j[d0 .. d0 + 32) over the
+// columns j in [j0, j1) that t sees, in increasing j, to the running sums in acc (NG x 32 floats;
+// one FMA chain per lane and query, resumed where the previous block left it: the same chain as one
+// pass over all columns). ``prefetch``: the first pass over the block, which fetches the next one.
 template <int NG>
-inline void weigh(const Shape& s, const float* prow, const float* total, float* out, int64_t b, int64_t h,
-                  int64_t bh, int64_t t, int64_t g0, int64_t d0) {
+inline void weigh(const Shape& s, const float* prow, float* acc_io, const float* vb, int64_t b, int64_t t,
+                  int64_t g0, int64_t j0, int64_t j1, bool prefetch) {
   __m256 acc[NG][4];
   for (int g = 0; g < NG; ++g)
-    for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_setzero_ps();
+    for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_loadu_ps(acc_io + g * kLanes + 8 * x);
   const float* p[NG];
   for (int g = 0; g < NG; ++g) p[g] = prow + ((g0 + g) * s.T + t) * s.S;
-  const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
-  for (int64_t j = 0; j < s.S; ++j) {
-    // the chunk's two cache lines kPrefetch columns ahead: a column's 32 lanes sit a whole row of
-    // D apart from the next column's, a stride the hardware prefetchers follow poorly
-    const char* ahead = reinterpret_cast<const char*>(vb + std::min(j + kPrefetch, s.S - 1) * s.vs2);
-    _mm_prefetch(ahead, _MM_HINT_T0);
-    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (prefetch) {
+      // the chunk's two cache lines kPrefetch columns ahead: a column's 32 lanes sit a whole row of
+      // D apart from the next column's, a stride the hardware prefetchers follow poorly
+      const char* ahead = reinterpret_cast<const char*>(vb + std::min(j + kPrefetch, s.S - 1) * s.vs2);
+      _mm_prefetch(ahead, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    }
     if (!visible(s, b, t, j)) continue;
     const float* vj = vb + j * s.vs2;
     __m256 vv[4];
@@ -187,29 +192,43 @@ inline void weigh(const Shape& s, const float* prow, const float* total, float* 
       for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_fmadd_ps(w, vv[x], acc[g][x]);
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    const float l = total[bh * s.Q + (g0 + g) * s.T + t];
-    const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-    float* o = out + ((b * s.T + t) * s.H + h * s.G + g0 + g) * s.D + d0;
-    for (int x = 0; x < 4; ++x) _mm256_storeu_ps(o + 8 * x, _mm256_mul_ps(acc[g][x], inv));
-  }
+  for (int g = 0; g < NG; ++g)
+    for (int x = 0; x < 4; ++x) _mm256_storeu_ps(acc_io + g * kLanes + 8 * x, acc[g][x]);
 }
 
 // out[b, t, h * G + g, :] = sum_j p_j v_j / total over visible j. D must be a multiple of 32 here
-// (checked by the caller); units are (row, key head, 32-lane chunk of D).
+// (checked by the caller); units are (row, key head, 32-lane chunk of D). A unit walks its columns in
+// blocks of kValueBlock and runs every node's sums over a block while its values are in L1, so the
+// values are read from memory once per step, not once per node.
 void weighted_values(const Shape& s, const float* p, const float* total, float* out) {
   const int64_t chunks = s.D / kLanes;
   at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> sums(s.Q * kLanes);  // [T, G, 32] running sums of one unit
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV;
+      const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV, d0 = c * kLanes;
       const float* prow = p + bh * s.Q * s.S;
-      for (int64_t t = 0; t < s.T; ++t)
-        for (int64_t g0 = 0; g0 < s.G; g0 += kOutHeads) {
-          switch (std::min<int64_t>(kOutHeads, s.G - g0)) {
-            case 3: weigh<3>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
-            case 2: weigh<2>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
-            default: weigh<1>(s, prow, total, out, b, h, bh, t, g0, c * kLanes); break;
+      const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
+      std::fill(sums.begin(), sums.end(), 0.0f);
+      for (int64_t j0 = 0; j0 < s.S; j0 += kValueBlock) {
+        const int64_t j1 = std::min(s.S, j0 + kValueBlock);
+        for (int64_t t = 0; t < s.T; ++t)
+          for (int64_t g0 = 0; g0 < s.G; g0 += kOutHeads) {
+            float* acc = sums.data() + (t * s.G + g0) * kLanes;
+            const bool first = t == 0 && g0 == 0;
+            switch (std::min<int64_t>(kOutHeads, s.G - g0)) {
+              case 3: weigh<3>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
+              case 2: weigh<2>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
+              default: weigh<1>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
+            }
           }
+      }
+      for (int64_t t = 0; t < s.T; ++t)
+        for (int64_t g = 0; g < s.G; ++g) {
+          const float l = total[bh * s.Q + g * s.T + t];
+          const __m256 inv = _mm256_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+          const float* a = sums.data() + (t * s.G + g) * kLanes;
+          float* o = out + ((b * s.T + t) * s.H + h * s.G + g) * s.D + d0;
+          for (int x = 0; x < 4; ++x) _mm256_storeu_ps(o + 8 * x, _mm256_mul_ps(_mm256_loadu_ps(a + 8 * x), inv));
         }
     }
   });
