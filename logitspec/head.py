@@ -78,6 +78,11 @@ class ScreenedArgmax:
 
     KINDS = ("auto", "f16c", "fbgemm", "onednn", "bf16")
     TRIALS = 2  # "auto": timed calls of each pass per row-count bucket before it settles on one
+    # ... unless, after one call each, a pass is this many times slower than the fastest: then the
+    # bucket settles at once, and larger buckets take its choice untimed (a pass that loses by 2x at
+    # N rows loses by more at 2N: fbgemm at 24 rows cost 55 ms against bfloat16's 18, at 144 rows
+    # 343 against 83, and each trial of the loser at 100+ rows cost a third of a second)
+    DECISIVE = 2.0
 
     def __init__(self, weight: torch.Tensor, kind: str | None = None):
         """``kind``: the approximate pass. "f16c": the skinny kernel over a float16 copy (reads it
@@ -104,6 +109,7 @@ class ScreenedArgmax:
         self.bound_per_norm = max(self._bound_per_norm(k, w) for k in use)  # B(x) / ||x|| for any pass used
         self._chosen: dict[int, str] = {}  # row-count bucket -> pass
         self._times: dict[int, dict[str, list[float]]] = {}  # "auto" trials: bucket -> pass -> seconds
+        self._decisive: set[int] = set()  # buckets whose trials found a pass DECISIVE times slower
 
     @staticmethod
     def _auto_set(have: list[str]) -> list[str]:
@@ -158,11 +164,11 @@ class ScreenedArgmax:
         """[N, V] logits of ``x`` [N, H] from the pass chosen for N rows (error <= the bound): float32,
         or bfloat16 from the bfloat16 pass (a [24, 262k] float32 copy cost 3 ms a step).
         With several passes, the first ``TRIALS`` calls of each per bucket of row counts time them in
-        turn; the fastest is used from then on."""
+        turn; the fastest is used from then on (see ``DECISIVE`` for when fewer trials decide)."""
         if len(self.passes) == 1:
             return next(iter(self.passes.values()))(x)
         b = self._bucket(len(x))
-        name = self._chosen.get(b)
+        name = self._chosen.get(b) or self._inherited(b)
         if name is not None:
             return self.passes[name](x)
         times = self._times.setdefault(b, {k: [] for k in self.passes})
@@ -170,11 +176,28 @@ class ScreenedArgmax:
         t0 = time.perf_counter()
         out = self.passes[name](x)
         times[name].append(time.perf_counter() - t0)
-        if all(len(t) >= self.TRIALS for t in times.values()):
-            self._chosen[b] = min(times, key=lambda k: min(times[k]))
-            log.debug("screen pass for %d rows: %s (%s)", b, self._chosen[b],
-                      {k: round(min(t) * 1e3, 1) for k, t in times.items()})
+        if all(times.values()):
+            best = {k: min(t) for k, t in times.items()}
+            decisive = max(best.values()) >= self.DECISIVE * min(best.values())
+            if decisive or all(len(t) >= self.TRIALS for t in times.values()):
+                self._chosen[b] = min(best, key=best.get)
+                if decisive:
+                    self._decisive.add(b)
+                log.debug("screen pass for %d rows: %s (%s)", b, self._chosen[b],
+                          {k: round(v * 1e3, 1) for k, v in best.items()})
         return out
+
+    def _inherited(self, bucket: int) -> str | None:
+        """The pass of the largest smaller bucket, if its trials were decisive (and then settled for
+        ``bucket`` too, untimed); else None."""
+        below = [b for b in self._chosen if b < bucket]
+        if not below or max(below) not in self._decisive:
+            return None
+        b = max(below)
+        self._chosen[bucket] = self._chosen[b]
+        self._decisive.add(bucket)
+        log.debug("screen pass for %d rows: %s (as for %d rows, decisively)", bucket, self._chosen[b], b)
+        return self._chosen[bucket]
 
     def settle(self, rows: int, device="cpu") -> None:
         """Run the timing trials of ``rows`` rows' bucket now (random hidden states), so that later

@@ -1,4 +1,6 @@
 """The screened greedy output layer: its argmax is the float32 argmax, near-ties included."""
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -129,11 +131,43 @@ def test_auto_times_its_passes_then_keeps_the_fastest_per_row_count():
     calls = _Screen.TRIALS * len(screen.passes)
     for rows in (1, 30):
         x = torch.randn(rows, 64, generator=g)
-        for i in range(calls + 2):
+        settled = []
+        for _ in range(calls + 2):
             assert torch.equal(screen(x).argmax, _reference(weight, x))  # exact whichever pass ran
-            settled = screen._bucket(rows) in screen.choices()
-            assert settled == (i >= calls - 1)
+            settled.append(screen._bucket(rows) in screen.choices())
+        # settled after TRIALS calls of each pass at the latest (sooner when one pass is decisively
+        # slower, or, for 30 rows, at once if 1 row's trials were decisive), and for good
+        assert settled[calls - 1] and settled == sorted(settled)
     assert set(screen.choices().values()) <= set(screen.passes)
+
+
+def test_a_decisively_slower_pass_is_dropped_after_one_trial_and_not_tried_at_larger_row_counts():
+    weight = torch.randn(500, 16)
+    screen = _Screen(weight, kind="auto")
+    calls = []
+
+    def timed(name, seconds):
+        def run(x):
+            calls.append((name, len(x)))
+            time.sleep(seconds)
+            return x @ weight.T
+        return run
+
+    screen.passes = {"fast": timed("fast", 0.001), "slow": timed("slow", 0.03)}
+    for rows in (2, 20, 40, 100):
+        for _ in range(3):
+            screen.approx_logits(torch.randn(rows, 16))
+    assert [c for c in calls if c[0] == "slow"] == [("slow", 2)]  # one trial, at the smallest size
+    assert set(screen.choices().values()) == {"fast"}
+    assert sorted(screen.choices()) == [2, 32, 64, 128]
+    # close timings take the full TRIALS each
+    even = _Screen(weight, kind="auto")
+    calls.clear()
+    even.passes = {"a": timed("a", 0.02), "b": timed("b", 0.022)}
+    for _ in range(2 * _Screen.TRIALS):
+        even.approx_logits(torch.randn(3, 16))
+    assert sorted(calls) == [("a", 3)] * _Screen.TRIALS + [("b", 3)] * _Screen.TRIALS
+    assert 3 in even.choices()
 
 
 def test_engines_over_one_model_share_one_screen():
