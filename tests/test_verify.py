@@ -68,3 +68,23 @@ def test_tree_sampling_matches_target_distribution():
     chi2 = ((counts - expected) ** 2 / expected).sum()
     # 15 degrees of freedom: the 99.9% quantile is 37.7
     assert chi2 < 37.7, chi2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_tokens_are_a_stable_descending_sorts_first_k(dtype):
+    """The next-next guesses: per selected row, the k best tokens, best first, ties to the lower token
+    (bfloat16 scores tie often), as a stable sort gives them; a NaN never ranks; the kernel reads the
+    rows in place (no gather), a row may be selected twice."""
+    from logitspec.kernels import skinny
+    from logitspec.verify import top_tokens
+    if skinny.extension() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(2)
+    scores = (torch.randn(6, 1003, generator=g) * 4).round().to(dtype)  # many ties; V not a multiple of 8
+    scores[4, 5] = float("nan")
+    rows = torch.tensor([3, 0, 5, 3, 4])
+    got = top_tokens(scores, rows, 33)
+    want = torch.sort(torch.nan_to_num(scores[rows].float(), nan=-float("inf")), dim=1, descending=True,
+                      stable=True).indices[:, :33]
+    assert got.shape == (5, 33) and torch.equal(got, want)
+    assert 5 not in got[4].tolist()

@@ -137,7 +137,7 @@ def available() -> bool:
 
 def extension():
     """The compiled extension (``skinny_linear``, ``skinny_linear_f16``, ``decode_attention``,
-    ``screen_candidates``, ``rescore``, ``rms_norm``), built on first call; None when it cannot be
+    ``screen_candidates``, ``rescore``, ``rms_norm``, ``top_tokens``), built on first call; None when it cannot be
     (see :func:`unavailable_reason`)."""
     return _load()
 

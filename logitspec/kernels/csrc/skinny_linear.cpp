@@ -185,6 +185,7 @@ std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const 
 torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const torch::Tensor& rows,
                       const torch::Tensor& toks);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double offset, double eps);
+torch::Tensor top_tokens(const torch::Tensor& scores, const torch::Tensor& rows, int64_t k);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
@@ -201,6 +202,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("approx"), py::arg("margin"), py::call_guard<py::gil_scoped_release>());
   m.def("rescore", &rescore, "out[k] = weight[toks[k]] . x[rows[k]] in float32 (screen.cpp)", py::arg("weight"),
         py::arg("x"), py::arg("rows"), py::arg("toks"), py::call_guard<py::gil_scoped_release>());
+  m.def("top_tokens", &top_tokens,
+        "per row rows[b] of scores [N, V], the tokens of its k largest scores, best first, ties to the lower token (screen.cpp)",
+        py::arg("scores"), py::arg("rows"), py::arg("k"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm,
         "y = (x * rsqrt(mean(x^2, -1) + eps)) * (offset + weight), float32, one pass a row (rms_norm.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("offset"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
