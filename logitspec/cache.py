@@ -37,22 +37,49 @@ class GrowingLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self.set(key_states[:, :, :0], value_states[:, :, :0])
 
-    def set(self, keys: torch.Tensor, values: torch.Tensor, room: int = 0) -> None:
-        """Hold copies of ``keys``/``values`` [rows, heads, n, dim], with ``room`` spare columns."""
+    def set(self, keys: torch.Tensor, values: torch.Tensor, room: int = 0, row_room: int = 0) -> None:
+        """Hold copies of ``keys``/``values`` [rows, heads, n, dim], with ``room`` spare columns
+        and ``row_room`` spare rows (:meth:`append_rows` fills them without a copy of the rest)."""
         self.is_initialized = True
-        self.n = keys.shape[2]
-        self._k = keys.new_empty(*keys.shape[:2], self.n + room, keys.shape[3])
-        self._v = values.new_empty(*values.shape[:2], self.n + room, values.shape[3])
+        self.n, rows = keys.shape[2], keys.shape[0]
+        self._K = keys.new_empty(rows + row_room, keys.shape[1], self.n + room, keys.shape[3])
+        self._V = values.new_empty(rows + row_room, values.shape[1], self.n + room, values.shape[3])
+        self._k, self._v = self._K[:rows], self._V[:rows]
         self._k[:, :, :self.n] = keys
         self._v[:, :, :self.n] = values
         self._views()
 
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor, n: int) -> None:
-        """Take ``keys``/``values`` [rows, heads, capacity, dim] as the buffers (no copy); the
-        first ``n`` columns are the cached ones."""
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, n: int, rows: int | None = None) -> None:
+        """Take ``keys``/``values`` [row capacity, heads, capacity, dim] as the buffers (no copy);
+        the first ``rows`` rows (default all) and ``n`` columns are the cached ones."""
         self.is_initialized = True
-        self._k, self._v, self.n = keys, values, n
+        self._K, self._V, self.n = keys, values, n
+        rows = keys.shape[0] if rows is None else rows
+        self._k, self._v = keys[:rows], values[:rows]
         self._views()
+
+    def append_rows(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> bool:
+        """Write ``blocks`` ((keys, values) [rows, heads, cols <= width, dim]) as the next rows, in
+        the buffer's spare rows, the cached columns becoming ``width`` (columns past a row's own are
+        zeroed: holes, masked, but finite); False (nothing changed) if the rows or columns do not fit."""
+        rows = self._k.shape[0]
+        added = sum(k.shape[0] for k, _ in blocks)
+        if rows + added > self._K.shape[0] or width > self._K.shape[2]:
+            return False
+        if width > self.n:
+            for buf in (self._k, self._v):
+                buf[:, :, self.n:width] = 0
+        r = rows
+        for block in blocks:
+            n, cols = block[0].shape[0], block[0].shape[2]
+            for buf, t in zip((self._K, self._V), block):
+                buf[r:r + n, :, :cols] = t
+                buf[r:r + n, :, cols:width] = 0
+            r += n
+        self._k, self._v = self._K[:r], self._V[:r]
+        self.n = max(self.n, width)
+        self._views()
+        return True
 
     def _views(self) -> None:
         self.keys, self.values = self._k[:, :, :self.n], self._v[:, :, :self.n]
@@ -65,7 +92,8 @@ class GrowingLayer(DynamicLayer):
         T = key_states.shape[2]
         if self.n + T > self._k.shape[2]:  # grow by an eighth, at least 64 columns (amortised O(T) per step,
             # little spare at 32k), or at once to the reserved columns (a chunked prefill copies no buffer)
-            self.set(self.keys, self.values, room=T + max(64, self.n // 8, self.reserve - self.n - T))
+            self.set(self.keys, self.values, room=T + max(64, self.n // 8, self.reserve - self.n - T),
+                     row_room=self._K.shape[0] - self._k.shape[0])
         self._k[:, :, self.n:self.n + T] = key_states
         self._v[:, :, self.n:self.n + T] = value_states
         self.n += T
@@ -84,7 +112,7 @@ class GrowingLayer(DynamicLayer):
         if 2 * rows <= self._k.shape[0]:  # (rows >= 1: BatchKV.keep_rows drops an emptied cache)
             self.set(self._k[:rows, :, :self.n], self._v[:rows, :, :self.n], room=64)
             return
-        self._k, self._v = self._k[:rows], self._v[:rows]
+        self._k, self._v = self._K[:rows], self._V[:rows]  # the freed rows stay, spare
         self._views()
 
     def truncate(self, n: int) -> None:
@@ -108,9 +136,12 @@ def new_cache(reserve: int = 0) -> Cache:
 class BatchKV:
     """Rows of committed KV entries; ``lengths[b]`` columns of row b are valid."""
 
-    def __init__(self, reserve: int = 0) -> None:
+    def __init__(self, reserve: int = 0, max_rows: int = 0) -> None:
+        """``max_rows``: the rows the cache will hold at most (a session's slots); buffers made by
+        :meth:`add_rows` keep room for them, so rows admitted later are written in place."""
         self.hf = new_cache(reserve)
         self.lengths: list[int] = []
+        self.max_rows = max_rows
 
     @classmethod
     def empty_row(cls, reserve: int = 0) -> "BatchKV":
@@ -242,17 +273,24 @@ class BatchKV:
             raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
         held = list(self._layers()) if self.rows else []  # this cache's layers, none while it is empty
         idx = [to_device(np.asarray(rows, dtype=np.int64), layers[0].keys.device) for layers, rows in src_layers]
+        total = self.rows + len(added)
+        spare = max(self.max_rows - total, 0)
         stacked = []  # the new buffers, while this cache is empty
-        for i in range(len(src_layers[0][0])):  # per layer: one new buffer, the held rows then the added
-            blocks = [(held[i].keys, held[i].values)] if held else []
-            blocks += [tuple(t.index_select(0, ix)[:, :, :width] for t in (layers[i].keys, layers[i].values))
-                       for (layers, _), ix in zip(src_layers, idx)]
-            if held:
-                held[i].adopt(*_stack_rows(blocks, width), width)  # this layer's old buffers go now
+        # in place when every layer's buffer has the rows and columns (a step's finished rows left
+        # them): only the added rows are written, not the whole batch's cache again
+        in_place = bool(held) and all(x._K.shape[0] >= total and x._K.shape[2] >= width for x in held)
+        for i in range(len(src_layers[0][0])):  # per layer: the added rows after the held ones
+            new = [tuple(t.index_select(0, ix)[:, :, :width] for t in (layers[i].keys, layers[i].values))
+                   for (layers, _), ix in zip(src_layers, idx)]
+            if in_place:
+                held[i].append_rows(new, width)
+            elif held:  # one new buffer, the held rows then the added; this layer's old buffers go now
+                held[i].adopt(*_stack_rows([(held[i].keys, held[i].values)] + new, width, row_room=spare), width,
+                              rows=total)
             else:
-                stacked.append(_stack_rows(blocks, width))
+                stacked.append(_stack_rows(new, width, row_room=spare))
         if not held:
-            self.hf = _cache_holding(stacked, width)
+            self.hf = _cache_holding(stacked, width, rows=total)
         self.lengths += added
 
     def split_row(self, lengths: list[int]) -> "BatchKV":
@@ -294,26 +332,26 @@ def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -
     return _cache_holding([_stack_rows([kv], n, room) for kv in layers], n)
 
 
-def _cache_holding(buffers: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> Cache:
-    """A cache whose layer i adopts ``buffers[i]`` (keys, values) [rows, heads, capacity, dim], the
-    first ``n`` columns cached."""
+def _cache_holding(buffers: list[tuple[torch.Tensor, torch.Tensor]], n: int, rows: int | None = None) -> Cache:
+    """A cache whose layer i adopts ``buffers[i]`` (keys, values) [row capacity, heads, capacity,
+    dim], the first ``rows`` rows (default all) and ``n`` columns cached."""
     hf = new_cache()
     for k, v in buffers:
         layer = GrowingLayer()
         layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
-        layer.adopt(k, v, n)
+        layer.adopt(k, v, n, rows)
         hf.layers.append(layer)
     return hf
 
 
 def _stack_rows(blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int,
-                room: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """New key and value buffers [rows of all blocks, heads, width + room, dim] holding ``blocks``
-    ((keys, values) [rows, heads, cols <= width, dim]) one after another; a block's columns past its
-    own up to ``width`` are zeroed (holes: masked, but they must be finite)."""
+                room: int = 64, row_room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """New key and value buffers [rows of all blocks + row_room, heads, width + room, dim] holding
+    ``blocks`` ((keys, values) [rows, heads, cols <= width, dim]) one after another; a block's columns
+    past its own up to ``width`` are zeroed (holes: masked, but they must be finite)."""
     ref = blocks[0][0]
-    bufs = tuple(ref.new_empty(sum(k.shape[0] for k, _ in blocks), ref.shape[1], width + room, ref.shape[3])
-                 for _ in range(2))
+    bufs = tuple(ref.new_empty(sum(k.shape[0] for k, _ in blocks) + row_room, ref.shape[1], width + room,
+                               ref.shape[3]) for _ in range(2))
     r = 0
     for block in blocks:
         n, cols = block[0].shape[0], block[0].shape[2]

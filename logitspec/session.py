@@ -68,7 +68,7 @@ class Session:
         self.engine = engine
         self.params, self.stops = params, stops
         self.max_new_tokens, self.seed, self.apply_chat_template = max_new_tokens, seed, apply_chat_template
-        self.kv = BatchKV()
+        self.kv = BatchKV(max_rows=engine.config.max_batch_size)  # rows admitted later: written in place
         self.active: list = []  # decoding sequences, one per KV row
         self.pending: deque[_Request] = deque()  # waiting for their prefill
         self.ready: deque[_Request] = deque()  # prefilled, samples waiting for slots

@@ -150,6 +150,40 @@ def test_add_rows_gathers_rows_of_several_caches_like_one_at_a_time():
             assert torch.equal(a.values[row, :, :n], b.values[row, :, :n])
 
 
+def test_rows_admitted_into_spare_rows_are_written_in_place():
+    """With ``max_rows``, a cache keeps room for its slots: after rows finish, rows added later go
+    into the freed rows of the same buffer (no copy of the held rows), longer rows widen it with
+    zeroed holes, and every row keeps its own columns; past the room a new buffer is made."""
+    g = torch.Generator().manual_seed(2)
+
+    def row(n):
+        r = BatchKV.empty_row()
+        k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+        r.hf.update(k, v, 0)
+        r.lengths = [n]
+        return r, k[0], v[0]
+
+    kv = BatchKV(max_rows=4)
+    made = [row(n) for n in (5, 3, 6)]
+    kv.add_rows([(r, 0, 1) for r, _, _ in made])
+    buffer = kv.hf.layers[0]._K
+    assert buffer.shape[0] == 4 and kv.rows == 3
+    order = kv.keep_rows([0, 2])  # row 1 finished: row 2 moves into its slot
+    later = [row(9), row(2)]
+    kv.add_rows([(r, 0, 1) for r, _, _ in later])
+    layer = kv.hf.layers[0]
+    assert layer._K is buffer and kv.rows == 4  # in place: the same buffer
+    want = [made[o] for o in order] + later
+    assert kv.lengths == [5, 6, 9, 2] and kv.columns == 9
+    for b, (_, k, v) in enumerate(want):
+        n = kv.lengths[b]
+        assert torch.equal(layer.keys[b, :, :n], k) and torch.equal(layer.values[b, :, :n], v)
+        assert not layer.keys[b, :, n:].any() and not layer.values[b, :, n:].any()  # holes are zero
+    kv.add_row(row(4)[0])  # a fifth row: no room left, a new buffer holding all five
+    assert kv.hf.layers[0]._K is not buffer and kv.rows == 5
+    assert torch.equal(kv.hf.layers[0].keys[2, :, :9], later[0][1])
+
+
 def test_split_row_gives_each_sequence_its_own_row():
     kv = BatchKV.empty_row()
     layer_kv = [(torch.arange(2 * 9 * 3, dtype=torch.float32).view(1, 2, 9, 3),) * 2 for _ in range(2)]
