@@ -58,28 +58,21 @@ class GrowingLayer(DynamicLayer):
         self._k, self._v = keys[:rows], values[:rows]
         self._views()
 
-    def append_rows(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> bool:
+    def has_room(self, rows: int, width: int) -> bool:
+        """Whether the buffers hold ``rows`` rows of ``width`` columns without growing."""
+        return rows <= self._K.shape[0] and width <= self._K.shape[2]
+
+    def append_rows(self, blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
         """Write ``blocks`` ((keys, values) [rows, heads, cols <= width, dim]) as the next rows, in
-        the buffer's spare rows, the cached columns becoming ``width`` (columns past a row's own are
-        zeroed: holes, masked, but finite); False (nothing changed) if the rows or columns do not fit."""
-        rows = self._k.shape[0]
-        added = sum(k.shape[0] for k, _ in blocks)
-        if rows + added > self._K.shape[0] or width > self._K.shape[2]:
-            return False
+        the buffer's spare rows (:meth:`has_room` must hold), the cached columns becoming ``width``
+        (columns past a row's own are zeroed: holes, masked, but finite)."""
         if width > self.n:
             for buf in (self._k, self._v):
                 buf[:, :, self.n:width] = 0
-        r = rows
-        for block in blocks:
-            n, cols = block[0].shape[0], block[0].shape[2]
-            for buf, t in zip((self._K, self._V), block):
-                buf[r:r + n, :, :cols] = t
-                buf[r:r + n, :, cols:width] = 0
-            r += n
+        r = _write_rows((self._K, self._V), self._k.shape[0], blocks, width)
         self._k, self._v = self._K[:r], self._V[:r]
         self.n = max(self.n, width)
         self._views()
-        return True
 
     def _views(self) -> None:
         self.keys, self.values = self._k[:, :, :self.n], self._v[:, :, :self.n]
@@ -278,7 +271,7 @@ class BatchKV:
         stacked = []  # the new buffers, while this cache is empty
         # in place when every layer's buffer has the rows and columns (a step's finished rows left
         # them): only the added rows are written, not the whole batch's cache again
-        in_place = bool(held) and all(x._K.shape[0] >= total and x._K.shape[2] >= width for x in held)
+        in_place = bool(held) and all(x.has_room(total, width) for x in held)
         for i in range(len(src_layers[0][0])):  # per layer: the added rows after the held ones
             new = [tuple(t.index_select(0, ix)[:, :, :width] for t in (layers[i].keys, layers[i].values))
                    for (layers, _), ix in zip(src_layers, idx)]
@@ -352,11 +345,20 @@ def _stack_rows(blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int,
     ref = blocks[0][0]
     bufs = tuple(ref.new_empty(sum(k.shape[0] for k, _ in blocks) + row_room, ref.shape[1], width + room,
                                ref.shape[3]) for _ in range(2))
-    r = 0
+    _write_rows(bufs, 0, blocks, width)
+    return bufs
+
+
+def _write_rows(bufs: tuple[torch.Tensor, torch.Tensor], start: int, blocks: list[tuple[torch.Tensor, torch.Tensor]],
+                width: int) -> int:
+    """Write ``blocks`` ((keys, values) [rows, heads, cols <= width, dim]) into the key and value
+    buffers ``bufs`` from row ``start`` on, zeroing each block's columns past its own up to
+    ``width``; returns the row after the last written."""
+    r = start
     for block in blocks:
         n, cols = block[0].shape[0], block[0].shape[2]
         for buf, t in zip(bufs, block):
             buf[r:r + n, :, :cols] = t
             buf[r:r + n, :, cols:width] = 0
         r += n
-    return bufs
+    return r

@@ -256,14 +256,33 @@ def torch_candidates(approx: torch.Tensor, margin: torch.Tensor) -> tuple[torch.
     return torch.nonzero(approx >= (best - margin)[:, None], as_tuple=True)
 
 
+def _scores_extension(scores: torch.Tensor):
+    """The compiled CPU kernels for screen scores ``scores`` (float32, or the bfloat16 pass's as they
+    come) on CPU, or None (then torch does the work)."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.bfloat16):
+        return skinny.extension()
+    return None
+
+
 def _candidates(approx: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, tokens) [K] each: per row of ``approx`` [N, V] (float32 or bfloat16) the tokens within ``margin`` [N] of its
     best, rows in order, tokens ascending; one pass over each row by the compiled kernel where it is
     built (24 rows of 262k: 1.2 ms against 7.8 for amax, the comparison and ``nonzero``)."""
-    ext = skinny.extension() if approx.device.type == "cpu" and approx.dtype in (torch.float32, torch.bfloat16) else None
+    ext = _scores_extension(approx)
     if ext is None:
         return torch_candidates(approx, margin)
     return tuple(ext.screen_candidates(approx.contiguous(), margin.float().contiguous()))
+
+
+def top_tokens(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, k] int64: per row ``rows[b]`` of ``scores`` [N, V], the tokens of its ``k`` largest
+    scores, best first. On CPU the compiled kernel (one pass a row, no [B, V] gather; ties to the
+    lower token: 24 rows of 262k bfloat16 scores 0.5 ms against torch.topk's 5.9), elsewhere
+    ``torch.topk`` (its own order among ties)."""
+    ext = _scores_extension(scores)
+    if ext is None:
+        return torch.topk(scores[rows], k, dim=-1).indices
+    return ext.top_tokens(scores.contiguous(), rows.to(torch.int64).contiguous(), k)
 
 
 def _rescore(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:

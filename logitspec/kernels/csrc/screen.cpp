@@ -85,10 +85,8 @@ void top_tokens(const T* a, const int64_t* rows, int64_t B, int64_t V, int64_t k
       };
       const int64_t V8 = V & ~int64_t{7};
       int64_t v = 0;
-      for (; v < V8 && static_cast<int64_t>(best.size()) < k; ++v) offer(load1(row + v), v);  // the first k
-      for (; v < V8 && (v & 7); ++v) offer(load1(row + v), v);
       for (; v < V8; v += 8) {
-        if (static_cast<int64_t>(best.size()) < k) {  // not k numbers yet (NaNs): no threshold to compare with
+        if (static_cast<int64_t>(best.size()) < k) {  // not k numbers yet: no threshold to compare with
           for (int l = 0; l < 8; ++l) offer(load1(row + v + l), v + l);
           continue;
         }
