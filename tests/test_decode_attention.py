@@ -64,6 +64,31 @@ def test_tree_node_equals_the_same_token_decoded_alone():
         assert torch.equal(tree[t], alone), t
 
 
+def test_short_rows_in_a_wide_batch_equal_themselves_alone():
+    """A static batch's buffer is as wide as its longest row: a short row's padding (here NaN, as
+    unwritten memory may be) never enters its result, which is bitwise the row's alone."""
+    H, KV, D, T = 4, 1, 256, 1
+    lengths = [3, 70, 200, 9]
+    S = max(lengths) + 1  # committed columns, then the step's node in the last column
+    g = torch.Generator().manual_seed(5)
+    k = torch.full((len(lengths), KV, S, D), float("nan"))
+    v = torch.full((len(lengths), KV, S, D), float("nan"))
+    vis = torch.zeros(len(lengths), 1, T, S, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        k[b, :, :n], v[b, :, :n] = torch.randn(KV, n, D, generator=g), torch.randn(KV, n, D, generator=g)
+        k[b, :, -1], v[b, :, -1] = torch.randn(KV, D, generator=g), torch.randn(KV, D, generator=g)
+        vis[b, :, :, :n] = True
+        vis[b, :, :, -1] = True
+    q = torch.randn(len(lengths), H, T, D, generator=g)
+    batch = decode_attention.attention(q, k, v, vis, 0.0625)  # [B, T, H, D]
+    assert not batch.isnan().any()
+    for b, n in enumerate(lengths):
+        cols = list(range(n)) + [S - 1]
+        alone = decode_attention.attention(q[b:b + 1], k[b:b + 1, :, cols], v[b:b + 1, :, cols],
+                                           torch.ones(1, 1, T, n + 1, dtype=torch.bool), 0.0625)
+        assert torch.equal(batch[b:b + 1], alone), b
+
+
 def test_applies_only_where_it_can_run():
     q, k, v, vis = _inputs(1, 4, 1, 256, 10, 2)
     assert decode_attention.applies(q, k, vis)

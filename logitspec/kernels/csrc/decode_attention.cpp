@@ -18,7 +18,10 @@
 //     the difference, 8-lane sum over the packed index, fixed horizontal sum), so holes do not shift
 //     any lane;
 //   - the output accumulates p_j * v_j in increasing j over visible columns, one chain per lane of D.
-// Work is split over torch's threads by (row, key head, column chunk) for the scores, by query for
+// Only the columns some node of a row sees are visited (listed once per call, in increasing order): a
+// static batch's short rows sit in a buffer as wide as its longest, and reading or prefetching their
+// padding cost more than their own columns. Work is split over torch's threads by (row, key head,
+// chunk of listed columns) for the scores, by query for
 // the softmax and by (row, key head, 32-lane chunk of D) for the output, whose sums pause and resume
 // at 64-column blocks (every node's over one block before the next); no split changes the order of
 // any sum. Built with -ffp-contract=off (see skinny_linear.cpp).
@@ -61,6 +64,9 @@ struct Shape {
   const float* v; int64_t vs0, vs1, vs2;
   const float* mf; const bool* mb; int64_t ms0, ms2;
   float scale;
+  // the columns some node of row b sees, increasing: cols[off[b] .. off[b + 1]) (padding, holes and
+  // columns no node sees are never read, prefetched or scanned)
+  const int32_t* cols; const int64_t* off;
 };
 
 inline bool visible(const Shape& s, int64_t b, int64_t t, int64_t j) {
@@ -91,17 +97,22 @@ inline void dots(const float* const* qs, const float* kj, int64_t D, float* out)
 
 // scores[(b, h), i, j] for visible (t, j); other entries are left as they are (never read).
 void scores(const Shape& s, float* out) {
-  const int64_t chunks = (s.S + kColumnChunk - 1) / kColumnChunk;
+  int64_t widest = 0;
+  for (int64_t b = 0; b < s.B; ++b) widest = std::max(widest, s.off[b + 1] - s.off[b]);
+  const int64_t chunks = (widest + kColumnChunk - 1) / kColumnChunk;
   at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<const float*> qs(s.G);
     float d[kHeadBlock];
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV;
+      const int32_t* cols = s.cols + s.off[b];
+      const int64_t n = s.off[b + 1] - s.off[b];
       float* row = out + bh * s.Q * s.S;
-      for (int64_t j = c * kColumnChunk; j < std::min(s.S, (c + 1) * kColumnChunk); ++j) {
+      for (int64_t x = c * kColumnChunk; x < std::min(n, (c + 1) * kColumnChunk); ++x) {
+        const int64_t j = cols[x];
         const float* kj = s.k + b * s.ks0 + h * s.ks1 + j * s.ks2;
-        if (j + 2 < s.S) {
-          const char* ahead = reinterpret_cast<const char*>(kj + 2 * s.ks2);
+        if (x + 2 < n) {
+          const char* ahead = reinterpret_cast<const char*>(s.k + b * s.ks0 + h * s.ks1 + cols[x + 2] * s.ks2);
           for (int64_t o = 0; o < s.D * 4; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         for (int64_t t = 0; t < s.T; ++t) {
@@ -115,7 +126,7 @@ void scores(const Shape& s, float* out) {
               case 2: dots<2>(&qs[g0], kj, s.D, d); break;
               default: dots<1>(&qs[g0], kj, s.D, d); break;
             }
-            for (int64_t x = 0; x < ng; ++x) row[((g0 + x) * s.T + t) * s.S + j] = d[x] * s.scale;
+            for (int64_t y = 0; y < ng; ++y) row[((g0 + y) * s.T + t) * s.S + j] = d[y] * s.scale;
           }
         }
       }
@@ -130,9 +141,11 @@ void softmax(const Shape& s, float* sc, float* total) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bh = u / s.Q, i = u % s.Q, b = bh / s.KV, t = i % s.T;
       float* row = sc + u * s.S;
+      const int32_t* cols = s.cols + s.off[b];
+      const int64_t listed = s.off[b + 1] - s.off[b];
       int64_t n = 0;
-      for (int64_t j = 0; j < s.S; ++j)
-        if (visible(s, b, t, j)) buf[n++] = row[j];
+      for (int64_t x = 0; x < listed; ++x)
+        if (visible(s, b, t, cols[x])) buf[n++] = row[cols[x]];
       if (n == 0) { total[u] = 0.0f; continue; }
       float m = buf[0];
       for (int64_t c = 1; c < n; ++c) m = std::max(m, buf[c]);
@@ -152,8 +165,8 @@ void softmax(const Shape& s, float* sc, float* total) {
       }
       total[u] = hsum8(acc);
       n = 0;
-      for (int64_t j = 0; j < s.S; ++j)
-        if (visible(s, b, t, j)) row[j] = buf[n++];
+      for (int64_t x = 0; x < listed; ++x)
+        if (visible(s, b, t, cols[x])) row[cols[x]] = buf[n++];
     }
   });
 }
@@ -164,41 +177,43 @@ constexpr int64_t kValueBlock = 64;   // columns whose values (8 KB of the unit'
 constexpr int kOutHeads = 3;          // query heads accumulated together (3 x 4 accumulators + 4 of v)
 
 // For node t and query heads g0 .. g0 + NG - 1 of key head h: adds p_j v_j[d0 .. d0 + 32) over the
-// columns j in [j0, j1) that t sees, in increasing j, to the running sums in acc (NG x 32 floats;
-// one FMA chain per lane and query, resumed where the previous block left it: the same chain as one
-// pass over all columns). ``prefetch``: the first pass over the block, which fetches the next one.
+// listed columns j = cols[x], x in [x0, x1), that t sees, in increasing j, to the running sums in acc
+// (NG x 32 floats; one FMA chain per lane and query, resumed where the previous block left it: the
+// same chain as one pass over all columns). ``prefetch``: the first pass over the block, which
+// fetches the next one.
 template <int NG>
 inline void weigh(const Shape& s, const float* prow, float* acc_io, const float* vb, int64_t b, int64_t t,
-                  int64_t g0, int64_t j0, int64_t j1, bool prefetch) {
+                  int64_t g0, const int32_t* cols, int64_t n, int64_t x0, int64_t x1, bool prefetch) {
   __m256 acc[NG][4];
   for (int g = 0; g < NG; ++g)
-    for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_loadu_ps(acc_io + g * kLanes + 8 * x);
+    for (int y = 0; y < 4; ++y) acc[g][y] = _mm256_loadu_ps(acc_io + g * kLanes + 8 * y);
   const float* p[NG];
   for (int g = 0; g < NG; ++g) p[g] = prow + ((g0 + g) * s.T + t) * s.S;
-  for (int64_t j = j0; j < j1; ++j) {
+  for (int64_t x = x0; x < x1; ++x) {
     if (prefetch) {
-      // the chunk's two cache lines kPrefetch columns ahead: a column's 32 lanes sit a whole row of
-      // D apart from the next column's, a stride the hardware prefetchers follow poorly
-      const char* ahead = reinterpret_cast<const char*>(vb + std::min(j + kPrefetch, s.S - 1) * s.vs2);
+      // the chunk's two cache lines kPrefetch listed columns ahead: a column's 32 lanes sit a whole
+      // row of D apart from the next column's, a stride the hardware prefetchers follow poorly
+      const char* ahead = reinterpret_cast<const char*>(vb + cols[std::min(x + kPrefetch, n - 1)] * s.vs2);
       _mm_prefetch(ahead, _MM_HINT_T0);
       _mm_prefetch(ahead + 64, _MM_HINT_T0);
     }
+    const int64_t j = cols[x];
     if (!visible(s, b, t, j)) continue;
     const float* vj = vb + j * s.vs2;
     __m256 vv[4];
-    for (int x = 0; x < 4; ++x) vv[x] = _mm256_loadu_ps(vj + 8 * x);
+    for (int y = 0; y < 4; ++y) vv[y] = _mm256_loadu_ps(vj + 8 * y);
     for (int g = 0; g < NG; ++g) {
       const __m256 w = _mm256_set1_ps(p[g][j]);
-      for (int x = 0; x < 4; ++x) acc[g][x] = _mm256_fmadd_ps(w, vv[x], acc[g][x]);
+      for (int y = 0; y < 4; ++y) acc[g][y] = _mm256_fmadd_ps(w, vv[y], acc[g][y]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int x = 0; x < 4; ++x) _mm256_storeu_ps(acc_io + g * kLanes + 8 * x, acc[g][x]);
+    for (int y = 0; y < 4; ++y) _mm256_storeu_ps(acc_io + g * kLanes + 8 * y, acc[g][y]);
 }
 
 // out[b, t, h * G + g, :] = sum_j p_j v_j / total over visible j. D must be a multiple of 32 here
-// (checked by the caller); units are (row, key head, 32-lane chunk of D). A unit walks its columns in
-// blocks of kValueBlock and runs every node's sums over a block while its values are in L1, so the
+// (checked by the caller); units are (row, key head, 32-lane chunk of D). A unit walks its listed
+// columns in blocks of kValueBlock and runs every node's sums over a block while its values are in L1, so the
 // values are read from memory once per step, not once per node.
 void weighted_values(const Shape& s, const float* p, const float* total, float* out) {
   const int64_t chunks = s.D / kLanes;
@@ -208,17 +223,19 @@ void weighted_values(const Shape& s, const float* p, const float* total, float* 
       const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV, d0 = c * kLanes;
       const float* prow = p + bh * s.Q * s.S;
       const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
+      const int32_t* cols = s.cols + s.off[b];
+      const int64_t n = s.off[b + 1] - s.off[b];
       std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int64_t j0 = 0; j0 < s.S; j0 += kValueBlock) {
-        const int64_t j1 = std::min(s.S, j0 + kValueBlock);
+      for (int64_t x0 = 0; x0 < n; x0 += kValueBlock) {
+        const int64_t x1 = std::min(n, x0 + kValueBlock);
         for (int64_t t = 0; t < s.T; ++t)
           for (int64_t g0 = 0; g0 < s.G; g0 += kOutHeads) {
             float* acc = sums.data() + (t * s.G + g0) * kLanes;
             const bool first = t == 0 && g0 == 0;
             switch (std::min<int64_t>(kOutHeads, s.G - g0)) {
-              case 3: weigh<3>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
-              case 2: weigh<2>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
-              default: weigh<1>(s, prow, acc, vb, b, t, g0, j0, j1, first); break;
+              case 3: weigh<3>(s, prow, acc, vb, b, t, g0, cols, n, x0, x1, first); break;
+              case 2: weigh<2>(s, prow, acc, vb, b, t, g0, cols, n, x0, x1, first); break;
+              default: weigh<1>(s, prow, acc, vb, b, t, g0, cols, n, x0, x1, first); break;
             }
           }
       }
@@ -265,6 +282,16 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   s.ms0 = mask.stride(0); s.ms2 = mask.stride(2);
   auto out = torch::empty({s.B, s.T, s.H, s.D}, query.options());
   if (out.numel() == 0 || s.S == 0) return out.zero_();
+  std::vector<int64_t> off(s.B + 1, 0);
+  std::vector<int32_t> cols;
+  cols.reserve(s.B * s.S);
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t j = 0; j < s.S; ++j)
+      for (int64_t t = 0; t < s.T; ++t)
+        if (visible(s, b, t, j)) { cols.push_back(static_cast<int32_t>(j)); break; }
+    off[b + 1] = static_cast<int64_t>(cols.size());
+  }
+  s.cols = cols.data(); s.off = off.data();
   auto sc = torch::empty({s.B * s.KV * s.Q, s.S}, query.options());
   auto total = torch::empty({s.B * s.KV * s.Q}, query.options());
   scores(s, sc.data_ptr<float>());
