@@ -17,6 +17,13 @@ class SpecConfig:
     method: str = "logitspec"
     # --- batching
     max_batch_size: int = 1
+    # while rows decode, free slots wait for company until their idle slot-steps since the last refill
+    # reach this many decoding steps of the whole batch (refill_wait x max_batch_size), or half the
+    # batch is free; rows finishing one by one (speculation makes them) are then refilled several to
+    # a prefill forward. Such a forward's fixed cost is about 0.65 of a 24-row decoding step here
+    # (docs/engine.md, "The loop"); waiting until the idle cost matches it loses at most twice what
+    # the best choice knowing the future would (the ski-rental rule). 0: every free slot at once.
+    refill_wait: float = 0.5
     # --- n-gram retrieval (shared by pld and logitspec)
     max_ngram: int = 3
     min_ngram: int = 1
@@ -49,6 +56,8 @@ class SpecConfig:
             raise ValueError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if not self.refill_wait >= 0:
+            raise ValueError(f"refill_wait must be >= 0, got {self.refill_wait}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, {self.max_ngram}")
         for name in ("pld_max_tokens", "capacity", "top_k", "branch0_max_tokens", "continuations_per_key"):

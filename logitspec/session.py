@@ -74,6 +74,7 @@ class Session:
         self.ready: deque[_Request] = deque()  # prefilled, samples waiting for slots
         self.prefilling: _Request | None = None
         self.steps = self.active_sum = self.prefill_chunks = self.prefills = 0
+        self._idle = 0  # free slot-steps since the last refill while rows decode (SpecConfig.refill_wait)
         self._next_id = 0
 
     # ------------------------------------------------------------------ api
@@ -153,6 +154,8 @@ class Session:
         ``prefill_chunk`` tokens of a long prompt; otherwise (a batch filling up from empty) until the
         slots are full."""
         decoding = bool(self.active)
+        if decoding and self.prefilling is None and self.pending and not self._refill_due():
+            return
         spent = 0  # prompt tokens prefilled in this iteration
         while True:
             slots = self.engine.config.max_batch_size - len(self.active) - sum(
@@ -184,6 +187,20 @@ class Session:
             if req.last is not None:
                 self.ready.append(req)
                 self.prefilling = None
+
+    def _refill_due(self) -> bool:
+        """While rows decode and prompts wait: count this step's free slots as idle slot-steps; True
+        (and the count restarts) once they reach ``SpecConfig.refill_wait`` decoding steps of the
+        whole batch, or once half the batch is free."""
+        B = self.engine.config.max_batch_size
+        free = B - len(self.active) - sum(len(r.seeds) - r.admitted for r in self.ready)
+        if free <= 0:
+            return False
+        self._idle += free
+        if self._idle < self.engine.config.refill_wait * B and 2 * free < B:
+            return False
+        self._idle = 0
+        return True
 
     def _take_group(self, slots: int, budget: int) -> list[_Request]:
         """Waiting prompts from the front of the queue to prefill in one forward: those the prefix

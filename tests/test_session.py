@@ -98,8 +98,9 @@ def test_n_below_one_fails_before_any_forward(llama):
 
 # ---------------------------------------------------------------- streaming session
 def test_session_keeps_the_batch_full_and_equals_run(llama):
+    """With ``refill_wait=0`` every free slot is refilled at once."""
     prompts = repetitive_prompts(8, seed=6)
-    cfg = SpecConfig(method="logitspec", max_batch_size=3, budget="fixed")
+    cfg = SpecConfig(method="logitspec", max_batch_size=3, budget="fixed", refill_wait=0)
     ref = [r.token_ids for r in Engine(llama, None, cfg).generate(prompts, max_new_tokens=N_NEW)]
     eng = Engine(llama, None, cfg)
     log = _spy(eng)
@@ -116,6 +117,36 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
             assert new == [3]
     assert ids == list(range(8))
     assert [results[i] for i in ids] == ref
+
+
+def test_rows_finishing_one_by_one_are_refilled_together(llama):
+    """Rows that finish at different steps: by default free slots wait for company (at most about
+    ``refill_wait`` steps of the whole batch), so fewer prefill forwards refill them; the outputs are
+    the same as refilling each slot at once."""
+    prompts = repetitive_prompts(12, seed=9)
+    B = 4
+    forwards, outputs = {}, {}
+    for wait in (0, None, 2.0):
+        extra = {} if wait is None else {"refill_wait": wait}
+        eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=B, budget="fixed", **extra))
+        log = _spy(eng)
+        session = eng.open(max_new_tokens=N_NEW)
+        for i, p in enumerate(prompts):  # each its own length: rows finish one by one
+            session.submit(p, max_new_tokens=3 + i)
+        outputs[wait] = {r.request_id: r.token_ids for r in session.drain()}
+        groups = [i for i, (kind, _) in enumerate(log) if kind == "G"]
+        forwards[wait] = len(groups)
+        for a, b in zip(groups, groups[1:]):  # free slot-steps between two refills stay bounded
+            idle = sum(B - n for kind, n in log[a + 1:b] if kind == "D")
+            assert idle <= eng.config.refill_wait * B + B, (wait, idle)
+    assert outputs[None] == outputs[0] == outputs[2.0]
+    assert [outputs[0][i] for i in range(len(prompts))] == [hf_greedy(llama, p, 3 + i) for i, p in enumerate(prompts)]
+    assert forwards[0] >= forwards[None] >= forwards[2.0] and forwards[0] > forwards[2.0]
+
+
+def test_refill_wait_must_not_be_negative():
+    with pytest.raises(ValueError, match="refill_wait"):
+        SpecConfig(method="ar", refill_wait=-1)
 
 
 def test_decode_steps_know_when_the_batch_is_only_draining(llama):
