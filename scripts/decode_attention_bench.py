@@ -18,10 +18,10 @@ CASES = [  # B, H, KV, D, S, T
     (20, 4, 1, 256, 290, 1), (20, 4, 1, 256, 290, 4), (6, 4, 1, 256, 290, 1), (6, 4, 1, 256, 290, 8),
     (1, 4, 1, 256, 8192, 1), (1, 4, 1, 256, 8192, 10), (4, 14, 2, 64, 2000, 1), (1, 4, 1, 256, 600, 1),
     (24, 4, 1, 256, 180, 1), (24, 4, 1, 256, 180, 2), (24, 4, 1, 256, 440, 1), (4, 4, 1, 256, 4096, 2)]
-# a static batch as the throughput harness runs it: the 6 prompts' lengths four times, 32 tokens
-# decoded; each row sees its committed columns and the step's node at the end (the others are the
-# holes between the short rows' ends and the widest row's)
-RAGGED = [10, 23, 28, 55, 264, 322] * 4
+# static batches of unequal rows, 32 tokens decoded: each row sees its committed columns and the
+# step's node at the end (the others are the holes between its end and the widest row's). The
+# throughput harness's 6 prompts four times, and four long documents as in a LongBench sweep.
+RAGGED = ([10, 23, 28, 55, 264, 322] * 4, [2000, 4000, 8000, 16000])
 
 
 def sdpa(q, k, v, mask, scale, G):
@@ -38,16 +38,16 @@ def kernel(q, k, v, mask, scale, G):
 def main() -> None:
     torch.set_num_threads(2)
     print("| B, H, KV, D, S, T | SDPA ms | kernel ms | KV MB seen a layer | kernel GB/s |\n|---|---|---|---|---|")
-    for B, H, KV, D, S, T in CASES + [(len(RAGGED), 4, 1, 256, max(RAGGED) + 32 + 1, 1)]:
+    cases = [(*c, None) for c in CASES] + [(len(r), 4, 1, 256, max(r) + 33, 1, r) for r in RAGGED]
+    for B, H, KV, D, S, T, rows in cases:
         G = H // KV
         layers = [(torch.randn(B, KV, S + 100, D), torch.randn(B, KV, S + 100, D)) for _ in range(18)]
         q = torch.randn(B, H, T, D)
         mask = torch.zeros(B, 1, T, S)
-        if (B, S) == (len(RAGGED), max(RAGGED) + 33):
-            for b, n in enumerate(RAGGED):
-                mask[b, :, :, n + 32:S - 1] = torch.finfo(torch.float32).min
-        else:
+        if rows is None:
             mask[..., -3:] = torch.finfo(torch.float32).min
+        for b, n in enumerate(rows or []):
+            mask[b, :, :, n + 32:S - 1] = torch.finfo(torch.float32).min
         res = {}
         with torch.inference_mode():
             for name, f in (("sdpa", sdpa), ("kernel", kernel), ("sdpa2", sdpa), ("kernel2", kernel)):
