@@ -39,6 +39,9 @@ def test_bad_options_fail_before_the_model_loads(tmp_path, capsys):
     assert "not a SpecConfig field" in capsys.readouterr().err
     assert main(["throughput", "--model", missing, "--methods", "ar,hf"]) == 2
     assert "engine's methods and SpecConfig variants only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: not a dtype the harness runs
+        main(["throughput", "--model", missing, "--dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
 
 
 def test_missing_vllm_environment_is_skipped_with_a_message(tmp_path, capsys, monkeypatch):
@@ -156,6 +159,9 @@ def test_run_method_passes_the_context_length_and_reads_the_result(tmp_path):
     assert res["batches"][1]["tokens_per_s"] == 2.0 and res["batches"][1]["token_ids"] == [[7]]
     vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1])
     assert "max_model_len" not in json.loads(seen.read_text())  # the runner's default
+    assert json.loads(seen.read_text())["dtype"] == "float32"
+    vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1], dtype="bfloat16")
+    assert json.loads(seen.read_text())["dtype"] == "bfloat16"
 
 
 def test_prompts_per_slot_refills_the_slots_and_keeps_outputs_exact():

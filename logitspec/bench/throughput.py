@@ -23,6 +23,7 @@ from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
 from .samples import Decoding, add_decoding_options, decoding_from_args, run_samples
 
 BASELINES = ("vllm",)
+DTYPES = ("float32", "bfloat16")  # --dtype: the model's, ours and vLLM's
 
 
 def batch_prompts(prompts: list, batch_size: int) -> list:
@@ -86,6 +87,9 @@ def render(table: dict) -> str:
 def add_throughput_command(sub) -> None:
     p = sub.add_parser("throughput", help="tokens/s of methods at several batch sizes, side by side")
     p.add_argument("--model", default="default")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the model's dtype, ours and vLLM's (our compiled CPU kernels are float32-only: in "
+                        "bfloat16 the model runs transformers' linears and SDPA)")
     p.add_argument("--methods", default="ar,logitspec",
                    help="engine methods and variants (logitspec@capacity=8); ar is always run")
     p.add_argument("--batch-sizes", default="1,4,8")
@@ -99,7 +103,7 @@ def add_throughput_command(sub) -> None:
                         "per batch size)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("--baselines", default="", help="other engines to run on the same prompts: 'vllm' (vLLM's "
-                   "CPU backend, float32, in its own environment; skipped with a message when absent)")
+                   "CPU backend, in --dtype, in its own environment; skipped with a message when absent)")
     p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default "
                    "~/.cache/logitspec/vllm-venv/bin/python)")
     p.add_argument("--vllm-methods", default="plain,ngram",
@@ -132,7 +136,9 @@ def _main(args) -> int:
     decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
-    model, tok = load_model(args.model)
+    import torch
+
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
     t0 = time.perf_counter()
     table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
                 args.prompts_per_slot)
@@ -142,7 +148,7 @@ def _main(args) -> int:
         else:
             table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
     print(render(table))
-    print(f"\n{len(prompts)} prompts, {args.prompts_per_slot} per slot, {decoding.describe()}, "
+    print(f"\n{len(prompts)} prompts, {args.prompts_per_slot} per slot, {args.dtype}, {decoding.describe()}, "
           f"{args.max_new_tokens} new tokens, {args.rounds} rounds, "
           f"{time.perf_counter() - t0:.0f} s")
     if args.out:
@@ -161,7 +167,7 @@ def _add_vllm(table, python, methods, model, tok, prompts, sizes, args) -> dict:
     table = {**table, **vllm_baseline.run_all(
         python, model.config._name_or_path, methods, {b: batch_prompts(ids, b * args.prompts_per_slot) for b in sizes},
         args.max_new_tokens, args.rounds, warm_ids, table, threads=torch.get_num_threads(),
-        slots=args.prompts_per_slot > 1)}
+        slots=args.prompts_per_slot > 1, dtype=args.dtype)}
     return {k: table[k] for k in sorted(table, key=lambda k: table[k]["batch_size"])}
 
 

@@ -69,18 +69,20 @@ def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
 
 def run_method(python: pathlib.Path, model_dir, method: str, prompts: dict[int, list[list[int]]],
                max_new_tokens: int, rounds: int, warmup: list[int], threads: int = 2,
-               timeout: float = 1800, max_model_len: int | None = None, slots: bool = False) -> dict:
+               timeout: float = 1800, max_model_len: int | None = None, slots: bool = False,
+               dtype: str = "float32") -> dict:
     """Run one vLLM method on token-id ``prompts`` (batch size -> its prompts) in a child process;
     its result as :func:`read_result` gives it. RuntimeError with the child's last output if it fails.
     ``max_model_len``: vLLM's context (the runner's default is 2,048 tokens). ``slots``: each batch
     size's prompts in one ``generate`` call, vLLM keeping that many running (refilled as rows
-    finish); ``prompts`` must then hold one batch size (vLLM's limit is set at start-up)."""
+    finish); ``prompts`` must then hold one batch size (vLLM's limit is set at start-up). ``dtype``:
+    the model's ("float32" or "bfloat16")."""
     if slots and len(prompts) != 1:
         raise ValueError(f"slots: one batch size per vLLM run, got {sorted(prompts)}")
     python = pathlib.Path(python)
     with tempfile.TemporaryDirectory(prefix="logitspec-vllm-") as tmp:
         req, out = pathlib.Path(tmp, "request.json"), pathlib.Path(tmp, "result.json")
-        req.write_text(json.dumps({"model": str(model_dir), "method": method, "dtype": "float32",
+        req.write_text(json.dumps({"model": str(model_dir), "method": method, "dtype": dtype,
                                    "prompts": {str(b): p for b, p in prompts.items()},
                                    "max_new_tokens": max_new_tokens, "rounds": rounds, "warmup": warmup,
                                    "slots": slots,
@@ -128,7 +130,7 @@ def table_rows(result: dict, ours: dict) -> dict:
 
 
 def run_all(python, model_dir, methods, prompts, max_new_tokens, rounds, warmup, ours: dict,
-            threads: int = 2, log=print, slots: bool = False) -> dict:
+            threads: int = 2, log=print, slots: bool = False, dtype: str = "float32") -> dict:
     """:func:`run_method` for each of ``methods``, as table rows; a failing method is reported and
     skipped (the rest of the table stands). ``slots``: each batch size runs as a job of its own
     (one vLLM start-up per batch size, see :func:`run_method`)."""
@@ -139,7 +141,7 @@ def run_all(python, model_dir, methods, prompts, max_new_tokens, rounds, warmup,
             log(f"vLLM {m}: running in {python} ...")
             try:
                 result = run_method(python, model_dir, m, group, max_new_tokens, rounds, warmup, threads,
-                                    slots=slots)
+                                    slots=slots, dtype=dtype)
             except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
                 print(f"vLLM {m} skipped: {e}", file=sys.stderr)
                 break
