@@ -105,9 +105,12 @@ class Session:
     @property
     def free_slots(self) -> int:
         """Rows the batch could still take beyond those in flight or prefilled and waiting."""
-        waiting = sum(len(r.seeds) - r.admitted for r in self.ready)
         queued = sum(len(r.seeds) for r in self.pending) + (len(self.prefilling.seeds) if self.prefilling else 0)
-        return max(0, self.engine.config.max_batch_size - len(self.active) - waiting - queued)
+        return max(0, self._open_slots() - queued)
+
+    def _open_slots(self) -> int:
+        """Slots neither decoding nor promised to prefilled samples waiting for admission."""
+        return self.engine.config.max_batch_size - len(self.active) - sum(len(r.seeds) - r.admitted for r in self.ready)
 
     @torch.inference_mode()
     def step(self) -> list:
@@ -158,8 +161,7 @@ class Session:
             return
         spent = 0  # prompt tokens prefilled in this iteration
         while True:
-            slots = self.engine.config.max_batch_size - len(self.active) - sum(
-                len(r.seeds) - r.admitted for r in self.ready)
+            slots = self._open_slots()
             if slots <= 0 and self.prefilling is None:
                 return
             if self.prefilling is None:
@@ -192,8 +194,7 @@ class Session:
         """While rows decode and prompts wait: count this step's free slots as idle slot-steps; True
         (and the count restarts) once they reach ``SpecConfig.refill_wait`` decoding steps of the
         whole batch, or once half the batch is free."""
-        B = self.engine.config.max_batch_size
-        free = B - len(self.active) - sum(len(r.seeds) - r.admitted for r in self.ready)
+        B, free = self.engine.config.max_batch_size, self._open_slots()
         if free <= 0:
             return False
         self._idle += free

@@ -21,10 +21,10 @@
 // Only the columns some node of a row sees are visited (listed once per call, in increasing order): a
 // static batch's short rows sit in a buffer as wide as its longest, and reading or prefetching their
 // padding cost more than their own columns. Work is split over torch's threads by (row, key head,
-// chunk of listed columns) for the scores, by query for
-// the softmax and by (row, key head, 32-lane chunk of D) for the output, whose sums pause and resume
-// at 64-column blocks (every node's over one block before the next); no split changes the order of
-// any sum. Built with -ffp-contract=off (see skinny_linear.cpp).
+// chunk of listed columns) for the scores, by query for the softmax and by (row, key head, 32-lane
+// chunk of D) for the output, whose sums pause and resume at 64-column blocks (every node's over one
+// block before the next); no split changes the order of any sum. Built with -ffp-contract=off (see
+// skinny_linear.cpp).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -213,8 +213,8 @@ inline void weigh(const Shape& s, const float* prow, float* acc_io, const float*
 
 // out[b, t, h * G + g, :] = sum_j p_j v_j / total over visible j. D must be a multiple of 32 here
 // (checked by the caller); units are (row, key head, 32-lane chunk of D). A unit walks its listed
-// columns in blocks of kValueBlock and runs every node's sums over a block while its values are in L1, so the
-// values are read from memory once per step, not once per node.
+// columns in blocks of kValueBlock and runs every node's sums over a block while its values are in
+// L1, so the values are read from memory once per step, not once per node.
 void weighted_values(const Shape& s, const float* p, const float* total, float* out) {
   const int64_t chunks = s.D / kLanes;
   at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
