@@ -16,8 +16,10 @@ whole decoder at one token and grows with every verified node. Two things make i
 Sampling on the host draws from the screen too (:mod:`logitspec.sampling`: float32 logits only
 where the bound cannot decide, only at the nodes a tree walk visits); with ``exact`` it gets the
 full float32 rows (the device path, ``Engine(screened_sampling=False)``). The screen is for float32
-weights on CPU only; elsewhere (a GPU, or half precision) the output layer is one plain GEMM in the
-model's dtype over the selected nodes. ``fast=False`` uses the model's own forward (needed when the
+and bfloat16 weights on CPU; a bfloat16 model's logits are then the float32 products of its weights
+widened exactly (one float32 copy), the same bits in any batch, where bfloat16 GEMMs are not.
+Elsewhere (a GPU, float16) the output layer is one plain GEMM in the model's dtype over the
+selected nodes. ``fast=False`` uses the model's own forward (needed when the
 output layer is sharded, e.g. DeepSpeed AutoTP).
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ class ScreenedArgmax:
         supported; the F16C kernel where one of them is missing), the faster per row count as
         timed on the first calls of each size (:meth:`approx_logits`). ValueError for a pass
         this machine lacks."""
-        w = weight.detach()  # [V, H] float32
+        w = weight.detach().float()  # [V, H] float32 (a bfloat16 weight widened exactly: a copy)
         self.weight = w
         have = [k for k, ok in (("fbgemm", has_fbgemm()), ("bf16", onednn.available() and onednn.bf16_supported()),
                                 ("onednn", onednn.available()), ("f16c", skinny.available())) if ok]
@@ -214,7 +216,7 @@ class ScreenedArgmax:
 
     @staticmethod
     def supported(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and weight.dtype == torch.float32 and (
+        return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and (
             skinny.available() or has_fbgemm() or onednn.available())
 
     def __call__(self, x: torch.Tensor, argmax: bool = True) -> NodeLogits:
@@ -356,11 +358,14 @@ class Head:
     def output(self, h: torch.Tensor, exact: bool = True, argmax: bool = True) -> NodeLogits:
         """The output layer over final hidden states ``h`` [N, H] (needs ``fast``); ``exact``,
         ``argmax`` as for :meth:`__call__`."""
-        if self.screen is not None and not exact:
-            return self.screen(h, argmax=argmax)
+        if self.screen is not None:  # a bfloat16 model's logits: float32 products of its (widened) weights
+            h = h.float()
+            if not exact:
+                return self.screen(h, argmax=argmax)
+        w = self.screen.weight if self.screen is not None else self.weight  # [V, H]
         # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
         # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
-        logits = torch.mm(self.weight, h.T).T if h.device.type == "cpu" else h @ self.weight.T  # [N, V]
+        logits = torch.mm(w, h.T).T if h.device.type == "cpu" else h @ w.T  # [N, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return NodeLogits(logits, exact=True)

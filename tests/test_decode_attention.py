@@ -64,9 +64,11 @@ def test_tree_node_equals_the_same_token_decoded_alone():
         assert torch.equal(tree[t], alone), t
 
 
-def test_short_rows_in_a_wide_batch_equal_themselves_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_rows_in_a_wide_batch_equal_themselves_alone(dtype):
     """A static batch's buffer is as wide as its longest row: a short row's padding (here NaN, as
-    unwritten memory may be) never enters its result, which is bitwise the row's alone."""
+    unwritten memory may be) never enters its result, which is bitwise the row's alone. bfloat16
+    (with the additive mask a bfloat16 model gets) is the float32 result of its widened inputs."""
     H, KV, D, T = 4, 1, 256, 1
     lengths = [3, 70, 200, 9]
     S = max(lengths) + 1  # committed columns, then the step's node in the last column
@@ -80,8 +82,14 @@ def test_short_rows_in_a_wide_batch_equal_themselves_alone():
         vis[b, :, :, :n] = True
         vis[b, :, :, -1] = True
     q = torch.randn(len(lengths), H, T, D, generator=g)
-    batch = decode_attention.attention(q, k, v, vis, 0.0625)  # [B, T, H, D]
-    assert not batch.isnan().any()
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    mask = vis if dtype == torch.float32 else torch.zeros(vis.shape, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
+    assert decode_attention.applies(q, k, mask)
+    batch = decode_attention.attention(q, k, v, mask, 0.0625)  # [B, T, H, D]
+    assert not batch.isnan().any() and batch.dtype == dtype
+    if dtype != torch.float32:
+        wide = decode_attention.attention(q.float(), k.float(), v.float(), vis, 0.0625)
+        assert torch.equal(batch, wide.to(dtype))
     for b, n in enumerate(lengths):
         cols = list(range(n)) + [S - 1]
         alone = decode_attention.attention(q[b:b + 1], k[b:b + 1, :, cols], v[b:b + 1, :, cols],
@@ -94,6 +102,8 @@ def test_applies_only_where_it_can_run():
     assert decode_attention.applies(q, k, vis)
     assert not decode_attention.applies(q, k, None)
     assert not decode_attention.applies(q.double(), k.double(), vis)
+    assert decode_attention.applies(q.bfloat16(), k.bfloat16(), vis)
+    assert not decode_attention.applies(q.bfloat16(), k, vis)  # mixed dtypes
     q80, k80, _, vis80 = _inputs(1, 4, 1, 256, 100, decode_attention.MAX_QUERIES + 1)
     assert not decode_attention.applies(q80, k80, vis80)
     q48, k48, _, vis48 = _inputs(1, 2, 1, 48, 10, 1)  # D not a multiple of 32

@@ -89,6 +89,29 @@ def test_real_model_lossless(gemma, spec_prompts, ar_outputs, method, batch):
         assert mat > 1.5, mat
 
 
+@pytest.fixture(scope="module")
+def gemma_bf16():
+    from logitspec.models import load_model
+
+    return load_model("default", dtype=torch.bfloat16)
+
+
+def test_real_model_lossless_in_bfloat16(gemma_bf16, spec_prompts):
+    """bfloat16 on CPU: speculative and batched decoding equal bfloat16 ``ar`` at batch 1 (the
+    bfloat16 linears on oneDNN where batch-invariant, attention widened to float32 in the decode
+    kernel, logits as float32 products; with stock bfloat16 GEMMs they parted even at batch 1)."""
+    from logitspec.kernels import onednn
+
+    model, tok = gemma_bf16
+    if onednn.available() and onednn.bf16_supported():
+        assert type(model.model.layers[0].mlp.up_proj) is onednn.OneDnnLinear
+    ref = [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts, max_new_tokens=N_NEW)]
+    for method, batch in (("ar", 3), ("pld", 3), ("logitspec", 3)):
+        cfg = SpecConfig(method=method, max_batch_size=batch, budget="fixed", capacity=16, top_k=16)
+        res = Engine(model, tok, cfg).generate(spec_prompts, max_new_tokens=N_NEW)
+        assert [r.token_ids for r in res] == ref, method
+
+
 def test_stop_string_and_text(gemma):
     model, tok = gemma
     eng = Engine(model, tok, SpecConfig(method="logitspec"))

@@ -1,4 +1,4 @@
-"""Batch-invariant float32 attention for decoding and verification steps on CPU.
+"""Batch-invariant float32 (and bfloat16) attention for decoding and verification steps on CPU.
 
 ``csrc/decode_attention.cpp`` (built with the skinny-linear kernel, one extension per machine)
 attends a few queries per row (``T`` nodes x the query heads of a key head) to the columns each
@@ -17,14 +17,15 @@ import torch
 
 from . import skinny
 
+DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 is widened to float32 exactly, the output rounded back
 MAX_QUERIES = 64  # nodes per row beyond which SDPA's blocked kernel is used (prefill-like shapes)
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether :func:`attention` can run ``query`` [B, H, T, D] over ``key`` [B, KV, S, D] with
     ``mask`` [B, 1, T, S] (float additive 0 / large negative, or bool) here."""
-    return (mask is not None and query.device.type == "cpu" and query.dtype == torch.float32
-            and key.dtype == torch.float32 and mask.dtype in (torch.float32, torch.bool)
+    return (mask is not None and query.device.type == "cpu" and query.dtype in DTYPES
+            and key.dtype == query.dtype and mask.dtype in (torch.float32, torch.bfloat16, torch.bool)
             and query.shape[2] <= MAX_QUERIES and query.shape[-1] % 32 == 0 and mask.shape[1] == 1
             and key.shape[1] > 0 and query.shape[1] % key.shape[1] == 0  # a TP rank may hold no head
             and tuple(mask.shape[2:]) == (query.shape[2], key.shape[2])
@@ -34,6 +35,12 @@ def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
               scale: float) -> torch.Tensor:
     """[B, T, H, D]: softmax(scale q k^T) v over each query's visible columns (``mask`` == 0, or
-    True); query head h reads key head h // (H // KV), as transformers' ``repeat_kv`` orders them."""
+    True); query head h reads key head h // (H // KV), as transformers' ``repeat_kv`` orders them.
+    bfloat16 inputs are computed in float32 (exact widening) and the output rounded to bfloat16."""
+    dtype = query.dtype
+    if mask.dtype == torch.bfloat16:
+        mask = mask == 0  # [B, 1, T, S] bool: visible
+    if dtype != torch.float32:
+        query, key, value = query.float(), key.float(), value.float()
     last = [t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value, mask)]
-    return skinny.extension().decode_attention(*last, float(scale))
+    return skinny.extension().decode_attention(*last, float(scale)).to(dtype)

@@ -1,4 +1,4 @@
-"""Exact float32 linears through oneDNN's packed-weight GEMM, where it is batch-invariant here.
+"""Exact float32 and bfloat16 linears through oneDNN's packed-weight GEMM, where it is batch-invariant here.
 
 torch's oneDNN ops (``torch.ops.mkldnn``) multiply by a weight reordered once into oneDNN's blocked
 layout. On this project's CPU (AVX-512, 2 threads) that ran the decoder's linears of Gemma 3 270M at
@@ -13,6 +13,11 @@ row on some shapes, so one row is computed as two (the row twice); whether the r
 depends on the CPU and the thread count, so :func:`batch_invariant` checks each weight shape once
 per process (random inputs, row counts 2 to 512, bitwise comparison) and only shapes that pass are
 swapped. Elsewhere the skinny kernel (:mod:`logitspec.kernels.skinny`) or ``F.linear`` stays.
+
+bfloat16 (AMX or AVX-512 BF16, float32 sums): on a Sapphire Rapids class CPU every product of 1 to
+32 rows gave each row the bits it gets alone, and 33 rows or more other bits on most of Gemma 3's
+shapes (``F.linear`` parts from 12 rows on). Such shapes are computed :data:`CHUNK_ROWS` rows per
+call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's).
 
 Use::
 
@@ -34,7 +39,8 @@ from .swap import swap_linears
 logger = logging.getLogger("logitspec.onednn")
 
 PACK_ROWS = 64  # the row count oneDNN's reorder is told to expect (any >= 2 measured the same)
-CHECK_ROWS = (3, 5, 8, 17, 24, 33, 64, 100, 257, 512)  # row counts compared with two-row products
+CHECK_ROWS = (3, 5, 8, 17, 24, 33, 64, 100, 257, 512)  # row counts compared with rows computed alone
+CHUNK_ROWS = 32  # rows per call where a shape is invariant only up to that many rows (bfloat16 here)
 
 
 def available() -> bool:
@@ -54,9 +60,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """``x2`` [n, I] @ the packed weight^T (+ bias) -> [n, O], in the weight's dtype; one row runs as
-    two (the path taken for more rows, so the result is the row's in any batch)."""
+    two (the path taken for more rows, so the result is the row's in any batch). ``chunk`` > 0: at
+    most that many rows per oneDNN call."""
+    if 0 < chunk < x2.shape[0]:
+        return torch.cat([linear(x2[i:i + chunk], packed, bias) for i in range(0, x2.shape[0], chunk)])
     one = x2.shape[0] == 1
     if one:
         x2 = x2.expand(2, -1)
@@ -65,57 +74,70 @@ def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = N
 
 
 @functools.lru_cache(maxsize=None)
-def batch_invariant(out_features: int, in_features: int, threads: int) -> bool:
-    """Whether, for a weight of this shape at ``threads`` torch threads, every row of an n-row
-    product equals (bitwise) the same row computed in a two-row product, for n in ``CHECK_ROWS``."""
+def batch_invariant(out_features: int, in_features: int, threads: int, dtype: torch.dtype = torch.float32,
+                    chunk: int = 0) -> bool:
+    """Whether, for a weight of this shape and dtype at ``threads`` torch threads, every row of an
+    n-row product (``chunk`` rows per call, 0: one call) equals bitwise the same row computed alone,
+    for n in ``CHECK_ROWS`` and every n up to ``chunk`` + 1."""
     del threads  # part of the cache key: oneDNN's split of the work depends on it
     g = torch.Generator().manual_seed(out_features * 7919 + in_features)
-    w = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
-    x = torch.randn(max(CHECK_ROWS), in_features, generator=g)
+    w = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
+    counts = sorted(set(CHECK_ROWS) | set(range(1, chunk + 2)))
+    x = torch.randn(max(counts), in_features, generator=g).to(dtype)
     packed = pack(w)
     with torch.inference_mode():
-        first = linear(x[:2], packed)[:1]  # row 0 in a two-row product
-        for n in CHECK_ROWS:
-            y = linear(x[:n], packed)  # [n, O]
-            last = linear(x[n - 1:n], packed)
-            if not (torch.equal(y[:1], first) and torch.equal(y[n - 1:], last)):
-                return False
-    return True
+        alone = torch.cat([linear(x[i:i + 1], packed) for i in range(len(x))])  # [R, O]
+        return all(torch.equal(linear(x[:n], packed, chunk=chunk), alone[:n]) for n in counts)
+
+
+def rows_per_call(out_features: int, in_features: int, threads: int, dtype: torch.dtype = torch.float32) -> int | None:
+    """The ``chunk`` that makes this weight shape's products batch-invariant here: 0 (any row count
+    in one call), :data:`CHUNK_ROWS`, or None (neither: leave the shape to other kernels)."""
+    return next((c for c in (0, CHUNK_ROWS) if batch_invariant(out_features, in_features, threads, dtype, c)), None)
+
+
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN's packed linear runs here."""
+    return (torch.float32, torch.bfloat16) if bf16_supported() else (torch.float32,)
 
 
 class OneDnnLinear(nn.Linear):
-    """``nn.Linear`` computed by :func:`linear` with a packed copy of its weight (``packed``) for
-    float32 inputs on CPU outside autograd; ``F.linear`` otherwise."""
+    """``nn.Linear`` computed by :func:`linear` with a packed copy of its weight (``packed``, in the
+    weight's dtype) for inputs of that dtype on CPU outside autograd, ``chunk`` rows per call at
+    most (0: all in one); ``F.linear`` otherwise."""
 
     max_rows: int = 0  # unused (swap_linears sets it)
     packed: torch.Tensor | None = None
+    chunk: int = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.packed is None or x.dtype != torch.float32 or x.device.type != "cpu"
+        if (self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return super().forward(x)
-        y = linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias)
+        y = linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.chunk)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def use_onednn_linears(model: nn.Module) -> int:
-    """Replace every plain float32 CPU ``nn.Linear`` of ``model`` whose weight shape is batch-invariant
-    here (:func:`batch_invariant`) by :class:`OneDnnLinear`, except the output embedding (computed by
-    ``logitspec.head``). Returns the count swapped (0 without oneDNN)."""
+    """Replace every plain float32 or bfloat16 (where oneDNN runs it) CPU ``nn.Linear`` of ``model``
+    whose weight shape is batch-invariant here (:func:`rows_per_call`) by :class:`OneDnnLinear`,
+    except the output embedding (computed by ``logitspec.head``). Returns the count swapped (0
+    without oneDNN)."""
     if not available():
         return 0
     out = getattr(model, "get_output_embeddings", lambda: None)()
     skip = [out.weight] if out is not None and getattr(out, "weight", None) is not None else []
     threads = torch.get_num_threads()
-    shapes = {tuple(m.weight.shape) for m in model.modules() if type(m) is nn.Linear
-              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"}
-    refused = sorted(s for s in shapes if not batch_invariant(*s, threads))
+    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+    kinds = {(*m.weight.shape, m.weight.dtype) for m in linears if m.weight.dtype in dtypes()}
+    chunks = {k: rows_per_call(k[0], k[1], threads, k[2]) for k in kinds}
+    refused = sorted(str(k) for k, c in chunks.items() if c is None)
     if refused:
         logger.info("oneDNN linears not batch-invariant here for weight shapes %s: left to other kernels", refused)
-    skip += [m.weight for m in model.modules() if type(m) is nn.Linear and
-             (tuple(m.weight.shape) in refused or m.weight.dtype != torch.float32 or m.weight.device.type != "cpu")]
+    skip += [m.weight for m in linears if chunks.get((*m.weight.shape, m.weight.dtype)) is None]
     n = swap_linears(model, OneDnnLinear, 0, skip_weights=skip)
     for m in model.modules():
         if type(m) is OneDnnLinear and m.packed is None:
             m.packed = pack(m.weight)
+            m.chunk = chunks[(*m.weight.shape, m.weight.dtype)]
     return n

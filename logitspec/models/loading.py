@@ -145,7 +145,8 @@ def load_model(
     CPU in float32, compute the decoder's linears with oneDNN's packed GEMM where it is batch-invariant
     here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
     same weights; a few rows cost about one row) when that kernel builds here, and its RMS norms in
-    one fused pass (:mod:`logitspec.kernels.rms_norm`). ``trust_remote_code``:
+    one fused pass (:mod:`logitspec.kernels.rms_norm`); in bfloat16, with oneDNN's bfloat16 GEMM where
+    it is batch-invariant here (else transformers' path, which is not). ``trust_remote_code``:
     let ``transformers`` run Python code shipped with the model (off unless asked).
     ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
@@ -165,6 +166,10 @@ def load_model(
         model.to(device)
     model.eval()
     swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
+    if cpu_kernels and device == "cpu" and dtype == torch.bfloat16:
+        from ..kernels.onednn import use_onednn_linears
+
+        swapped["onednn"] = use_onednn_linears(model)  # bfloat16 where oneDNN runs it batch-invariantly here
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
         from ..kernels.onednn import use_onednn_linears
         from ..kernels.rms_norm import use_fused_rms_norms
