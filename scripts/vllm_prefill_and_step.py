@@ -1,5 +1,5 @@
-"""vLLM's prefill seconds and decode ms per step on the throughput prompts at 6 and 24 rows (float32,
-prefix caching off); run with vLLM's own python and environment
+"""vLLM's prefill seconds and decode ms per step on the throughput prompts at 6 and 24 rows (float32
+or REQ.json's "dtype", prefix caching off); run with vLLM's own python and environment
 (``logitspec.bench.vllm_baseline.runner_env`` gives it), e.g. ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 VLLM_CPU_OMP_THREADS_BIND=0-1
 VLLM_CPU_KVCACHE_SPACE=4 ~/.cache/logitspec/vllm-venv/bin/python scripts/vllm_prefill_and_step.py REQ.json``
 where REQ.json is ``{"model": dir, "prompts": {"6": [[ids]], "24": [[ids]]}}`` (the throughput
@@ -15,7 +15,7 @@ def main() -> None:
     req = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=req["model"], dtype="float32", seed=0, enable_prefix_caching=False,
+    llm = LLM(model=req["model"], dtype=req.get("dtype", "float32"), seed=0, enable_prefix_caching=False,
               max_num_seqs=max(int(b) for b in req["prompts"]), max_model_len=2048)
 
     def run(group, n):

@@ -1,4 +1,5 @@
-// Exact float32 attention for decoding and tree-verification steps (few queries per row, AVX2 + FMA).
+// Exact float32 attention for decoding and tree-verification steps (few queries per row, AVX2 + FMA);
+// keys and values float32 or bfloat16 (widened exactly as they are loaded; the sums are float32's).
 //
 // out[b, t, h, :] = softmax_j(scale * q[b, h, t] . k[b, kv(h), j]) v[b, kv(h), j] over the columns j
 // that query node t of row b may see (mask[b, 0, t, j] == 0 for an additive float mask whose hidden
@@ -39,6 +40,7 @@
 namespace {
 
 using logitspec_vec8::hsum8;
+using logitspec_vec8::load8;
 
 // e^x for x <= 0, 8 lanes (Cephes' single-precision polynomial; the same operations on every lane).
 inline __m256 exp8(__m256 x) {
@@ -57,11 +59,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// KT: the keys' and values' element type, float or uint16_t (bfloat16 bits).
+template <typename KT>
 struct Shape {
   int64_t B, H, KV, G, T, S, D, Q;  // Q = G * T queries per (row, key head): i = g * T + t
   const float* q; int64_t qs0, qs1, qs2;
-  const float* k; int64_t ks0, ks1, ks2;
-  const float* v; int64_t vs0, vs1, vs2;
+  const KT* k; int64_t ks0, ks1, ks2;
+  const KT* v; int64_t vs0, vs1, vs2;
   const float* mf; const bool* mb; int64_t ms0, ms2;
   float scale;
   // the columns some node of row b sees, increasing: cols[off[b] .. off[b + 1]) (padding, holes and
@@ -69,12 +73,14 @@ struct Shape {
   const int32_t* cols; const int64_t* off;
 };
 
-inline bool visible(const Shape& s, int64_t b, int64_t t, int64_t j) {
+template <typename KT>
+inline bool visible(const Shape<KT>& s, int64_t b, int64_t t, int64_t j) {
   const int64_t o = b * s.ms0 + t * s.ms2 + j;
   return s.mf ? s.mf[o] == 0.0f : s.mb[o];
 }
 
-inline const float* query(const Shape& s, int64_t b, int64_t h, int64_t i) {
+template <typename KT>
+inline const float* query(const Shape<KT>& s, int64_t b, int64_t h, int64_t i) {
   const int64_t g = i / s.T, t = i % s.T;
   return s.q + b * s.qs0 + (h * s.G + g) * s.qs1 + t * s.qs2;
 }
@@ -84,19 +90,20 @@ constexpr int64_t kHeadBlock = 4;  // query heads of one key head whose dot prod
 
 // Dot products of NG queries (a, a + stride, ...) with the column kj: each its own 8-lane FMA chain
 // in D order and horizontal sum, exactly as one at a time; k is loaded once for all NG.
-template <int NG>
-inline void dots(const float* const* qs, const float* kj, int64_t D, float* out) {
+template <int NG, typename KT>
+inline void dots(const float* const* qs, const KT* kj, int64_t D, float* out) {
   __m256 acc[NG];
   for (int g = 0; g < NG; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
-    const __m256 kv = _mm256_loadu_ps(kj + d);
+    const __m256 kv = load8(kj + d);
     for (int g = 0; g < NG; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + d), kv, acc[g]);
   }
   for (int g = 0; g < NG; ++g) out[g] = hsum8(acc[g]);
 }
 
 // scores[(b, h), i, j] for visible (t, j); other entries are left as they are (never read).
-void scores(const Shape& s, float* out) {
+template <typename KT>
+void scores(const Shape<KT>& s, float* out) {
   int64_t widest = 0;
   for (int64_t b = 0; b < s.B; ++b) widest = std::max(widest, s.off[b + 1] - s.off[b]);
   const int64_t chunks = (widest + kColumnChunk - 1) / kColumnChunk;
@@ -110,10 +117,10 @@ void scores(const Shape& s, float* out) {
       float* row = out + bh * s.Q * s.S;
       for (int64_t x = c * kColumnChunk; x < std::min(n, (c + 1) * kColumnChunk); ++x) {
         const int64_t j = cols[x];
-        const float* kj = s.k + b * s.ks0 + h * s.ks1 + j * s.ks2;
+        const KT* kj = s.k + b * s.ks0 + h * s.ks1 + j * s.ks2;
         if (x + 2 < n) {
           const char* ahead = reinterpret_cast<const char*>(s.k + b * s.ks0 + h * s.ks1 + cols[x + 2] * s.ks2);
-          for (int64_t o = 0; o < s.D * 4; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+          for (int64_t o = 0; o < s.D * int64_t{sizeof(KT)}; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         for (int64_t t = 0; t < s.T; ++t) {
           if (!visible(s, b, t, j)) continue;
@@ -135,7 +142,8 @@ void scores(const Shape& s, float* out) {
 }
 
 // Per query: its visible scores -> unnormalised softmax weights in place; their sum into total.
-void softmax(const Shape& s, float* sc, float* total) {
+template <typename KT>
+void softmax(const Shape<KT>& s, float* sc, float* total) {
   at::parallel_for(0, s.B * s.KV * s.Q, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> buf(s.S + 8);
     for (int64_t u = u0; u < u1; ++u) {
@@ -181,8 +189,8 @@ constexpr int kOutHeads = 3;          // query heads accumulated together (3 x 4
 // (NG x 32 floats; one FMA chain per lane and query, resumed where the previous block left it: the
 // same chain as one pass over all columns). ``prefetch``: the first pass over the block, which
 // fetches the next one.
-template <int NG>
-inline void weigh(const Shape& s, const float* prow, float* acc_io, const float* vb, int64_t b, int64_t t,
+template <int NG, typename KT>
+inline void weigh(const Shape<KT>& s, const float* prow, float* acc_io, const KT* vb, int64_t b, int64_t t,
                   int64_t g0, const int32_t* cols, int64_t n, int64_t x0, int64_t x1, bool prefetch) {
   __m256 acc[NG][4];
   for (int g = 0; g < NG; ++g)
@@ -199,9 +207,9 @@ inline void weigh(const Shape& s, const float* prow, float* acc_io, const float*
     }
     const int64_t j = cols[x];
     if (!visible(s, b, t, j)) continue;
-    const float* vj = vb + j * s.vs2;
+    const KT* vj = vb + j * s.vs2;
     __m256 vv[4];
-    for (int y = 0; y < 4; ++y) vv[y] = _mm256_loadu_ps(vj + 8 * y);
+    for (int y = 0; y < 4; ++y) vv[y] = load8(vj + 8 * y);
     for (int g = 0; g < NG; ++g) {
       const __m256 w = _mm256_set1_ps(p[g][j]);
       for (int y = 0; y < 4; ++y) acc[g][y] = _mm256_fmadd_ps(w, vv[y], acc[g][y]);
@@ -215,14 +223,15 @@ inline void weigh(const Shape& s, const float* prow, float* acc_io, const float*
 // (checked by the caller); units are (row, key head, 32-lane chunk of D). A unit walks its listed
 // columns in blocks of kValueBlock and runs every node's sums over a block while its values are in
 // L1, so the values are read from memory once per step, not once per node.
-void weighted_values(const Shape& s, const float* p, const float* total, float* out) {
+template <typename KT>
+void weighted_values(const Shape<KT>& s, const float* p, const float* total, float* out) {
   const int64_t chunks = s.D / kLanes;
   at::parallel_for(0, s.B * s.KV * chunks, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> sums(s.Q * kLanes);  // [T, G, 32] running sums of one unit
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t bh = u / chunks, c = u % chunks, b = bh / s.KV, h = bh % s.KV, d0 = c * kLanes;
       const float* prow = p + bh * s.Q * s.S;
-      const float* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
+      const KT* vb = s.v + b * s.vs0 + h * s.vs1 + d0;
       const int32_t* cols = s.cols + s.off[b];
       const int64_t n = s.off[b + 1] - s.off[b];
       std::fill(sums.begin(), sums.end(), 0.0f);
@@ -251,19 +260,10 @@ void weighted_values(const Shape& s, const float* p, const float* total, float* 
   });
 }
 
-}  // namespace
-
-// query [B, H, T, D], key/value [B, KV, S, D], mask [B, 1, T, S] (float additive 0 / large negative,
-// or bool) -> [B, T, H, D]. The last dimension of every input must be contiguous, D a multiple of 32.
-torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                               const torch::Tensor& mask, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() && mask.device().is_cpu(),
-              "decode_attention: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "decode_attention: float32 query, key and value");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, "decode_attention: 4-D inputs");
-  TORCH_CHECK(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBool, "decode_attention: float or bool mask");
-  Shape s;
+template <typename KT>
+torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                  const torch::Tensor& mask, double scale) {
+  Shape<KT> s;
   s.B = query.size(0); s.H = query.size(1); s.T = query.size(2); s.D = query.size(3);
   s.KV = key.size(1); s.S = key.size(2);
   TORCH_CHECK(s.KV > 0 && s.H % s.KV == 0, "decode_attention: query heads must be a multiple of key heads");
@@ -275,12 +275,12 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
               "decode_attention: the last dimension must be contiguous");
   s.G = s.H / s.KV; s.Q = s.G * s.T; s.scale = static_cast<float>(scale);
   s.q = query.data_ptr<float>(); s.qs0 = query.stride(0); s.qs1 = query.stride(1); s.qs2 = query.stride(2);
-  s.k = key.data_ptr<float>(); s.ks0 = key.stride(0); s.ks1 = key.stride(1); s.ks2 = key.stride(2);
-  s.v = value.data_ptr<float>(); s.vs0 = value.stride(0); s.vs1 = value.stride(1); s.vs2 = value.stride(2);
+  s.k = static_cast<const KT*>(key.data_ptr()); s.ks0 = key.stride(0); s.ks1 = key.stride(1); s.ks2 = key.stride(2);
+  s.v = static_cast<const KT*>(value.data_ptr()); s.vs0 = value.stride(0); s.vs1 = value.stride(1); s.vs2 = value.stride(2);
   s.mf = mask.scalar_type() == at::kFloat ? mask.data_ptr<float>() : nullptr;
   s.mb = mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
   s.ms0 = mask.stride(0); s.ms2 = mask.stride(2);
-  auto out = torch::empty({s.B, s.T, s.H, s.D}, query.options());
+  torch::Tensor out = torch::empty({s.B, s.T, s.H, s.D}, query.options());
   if (out.numel() == 0 || s.S == 0) return out.zero_();
   std::vector<int64_t> off(s.B + 1, 0);
   std::vector<int32_t> cols;
@@ -292,10 +292,28 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     off[b + 1] = static_cast<int64_t>(cols.size());
   }
   s.cols = cols.data(); s.off = off.data();
-  auto sc = torch::empty({s.B * s.KV * s.Q, s.S}, query.options());
-  auto total = torch::empty({s.B * s.KV * s.Q}, query.options());
+  torch::Tensor sc = torch::empty({s.B * s.KV * s.Q, s.S}, query.options());
+  torch::Tensor total = torch::empty({s.B * s.KV * s.Q}, query.options());
   scores(s, sc.data_ptr<float>());
   softmax(s, sc.data_ptr<float>(), total.data_ptr<float>());
   weighted_values(s, sc.data_ptr<float>(), total.data_ptr<float>(), out.data_ptr<float>());
   return out;
+}
+
+}  // namespace
+
+// query [B, H, T, D] float32, key/value [B, KV, S, D] both float32 or both bfloat16, mask [B, 1, T, S]
+// (float additive 0 / large negative, or bool) -> [B, T, H, D] float32. The last dimension of every
+// input must be contiguous, D a multiple of 32.
+torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
+                               const torch::Tensor& mask, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && key.device().is_cpu() && value.device().is_cpu() && mask.device().is_cpu(),
+              "decode_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == value.scalar_type() &&
+              (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
+              "decode_attention: float32 query; float32 or bfloat16 key and value (the same)");
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, "decode_attention: 4-D inputs");
+  TORCH_CHECK(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBool, "decode_attention: float or bool mask");
+  if (key.scalar_type() == at::kBFloat16) return run<uint16_t>(query, key, value, mask, scale);
+  return run<float>(query, key, value, mask, scale);
 }

@@ -16,6 +16,13 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// 8 floats from p: float32 as they are, bfloat16 (raw uint16 bits) widened exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
 // a . b over n floats: one 8-lane FMA chain over the multiples of 8, hsum8, then the tail in order.
 inline float dot(const float* a, const float* b, int64_t n) {
   const int64_t n8 = n & ~int64_t{7};
