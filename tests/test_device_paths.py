@@ -6,7 +6,7 @@ import torch
 
 from logitspec import Engine, SpecConfig
 from logitspec.head import Head, NodeLogits
-from logitspec.kernels import onednn
+from logitspec.kernels import onednn, rms_norm
 from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, pack
 from logitspec.tree import DraftTree, TreeBuilder
 from logitspec.verify import SamplingParams, decide, greedy_accept, inverse_cdf, sample_token
@@ -83,10 +83,11 @@ def test_sampling_on_the_device_equals_the_host_walk(batch):
 @pytest.fixture(scope="module", params=FAMILIES)
 def bf16_case(request):
     """A tiny bfloat16 model with the CPU kernels ``load_model`` gives one (oneDNN's bfloat16
-    linears where batch-invariant here), its prompts and its ``ar`` outputs at batch 1."""
+    linears where batch-invariant here, fused norms), its prompts and its ``ar`` outputs at batch 1."""
     model = tiny_model(request.param).to(torch.bfloat16)
     if onednn.available():
         onednn.use_onednn_linears(model)
+    rms_norm.use_fused_rms_norms(model)
     prompts = repetitive_prompts(6, seed=1)
     refs = [r.token_ids for r in Engine(model, None, SpecConfig(method="ar")).generate(prompts, max_new_tokens=N_NEW)]
     return model, prompts, refs

@@ -65,6 +65,28 @@ def test_each_row_is_computed_alone():
     torch.testing.assert_close(big, ref, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("family,offset", [("llama", 0.0), ("gemma3", 1.0)])
+def test_bfloat16_norms_are_the_float32_kernel_rounded_once(family, offset):
+    """bfloat16 models' norms are swapped too: each row is the float32 kernel's result on the
+    widened row, rounded to bfloat16 (bitwise; alone or among 3000 rows), within a bfloat16 ulp of
+    the module's own forward (Llama's rounds before its weight product, Gemma's only at the end)."""
+    model = tiny_model(family).to(torch.bfloat16)
+    _randomise_norm_weights(model)
+    norms = _norms(model)
+    norm = norms[0]
+    x = (torch.randn(3000, norm.weight.shape[0], generator=torch.Generator().manual_seed(2)) * 4).bfloat16()
+    with torch.inference_mode():
+        want = norm(x)
+        assert rms_norm.use_fused_rms_norms(model) == len(norms) and norm.rms_offset == offset
+        got = norm(x)
+        wide = rms_norm.rms_norm(x.float(), norm.weight.float(), offset, norm.rms_eps)
+        alone = norm(x[1234:1235])
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wide.bfloat16())
+    assert torch.equal(alone, got[1234:1235])
+    err = (got.float() - want.float()).abs()
+    assert bool((err <= 2.0 ** -7 * torch.maximum(got.float().abs(), want.float().abs())).all())
+
+
 class _ScaleRMSNorm(nn.Module):
     """Named like an RMS norm, with a weight and an epsilon, but computing something else."""
 
@@ -105,6 +127,7 @@ def test_other_dtypes_use_the_original_forward():
     with torch.inference_mode():
         want = type(norm).__mro__[1].forward(norm, x.double())  # the transformers forward
         assert torch.equal(norm(x.double()), want)
+        assert torch.equal(norm(x.bfloat16()), type(norm).__mro__[1].forward(norm, x.bfloat16()))  # not its weight's dtype
     x.requires_grad_(True)
     norm(x).sum().backward()  # under autograd: the original forward, differentiable
     assert x.grad is not None

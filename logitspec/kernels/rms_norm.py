@@ -10,10 +10,12 @@ same model, so outputs stay identical across methods, and each row's result depe
 alone).
 
 :func:`use_fused_rms_norms` gives every matching module a subclass of its own class whose forward
-calls the kernel for float32 CPU inputs outside autograd and the original forward otherwise. A
-module matches if it has a one-dimensional ``weight``, an epsilon (``eps`` or
-``variance_epsilon``), a forward of one input, and its output on probe rows (normal and tiny, where
-the epsilon matters) equals the kernel's with weight offset 0 or 1 to float32 rounding. Anything
+calls the kernel for CPU inputs of the weight's dtype (float32 or bfloat16) outside autograd and the
+original forward otherwise. A module matches if it has a one-dimensional ``weight``, an epsilon
+(``eps`` or ``variance_epsilon``), a forward of one input, and its output on probe rows (normal and
+tiny, where the epsilon matters) equals the kernel's with weight offset 0 or 1 to rounding (float32:
+a few ulps of the row's largest value; bfloat16, where the kernel rounds once at the end: an ulp of
+each value). Anything
 else is left alone. Pickled or deep-copied, a module is its original class again (correct, unfused).
 """
 from __future__ import annotations
@@ -30,11 +32,14 @@ from . import skinny
 logger = logging.getLogger("logitspec.rms_norm")
 
 PROBE_TOLERANCE = 1e-5  # relative: a few float32 ulps of the normalised values
+BF16_PROBE_TOLERANCE = 2.0 ** -7  # relative to each value: one bfloat16 ulp (Llama's module rounds twice)
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, offset: float, eps: float) -> torch.Tensor:
-    """``(x * rsqrt(mean(x^2, -1) + eps)) * (offset + weight)`` for float32 CPU ``x`` [..., D] and
-    ``weight`` [D] (a contiguous result); needs the compiled kernel (:func:`skinny.available`)."""
+    """``(x * rsqrt(mean(x^2, -1) + eps)) * (offset + weight)`` for CPU ``x`` [..., D] and ``weight``
+    [D], each float32 or bfloat16 (float32 arithmetic; a contiguous result in ``x``'s dtype); needs
+    the compiled kernel (:func:`skinny.available`)."""
     return skinny.extension().rms_norm(x, weight, float(offset), float(eps))
 
 
@@ -56,7 +61,7 @@ def _one_input(cls: type) -> bool:
 def _looks_like_rms_norm(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return ("RMSNorm" in type(module).__name__ and isinstance(w, nn.Parameter) and w.dim() == 1
-            and w.dtype == torch.float32 and w.device.type == "cpu" and getattr(module, "bias", None) is None
+            and w.dtype in DTYPES and w.device.type == "cpu" and getattr(module, "bias", None) is None
             and _epsilon(module) is not None and not any(True for _ in module.children())
             and _one_input(type(module)))
 
@@ -68,19 +73,24 @@ def probe_offset(module: nn.Module) -> float | None:
     g = torch.Generator().manual_seed(D)
     x = torch.randn(4, D, generator=g)
     x[2:] *= 1e-3  # mean(x^2) near the usual epsilons (1e-6): a wrong epsilon shows
+    x = x.to(module.weight.dtype)
     with torch.inference_mode():
         ref = module(x)
         for offset in (0.0, 1.0):
             got = rms_norm(x, module.weight, offset, _epsilon(module))
-            if ref.shape == got.shape and ref.dtype == got.dtype and bool(
-                    ((got - ref).abs() <= PROBE_TOLERANCE * ref.abs().amax(dim=-1, keepdim=True)).all()):
+            if ref.shape != got.shape or ref.dtype != got.dtype:
+                continue
+            err, r = (got.float() - ref.float()).abs(), ref.float().abs()
+            bound = (PROBE_TOLERANCE * r.amax(dim=-1, keepdim=True) if x.dtype == torch.float32
+                     else BF16_PROBE_TOLERANCE * torch.maximum(r, got.float().abs()))
+            if bool((err <= bound).all()):
                 return offset
     return None
 
 
 def _applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
-            and weight.dtype == torch.float32 and x.shape[-1:] == weight.shape
+    return (x.dtype == weight.dtype and x.dtype in DTYPES and x.device.type == "cpu"
+            and weight.device.type == "cpu" and x.shape[-1:] == weight.shape
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
@@ -107,7 +117,7 @@ def fused_class(base: type) -> type:
 
     return type(f"Fused{base.__name__}", (base,), {
         "forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__,
-        "__doc__": f"{base.__name__} computed by logitspec's fused kernel for float32 CPU inputs."})
+        "__doc__": f"{base.__name__} computed by logitspec's fused kernel for CPU inputs of its weight's dtype."})
 
 
 def use_fused_rms_norms(model: nn.Module) -> int:

@@ -146,7 +146,7 @@ def load_model(
     here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
     same weights; a few rows cost about one row) when that kernel builds here, and its RMS norms in
     one fused pass (:mod:`logitspec.kernels.rms_norm`); in bfloat16, with oneDNN's bfloat16 GEMM where
-    it is batch-invariant here (else transformers' path, which is not). ``trust_remote_code``:
+    it is batch-invariant here (else transformers' path, which is not) and the same fused norms. ``trust_remote_code``:
     let ``transformers`` run Python code shipped with the model (off unless asked).
     ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
@@ -169,7 +169,10 @@ def load_model(
     if cpu_kernels and device == "cpu" and dtype == torch.bfloat16:
         from ..kernels.onednn import use_onednn_linears
 
+        from ..kernels.rms_norm import use_fused_rms_norms
+
         swapped["onednn"] = use_onednn_linears(model)  # bfloat16 where oneDNN runs it batch-invariantly here
+        swapped["rms_norm"] = use_fused_rms_norms(model)
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
         from ..kernels.onednn import use_onednn_linears
         from ..kernels.rms_norm import use_fused_rms_norms

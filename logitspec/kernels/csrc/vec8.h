@@ -23,6 +23,34 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
+inline void store_one_bf16(uint16_t* p, float v) {
+  uint32_t u;
+  __builtin_memcpy(&u, &v, 4);
+  *p = v != v ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + ((u >> 16) & 1) + 0x7fff) >> 16);
+}
+
+// 8 floats stored to p: as they are, or rounded to bfloat16 (nearest, ties to even, as c10::BFloat16
+// rounds finite numbers and the quiet NaNs arithmetic makes).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(top, top), 0xD8);  // 8 x u16 in the low half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+// One element as float, and back (the scalar twins of load8 / store8).
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_float(float* p, float v) { *p = v; }
+inline void from_float(uint16_t* p, float v) { store_one_bf16(p, v); }
+
 // a . b over n floats: one 8-lane FMA chain over the multiples of 8, hsum8, then the tail in order.
 inline float dot(const float* a, const float* b, int64_t n) {
   const int64_t n8 = n & ~int64_t{7};
