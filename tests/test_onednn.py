@@ -70,22 +70,50 @@ def test_a_product_invariant_only_up_to_chunk_rows_is_computed_in_chunks(monkeyp
         onednn.batch_invariant.cache_clear()
 
 
+def test_spans_cover_the_rows_once_in_calls_of_allowed_sizes():
+    assert onednn.spans(100, 32) == [(0, 32), (32, 64), (64, 96), (96, 100)]
+    assert onednn.spans(720, 32, (512, 128)) == [(0, 512), (512, 640), (640, 672), (672, 704), (704, 720)]
+    for n in (1, 31, 33, 1000, 5000):
+        parts = onednn.spans(n, 32, (1024, 256))
+        assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert all(b - a in (1024, 256) or b - a <= 32 for a, b in parts)
+
+
+def test_only_piece_sizes_that_give_the_chunked_bits_are_used(monkeypatch):
+    real = onednn.linear
+
+    def regime(x, p, b=None, chunk=0, pieces=()):  # other bits in one call of 33 to 299 rows
+        if 0 < chunk < len(x):
+            return torch.cat([regime(x[a:e], p, b) for a, e in onednn.spans(len(x), chunk, pieces)])
+        return real(x, p, b) * (1 + 1e-6 * (onednn.CHUNK_ROWS < len(x) < 300))
+    monkeypatch.setattr(onednn, "linear", regime)
+    onednn.piece_sizes.cache_clear()
+    try:
+        assert onednn.piece_sizes(40, 24, torch.get_num_threads(), torch.float32) == (1024, 512)
+    finally:
+        onednn.piece_sizes.cache_clear()
+
+
 @pytest.mark.skipif(not onednn.bf16_supported(), reason="oneDNN runs no bfloat16 GEMM on this CPU")
 def test_bfloat16_linears_give_each_row_the_bits_it_gets_alone():
     """Gemma 3's MLP shape in bfloat16: where oneDNN needs it (33+ rows parted here), chunks of
-    CHUNK_ROWS; a row alone, in 5 rows or in 100 gets the same bits, close to the float32 product."""
+    CHUNK_ROWS (and pieces of the checked larger sizes); a row alone, in 5, 40, 100 or 1100 rows
+    gets the same bits, close to the float32 product."""
     lin = nn.Linear(640, 2048, bias=False).bfloat16()
     holder = nn.Sequential(lin)
     if onednn.use_onednn_linears(holder) == 0:
         pytest.skip("oneDNN's bfloat16 product is not batch-invariant here even in chunks")
     assert type(holder[0]) is onednn.OneDnnLinear and holder[0].chunk in (0, onednn.CHUNK_ROWS)
-    x = torch.randn(100, 640, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(1100, 640, generator=torch.Generator().manual_seed(2)).bfloat16()
     with torch.inference_mode():
-        together = holder[0](x)  # [100, 2048] bfloat16
+        together = holder[0](x[:100])  # [100, 2048] bfloat16
         for i in (0, 31, 32, 33, 99):
             assert torch.equal(holder[0](x[i:i + 1]), together[i:i + 1])
             assert torch.equal(holder[0](x[i:i + 5])[:1], together[i:i + 1])
-    torch.testing.assert_close(together.float(), x.float() @ lin.weight.float().T, rtol=2e-2, atol=2e-2)
+        many = holder[0](x)  # a prefill's worth: a 1024-row piece where it passed the check
+        assert torch.equal(many[:100], together)
+        assert torch.equal(holder[0](x[1000:1040]), many[1000:1040])
+    torch.testing.assert_close(many.float(), x.float() @ lin.weight.float().T, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -17,7 +17,10 @@ swapped. Elsewhere the skinny kernel (:mod:`logitspec.kernels.skinny`) or ``F.li
 bfloat16 (AMX or AVX-512 BF16, float32 sums): on a Sapphire Rapids class CPU every product of 1 to
 32 rows gave each row the bits it gets alone, and 33 rows or more other bits on most of Gemma 3's
 shapes (``F.linear`` parts from 12 rows on). Such shapes are computed :data:`CHUNK_ROWS` rows per
-call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's).
+call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's),
+except in calls of exactly the larger row counts (:func:`piece_sizes`, checked per shape) where one
+call gives every row its chunked bits again: 256 to 1024 rows on Gemma 3's shapes with K = 640 here
+(but not 1280: which counts do is not monotone), none with K = 2048.
 
 Use::
 
@@ -41,6 +44,9 @@ logger = logging.getLogger("logitspec.onednn")
 PACK_ROWS = 64  # the row count oneDNN's reorder is told to expect (any >= 2 measured the same)
 CHECK_ROWS = (3, 5, 8, 17, 24, 33, 64, 100, 257, 512)  # row counts compared with rows computed alone
 CHUNK_ROWS = 32  # rows per call where a shape is invariant only up to that many rows (bfloat16 here)
+# Larger calls of exactly these row counts, where one such call gives every row its chunked bits
+# (oneDNN picks its kernel by shape, not by data): checked per shape, all rows, two inputs.
+PIECE_ROWS = (1024, 512, 256, 128, 64)
 
 
 def available() -> bool:
@@ -60,12 +66,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
-def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, chunk: int = 0,
+           pieces: tuple[int, ...] = ()) -> torch.Tensor:
     """``x2`` [n, I] @ the packed weight^T (+ bias) -> [n, O], in the weight's dtype; one row runs as
     two (the path taken for more rows, so the result is the row's in any batch). ``chunk`` > 0: at
-    most that many rows per oneDNN call."""
+    most that many rows per oneDNN call, or exactly one of ``pieces`` (see :func:`spans`)."""
     if 0 < chunk < x2.shape[0]:
-        return torch.cat([linear(x2[i:i + chunk], packed, bias) for i in range(0, x2.shape[0], chunk)])
+        return torch.cat([linear(x2[a:b], packed, bias) for a, b in spans(x2.shape[0], chunk, pieces)])
     one = x2.shape[0] == 1
     if one:
         x2 = x2.expand(2, -1)
@@ -90,6 +97,36 @@ def batch_invariant(out_features: int, in_features: int, threads: int, dtype: to
         return all(torch.equal(linear(x[:n], packed, chunk=chunk), alone[:n]) for n in counts)
 
 
+def spans(n: int, chunk: int, pieces: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+    """The row ranges of a chunked product's calls: while at least the smallest of ``pieces`` (row
+    counts, descending) remain, the largest that fits; the rest ``chunk`` rows per call."""
+    out, a = [], 0
+    for size in pieces:
+        while n - a >= size:
+            out.append((a, a + size))
+            a += size
+    out += [(i, min(n, i + chunk)) for i in range(a, n, chunk)]
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def piece_sizes(out_features: int, in_features: int, threads: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """For a shape computed ``CHUNK_ROWS`` rows per call: the counts of ``PIECE_ROWS`` whose one call
+    gives every row, on two random inputs, the bits ``CHUNK_ROWS``-row calls give it."""
+    del threads  # part of the cache key
+    g = torch.Generator().manual_seed(out_features * 7919 + in_features + 1)
+    w = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
+    packed = pack(w)
+    ok = []
+    with torch.inference_mode():
+        xs = [torch.randn(max(PIECE_ROWS), in_features, generator=g).to(dtype) for _ in range(2)]
+        chunked = [linear(x, packed, chunk=CHUNK_ROWS) for x in xs]  # [R, O] each: each row's bits alone
+        for n in PIECE_ROWS:
+            if all(torch.equal(linear(x[:n], packed), c[:n]) for x, c in zip(xs, chunked)):
+                ok.append(n)
+    return tuple(ok)
+
+
 def rows_per_call(out_features: int, in_features: int, threads: int, dtype: torch.dtype = torch.float32) -> int | None:
     """The ``chunk`` that makes this weight shape's products batch-invariant here: 0 (any row count
     in one call), :data:`CHUNK_ROWS`, or None (neither: leave the shape to other kernels)."""
@@ -104,17 +141,18 @@ def dtypes() -> tuple[torch.dtype, ...]:
 class OneDnnLinear(nn.Linear):
     """``nn.Linear`` computed by :func:`linear` with a packed copy of its weight (``packed``, in the
     weight's dtype) for inputs of that dtype on CPU outside autograd, ``chunk`` rows per call at
-    most (0: all in one); ``F.linear`` otherwise."""
+    most (0: all in one) or exactly one of ``pieces`` (see :func:`spans`); ``F.linear`` otherwise."""
 
     max_rows: int = 0  # unused (swap_linears sets it)
     packed: torch.Tensor | None = None
     chunk: int = 0
+    pieces: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu"
                 or (torch.is_grad_enabled() and x.requires_grad)):
             return super().forward(x)
-        y = linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.chunk)
+        y = linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias, self.chunk, self.pieces)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -140,4 +178,6 @@ def use_onednn_linears(model: nn.Module) -> int:
         if type(m) is OneDnnLinear and m.packed is None:
             m.packed = pack(m.weight)
             m.chunk = chunks[(*m.weight.shape, m.weight.dtype)]
+            if m.chunk:
+                m.pieces = piece_sizes(*m.weight.shape, threads, m.weight.dtype)
     return n
