@@ -78,6 +78,27 @@ def test_local_dir_accepts_pathlike_dtype_and_attn(tmp_path, cache):
     assert resolve_model_path(tmp_path / "tiny") == tmp_path / "tiny"
 
 
+def test_bfloat16_load_uses_the_cpu_kernels_or_warns(tmp_path, cache, monkeypatch, caplog):
+    """bfloat16 on CPU: oneDNN's bfloat16 linears (where this CPU has them) and the fused norms;
+    where the linears stay stock (not batch-invariant), a warning says so."""
+    import logging
+
+    from logitspec.kernels import onednn, skinny
+
+    _tiny_llama().save_pretrained(tmp_path / "tiny")
+    model, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16)
+    up = model.model.layers[0].mlp.up_proj
+    if onednn.available() and onednn.bf16_supported():
+        assert type(up) is onednn.OneDnnLinear and up.packed is not None
+    if skinny.available():
+        assert type(model.model.layers[0].input_layernorm).__name__ == "FusedLlamaRMSNorm"
+    monkeypatch.setattr(onednn, "dtypes", lambda: (torch.float32,))  # as on a CPU without bfloat16 GEMMs
+    with caplog.at_level(logging.WARNING, logger="logitspec.models"):
+        plain, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16)
+    assert type(plain.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert "not batch-invariant" in caplog.text
+
+
 def test_local_dir_with_tokenizer(tmp_path, cache):
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel

@@ -103,8 +103,9 @@ def test_real_model_lossless_in_bfloat16(gemma_bf16, spec_prompts):
     from logitspec.kernels import onednn
 
     model, tok = gemma_bf16
-    if onednn.available() and onednn.bf16_supported():
-        assert type(model.model.layers[0].mlp.up_proj) is onednn.OneDnnLinear
+    if not (onednn.available() and onednn.bf16_supported()):
+        pytest.skip("no oneDNN bfloat16 GEMM on this CPU: bfloat16 linears are not batch-invariant here")
+    assert type(model.model.layers[0].mlp.up_proj) is onednn.OneDnnLinear
     ref = [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts, max_new_tokens=N_NEW)]
     for method, batch in (("ar", 3), ("pld", 3), ("logitspec", 3)):
         cfg = SpecConfig(method=method, max_batch_size=batch, budget="fixed", capacity=16, top_k=16)

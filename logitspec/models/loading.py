@@ -173,6 +173,12 @@ def load_model(
 
         swapped["onednn"] = use_onednn_linears(model)  # bfloat16 where oneDNN runs it batch-invariantly here
         swapped["rms_norm"] = use_fused_rms_norms(model)
+        left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
+                and m is not model.get_output_embeddings()]
+        if left:
+            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here (no oneDNN "
+                           "bfloat16 GEMM, or it failed the check), so speculative and batched outputs may part "
+                           "from plain decoding's at near-ties; float32 is exact here", len(left), left[0])
     if cpu_kernels and device == "cpu" and dtype == torch.float32:
         from ..kernels.onednn import use_onednn_linears
         from ..kernels.rms_norm import use_fused_rms_norms
