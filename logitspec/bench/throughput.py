@@ -88,8 +88,8 @@ def add_throughput_command(sub) -> None:
     p = sub.add_parser("throughput", help="tokens/s of methods at several batch sizes, side by side")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="the model's dtype, ours and vLLM's (our compiled CPU kernels are float32-only: in "
-                        "bfloat16 the model runs transformers' linears and SDPA)")
+                   help="the model's dtype, ours and vLLM's (bfloat16 on CPU: lossless where oneDNN runs "
+                        "bfloat16 GEMMs, see docs/gpu.md)")
     p.add_argument("--methods", default="ar,logitspec",
                    help="engine methods and variants (logitspec@capacity=8); ar is always run")
     p.add_argument("--batch-sizes", default="1,4,8")
