@@ -83,8 +83,10 @@ def test_sampling_on_the_device_equals_the_host_walk(batch):
 @pytest.fixture(scope="module", params=FAMILIES)
 def bf16_case(request):
     """A tiny bfloat16 model with the CPU kernels ``load_model`` gives one (oneDNN's bfloat16
-    linears where batch-invariant here, fused norms), its prompts and its ``ar`` outputs at batch 1."""
-    model = tiny_model(request.param).to(torch.bfloat16)
+    linears where batch-invariant here, fused norms; head dim 32, so that the decode attention kernel
+    runs as on real models: with SDPA, bfloat16 rows part at near-ties when batched, which sampled
+    draws expose), its prompts and its ``ar`` outputs at batch 1."""
+    model = tiny_model(request.param, head_dim=32).to(torch.bfloat16)
     if onednn.available():
         onednn.use_onednn_linears(model)
     rms_norm.use_fused_rms_norms(model)
@@ -113,6 +115,18 @@ def test_bfloat16_batched_equals_bfloat16_ar_alone(bf16_case, method):
     res = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed")).generate(
         prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
+
+
+def test_bfloat16_host_sampling_is_seeded_and_batch_independent(bf16_case):
+    """Sampled bfloat16 rows draw from the screen over the widened output weights: a row's tokens
+    depend on its seed alone, not on its company."""
+    model, prompts, _ = bf16_case
+    kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_p=0.9)
+    seeds = list(range(21, 21 + len(prompts)))
+    solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p], seed=[s], **kw)[0].token_ids
+            for p, s in zip(prompts, seeds)]
+    batched = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3)).generate(prompts, seed=seeds, **kw)
+    assert [r.token_ids for r in batched] == solo
 
 
 def test_bfloat16_sampling_on_the_device_runs():
