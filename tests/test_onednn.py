@@ -70,6 +70,22 @@ def test_a_product_invariant_only_up_to_chunk_rows_is_computed_in_chunks(monkeyp
         onednn.batch_invariant.cache_clear()
 
 
+def test_probe_inputs_show_another_summation_order_even_in_bfloat16():
+    """The checks' inputs: the same products summed in two orders (whole rows, or two halves added)
+    differ in nearly every row once rounded to bfloat16; on plain random inputs far fewer rows show
+    it (a check on those passed oneDNN's bfloat16 256 x 640 product, which parted on real rows)."""
+    def rows_differing(w, x):
+        wf, xf = w.float(), x.float()
+        whole = torch.stack([sum(xf[r, i] * wf[:, i] for i in range(256)) for r in range(len(xf))])
+        halves = xf[:, :128] @ wf[:, :128].T + xf[:, 128:] @ wf[:, 128:].T
+        return int((whole.bfloat16() != halves.bfloat16()).any(dim=1).sum())
+    w, x = onednn.probe(16, 256, 40, torch.bfloat16, 0)
+    assert rows_differing(w, x) >= 38
+    g = torch.Generator().manual_seed(0)
+    plain = rows_differing(torch.randn(16, 256, generator=g).bfloat16() / 16, torch.randn(40, 256, generator=g).bfloat16())
+    assert plain < rows_differing(w, x)
+
+
 def test_spans_cover_the_rows_once_in_calls_of_allowed_sizes():
     assert onednn.spans(100, 32) == [(0, 32), (32, 64), (64, 96), (96, 100)]
     assert onednn.spans(720, 32, (512, 128)) == [(0, 512), (512, 640), (640, 672), (672, 704), (704, 720)]

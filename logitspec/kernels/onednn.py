@@ -47,6 +47,7 @@ CHUNK_ROWS = 32  # rows per call where a shape is invariant only up to that many
 # Larger calls of exactly these row counts, where one such call gives every row its chunked bits
 # (oneDNN picks its kernel by shape, not by data): checked per shape, all rows, two inputs.
 PIECE_ROWS = (1024, 512, 256, 128, 64)
+PROBE_BIG = 2.0 ** 22  # the cancelling pair of :func:`probe` (exact in bfloat16)
 
 
 def available() -> bool:
@@ -80,20 +81,39 @@ def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = N
     return y[:1] if one else y
 
 
+def probe(out_features: int, in_features: int, rows: int, dtype: torch.dtype, seed: int):
+    """(w [O, I], x [rows, I]) whose products show their summation order: random values, and in each
+    row of ``x`` a pair ``+PROBE_BIG, -PROBE_BIG`` at two far-apart columns whose weight columns are
+    equal, so the pair cancels exactly but the partial sums that hold one of it round away the other
+    terms' low bits. Two kernels that sum in other orders then differ in nearly every output, even
+    once rounded to bfloat16 (on plain random inputs a different order showed in 1 of 16k outputs:
+    oneDNN's bfloat16 256 x 640 product passed such a check and parted on real hidden states)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
+    x = torch.randn(rows, in_features, generator=g)
+    h = in_features // 2
+    if h >= 2:
+        pairs = [(0, in_features - 1), (h // 2, h + h // 2), (h - 1, h), (1, h + 1)]
+        r = torch.arange(rows)
+        for k, (a, b) in enumerate(pairs):
+            w[:, b] = w[:, a]
+            x[r[r % len(pairs) == k], a] = PROBE_BIG
+            x[r[r % len(pairs) == k], b] = -PROBE_BIG
+    return w.to(dtype), x.to(dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def batch_invariant(out_features: int, in_features: int, threads: int, dtype: torch.dtype = torch.float32,
                     chunk: int = 0) -> bool:
     """Whether, for a weight of this shape and dtype at ``threads`` torch threads, the rows of an
     n-row product (``chunk`` rows per call, 0: one call) equal bitwise the same rows computed alone,
-    for n in ``CHECK_ROWS`` and every n up to ``chunk`` + 1: rows 0-33 and each product's middle
-    and last row (each row alone reads the whole weight: a 7B model's would take seconds for all)."""
+    on :func:`probe` inputs, for n in ``CHECK_ROWS`` and every n up to ``chunk`` + 1: rows 0-33,
+    every 7th and each product's middle and last (a row alone reads the whole weight)."""
     del threads  # part of the cache key: oneDNN's split of the work depends on it
-    g = torch.Generator().manual_seed(out_features * 7919 + in_features)
-    w = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
     counts = sorted(set(CHECK_ROWS) | set(range(1, chunk + 2)))
-    x = torch.randn(max(counts), in_features, generator=g).to(dtype)
+    w, x = probe(out_features, in_features, max(counts), dtype, out_features * 7919 + in_features)
     packed = pack(w)
-    rows = sorted(set(range(34)) | {n - 1 for n in counts} | {n // 2 for n in counts})
+    rows = sorted(set(range(34)) | set(range(0, max(counts), 7)) | {n - 1 for n in counts} | {n // 2 for n in counts})
     with torch.inference_mode():
         alone = {i: linear(x[i:i + 1], packed) for i in rows}  # [1, O] each
         for n in counts:
@@ -118,17 +138,16 @@ def spans(n: int, chunk: int, pieces: tuple[int, ...] = ()) -> list[tuple[int, i
 @functools.lru_cache(maxsize=None)
 def piece_sizes(out_features: int, in_features: int, threads: int, dtype: torch.dtype) -> tuple[int, ...]:
     """For a shape computed ``CHUNK_ROWS`` rows per call: the counts of ``PIECE_ROWS`` whose one call
-    gives every row, on two random inputs, the bits ``CHUNK_ROWS``-row calls give it."""
+    gives every row of two :func:`probe` inputs the bits ``CHUNK_ROWS``-row calls give it."""
     del threads  # part of the cache key
-    g = torch.Generator().manual_seed(out_features * 7919 + in_features + 1)
-    w = (torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype)
-    packed = pack(w)
+    seed = out_features * 7919 + in_features + 1
     ok = []
     with torch.inference_mode():
-        xs = [torch.randn(max(PIECE_ROWS), in_features, generator=g).to(dtype) for _ in range(2)]
-        chunked = [linear(x, packed, chunk=CHUNK_ROWS) for x in xs]  # [R, O] each: each row's bits alone
+        probes = [probe(out_features, in_features, max(PIECE_ROWS), dtype, seed + k) for k in range(2)]
+        packed = [pack(w) for w, _ in probes]
+        chunked = [linear(x, p, chunk=CHUNK_ROWS) for (_, x), p in zip(probes, packed)]  # [R, O]: bits alone
         for n in PIECE_ROWS:
-            if all(torch.equal(linear(x[:n], packed), c[:n]) for x, c in zip(xs, chunked)):
+            if all(torch.equal(linear(x[:n], p), c[:n]) for (_, x), p, c in zip(probes, packed, chunked)):
                 ok.append(n)
     return tuple(ok)
 
