@@ -11,15 +11,15 @@ on how many rows share its product (batch invariance): a verification forward of
 compute each node exactly as a one-token step would. oneDNN takes a different path for a single
 row on some shapes, so one row is computed as two (the row twice); whether the rest is invariant
 depends on the CPU and the thread count, so :func:`batch_invariant` checks each weight shape once
-per process (random inputs, row counts 2 to 512, bitwise comparison) and only shapes that pass are
-swapped. Elsewhere the skinny kernel (:mod:`logitspec.kernels.skinny`) or ``F.linear`` stays.
+per process (row counts 2 to 512, bitwise comparison, on :func:`probe` inputs that make any other
+summation order show in nearly every output) and only shapes that pass are swapped. Elsewhere the skinny kernel (:mod:`logitspec.kernels.skinny`) or ``F.linear`` stays.
 
 bfloat16 (AMX or AVX-512 BF16, float32 sums): on a Sapphire Rapids class CPU every product of 1 to
-32 rows gave each row the bits it gets alone, and 33 rows or more other bits on most of Gemma 3's
-shapes (``F.linear`` parts from 12 rows on). Such shapes are computed :data:`CHUNK_ROWS` rows per
+32 rows gave each row the bits it gets alone, and 33 rows or more other bits on all of Gemma 3's
+shapes (``F.linear`` parts from 12 rows on; on plain random inputs the 256 x 640 shape hid it). Such shapes are computed :data:`CHUNK_ROWS` rows per
 call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's),
 except in calls of exactly the larger row counts (:func:`piece_sizes`, checked per shape) where one
-call gives every row its chunked bits again: 256 to 1024 rows on Gemma 3's shapes with K = 640 here
+call gives every row its chunked bits again: 128 to 1024 rows on Gemma 3's shapes with K = 640 here
 (but not 1280: which counts do is not monotone), none with K = 2048.
 
 Use::
