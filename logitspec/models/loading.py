@@ -168,7 +168,6 @@ def load_model(
     swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
     if cpu_kernels and device == "cpu" and dtype == torch.bfloat16:
         from ..kernels.onednn import use_onednn_linears
-
         from ..kernels.rms_norm import use_fused_rms_norms
 
         swapped["onednn"] = use_onednn_linears(model)  # bfloat16 where oneDNN runs it batch-invariantly here
