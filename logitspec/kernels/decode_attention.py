@@ -38,8 +38,5 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     True); query head h reads key head h // (H // KV), as transformers' ``repeat_kv`` orders them.
     bfloat16 inputs are computed in float32 (the kernel widens keys and values exactly as it reads
     them) and the output rounded to bfloat16."""
-    dtype = query.dtype
-    if mask.dtype == torch.bfloat16:
-        mask = mask == 0  # [B, 1, T, S] bool: visible
     last = [t if t.stride(-1) == 1 else t.contiguous() for t in (query.float(), key, value, mask)]
-    return skinny.extension().decode_attention(*last, float(scale)).to(dtype)
+    return skinny.extension().decode_attention(*last, float(scale)).to(query.dtype)

@@ -166,26 +166,21 @@ def load_model(
         model.to(device)
     model.eval()
     swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
-    if cpu_kernels and device == "cpu" and dtype == torch.bfloat16:
-        from ..kernels.onednn import use_onednn_linears
-        from ..kernels.rms_norm import use_fused_rms_norms
-
-        swapped["onednn"] = use_onednn_linears(model)  # bfloat16 where oneDNN runs it batch-invariantly here
-        swapped["rms_norm"] = use_fused_rms_norms(model)
-        left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
-                and m is not model.get_output_embeddings()]
-        if left:
-            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here (no oneDNN "
-                           "bfloat16 GEMM, or it failed the check), so speculative and batched outputs may part "
-                           "from plain decoding's at near-ties; float32 is exact here", len(left), left[0])
-    if cpu_kernels and device == "cpu" and dtype == torch.float32:
+    if cpu_kernels and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
         from ..kernels.onednn import use_onednn_linears
         from ..kernels.rms_norm import use_fused_rms_norms
         from ..kernels.skinny import use_skinny_linears
 
         swapped["onednn"] = use_onednn_linears(model)  # where oneDNN is batch-invariant here
-        swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
+        if dtype == torch.float32:
+            swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
         swapped["rms_norm"] = use_fused_rms_norms(model)  # where the fused kernel reproduces the module
+        left = [n for n, m in model.named_modules() if dtype == torch.bfloat16 and type(m) is torch.nn.Linear
+                and m is not model.get_output_embeddings()]
+        if left:
+            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here (no oneDNN "
+                           "bfloat16 GEMM, or it failed the check), so speculative and batched outputs may part "
+                           "from plain decoding's at near-ties; float32 is exact here", len(left), left[0])
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)

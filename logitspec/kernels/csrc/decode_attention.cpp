@@ -66,7 +66,7 @@ struct Shape {
   const float* q; int64_t qs0, qs1, qs2;
   const KT* k; int64_t ks0, ks1, ks2;
   const KT* v; int64_t vs0, vs1, vs2;
-  const float* mf; const bool* mb; int64_t ms0, ms2;
+  const float* mf; const uint16_t* mh; const bool* mb; int64_t ms0, ms2;  // one of the three mask kinds
   float scale;
   // the columns some node of row b sees, increasing: cols[off[b] .. off[b + 1]) (padding, holes and
   // columns no node sees are never read, prefetched or scanned)
@@ -76,7 +76,7 @@ struct Shape {
 template <typename KT>
 inline bool visible(const Shape<KT>& s, int64_t b, int64_t t, int64_t j) {
   const int64_t o = b * s.ms0 + t * s.ms2 + j;
-  return s.mf ? s.mf[o] == 0.0f : s.mb[o];
+  return s.mf ? s.mf[o] == 0.0f : s.mh ? (s.mh[o] & 0x7fff) == 0 : s.mb[o];  // bfloat16: +-0 visible
 }
 
 template <typename KT>
@@ -278,6 +278,7 @@ torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key, const to
   s.k = static_cast<const KT*>(key.data_ptr()); s.ks0 = key.stride(0); s.ks1 = key.stride(1); s.ks2 = key.stride(2);
   s.v = static_cast<const KT*>(value.data_ptr()); s.vs0 = value.stride(0); s.vs1 = value.stride(1); s.vs2 = value.stride(2);
   s.mf = mask.scalar_type() == at::kFloat ? mask.data_ptr<float>() : nullptr;
+  s.mh = mask.scalar_type() == at::kBFloat16 ? static_cast<const uint16_t*>(mask.data_ptr()) : nullptr;
   s.mb = mask.scalar_type() == at::kBool ? mask.data_ptr<bool>() : nullptr;
   s.ms0 = mask.stride(0); s.ms2 = mask.stride(2);
   torch::Tensor out = torch::empty({s.B, s.T, s.H, s.D}, query.options());
@@ -303,7 +304,7 @@ torch::Tensor run(const torch::Tensor& query, const torch::Tensor& key, const to
 }  // namespace
 
 // query [B, H, T, D] float32, key/value [B, KV, S, D] both float32 or both bfloat16, mask [B, 1, T, S]
-// (float additive 0 / large negative, or bool) -> [B, T, H, D] float32. The last dimension of every
+// (float32 or bfloat16 additive 0 / large negative, or bool) -> [B, T, H, D] float32. The last dimension of every
 // input must be contiguous, D a multiple of 32.
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale) {
@@ -313,7 +314,8 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
               (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
               "decode_attention: float32 query; float32 or bfloat16 key and value (the same)");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4 && mask.dim() == 4, "decode_attention: 4-D inputs");
-  TORCH_CHECK(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBool, "decode_attention: float or bool mask");
+  TORCH_CHECK(mask.scalar_type() == at::kFloat || mask.scalar_type() == at::kBFloat16 || mask.scalar_type() == at::kBool,
+              "decode_attention: float32, bfloat16 or bool mask");
   if (key.scalar_type() == at::kBFloat16) return run<uint16_t>(query, key, value, mask, scale);
   return run<float>(query, key, value, mask, scale);
 }
