@@ -42,13 +42,14 @@ def main() -> None:
     ap.add_argument("--methods", default="ar,logitspec")
     ap.add_argument("--prompts-per-slot", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args()
     for cls, name in ((session_module.Session, "_prefill_waiting"), (session_module.Session, "_admit_ready"),
                       (engine_module.Engine, "decode_step"), (engine_module.Engine, "_draft"),
                       (engine_module.Engine, "_accept")):
         timed(cls, name)
     B = args.batch_size
-    model, tok = load_model("default")
+    model, tok = load_model("default", dtype=args.dtype)
     prompts = batch_prompts(first_turns(None, 1, max_chars=1500), B * args.prompts_per_slot)
     engines = {m: Engine(model, tok, SpecConfig(method=m, max_batch_size=B)) for m in args.methods.split(",")}
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]

@@ -86,7 +86,8 @@ def test_bfloat16_load_uses_the_cpu_kernels_or_warns(tmp_path, cache, monkeypatc
     from logitspec.kernels import onednn, skinny
 
     _tiny_llama().save_pretrained(tmp_path / "tiny")
-    model, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16)
+    model, _ = load_model(tmp_path / "tiny", dtype="bfloat16")  # a name is the dtype, CPU kernels included
+    assert model.dtype == torch.bfloat16
     up = model.model.layers[0].mlp.up_proj
     if onednn.available() and onednn.bf16_supported():
         assert type(up) is onednn.OneDnnLinear and up.packed is not None
@@ -97,6 +98,15 @@ def test_bfloat16_load_uses_the_cpu_kernels_or_warns(tmp_path, cache, monkeypatc
         plain, _ = load_model(tmp_path / "tiny", dtype=torch.bfloat16)
     assert type(plain.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert "not batch-invariant" in caplog.text
+
+
+def test_bad_dtype_is_refused_before_loading(tmp_path, cache):
+    from logitspec.models.loading import as_dtype
+
+    assert as_dtype("torch.float16") is torch.float16 and as_dtype(torch.bfloat16) is torch.bfloat16
+    for bad in ("bf16", "int8", torch.int8, 3):
+        with pytest.raises(ValueError, match="floating torch dtype"):
+            load_model(tmp_path / "absent", dtype=bad)  # the dtype is checked before the path
 
 
 def test_local_dir_with_tokenizer(tmp_path, cache):

@@ -129,11 +129,21 @@ def _has_tokenizer_files(path: pathlib.Path) -> bool:
     return any((path / f).is_file() for f in _TOKENIZER_FILES)
 
 
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` as a floating torch dtype; a name (``"bfloat16"``, ``"torch.float16"``) is looked up.
+    Raises ValueError for anything else, before a model is read."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype or its name (float32, bfloat16, float16), got {dtype!r}")
+    return dtype
+
+
 def load_model(
     spec: str | os.PathLike = "default",
     *,
     cache_dir: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
     attn_implementation: str | None = "logitspec_sdpa",
     cpu_kernels: bool = True,
@@ -156,6 +166,7 @@ def load_model(
 
     from .. import attention  # noqa: F401  (registers attention.NAME with transformers)
 
+    dtype = as_dtype(dtype)
     path = resolve_model_path(spec, cache_dir)
     t0 = time.monotonic()
     kwargs: dict = {"dtype": dtype, "local_files_only": True, "trust_remote_code": trust_remote_code}
