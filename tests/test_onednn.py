@@ -93,6 +93,10 @@ def test_spans_cover_the_rows_once_in_calls_of_allowed_sizes():
         parts = onednn.spans(n, 32, (1024, 256))
         assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         assert all(b - a in (1024, 256) or b - a <= 32 for a, b in parts)
+    # the fewest calls, not the largest piece first: 1024 + 992 + 384, not 1024 + 1024 + 11 x 32
+    assert onednn.spans(2400, 32, (1024, 992, 384)) == [(0, 1024), (1024, 2016), (2016, 2400)]
+    with pytest.raises(ValueError, match="multiples"):
+        onednn.spans(100, 32, (48,))
 
 
 def test_only_piece_sizes_that_give_the_chunked_bits_are_used(monkeypatch):
@@ -105,7 +109,7 @@ def test_only_piece_sizes_that_give_the_chunked_bits_are_used(monkeypatch):
     monkeypatch.setattr(onednn, "linear", regime)
     onednn.piece_sizes.cache_clear()
     try:
-        assert onednn.piece_sizes(40, 24, torch.get_num_threads(), torch.float32) == (1024, 512)
+        assert onednn.piece_sizes(40, 24, torch.get_num_threads(), torch.float32) == tuple(range(1024, 300, -32))
     finally:
         onednn.piece_sizes.cache_clear()
 

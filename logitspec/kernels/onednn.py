@@ -18,9 +18,11 @@ bfloat16 (AMX or AVX-512 BF16, float32 sums): on a Sapphire Rapids class CPU eve
 32 rows gave each row the bits it gets alone, and 33 rows or more other bits on all of Gemma 3's
 shapes (``F.linear`` parts from 12 rows on; on plain random inputs the 256 x 640 shape hid it). Such shapes are computed :data:`CHUNK_ROWS` rows per
 call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's),
-except in calls of exactly the larger row counts (:func:`piece_sizes`, checked per shape) where one
-call gives every row its chunked bits again: 128 to 1024 rows on Gemma 3's shapes with K = 640 here
-(but not 1280: which counts do is not monotone), none with K = 2048.
+except in calls of exactly the larger row counts (multiples of 32 up to 1024, :func:`piece_sizes`,
+checked per shape) where one call gives every row its chunked bits again, split into the fewest
+calls (:func:`spans`). Which counts do is not monotone: on Gemma 3's shapes here, from 353 rows on
+for 2048 x 640, 512-640 and 687+ (with holes) for 1024 x 640, 640+ for 640 x 1024, none for
+640 x 2048 (K = 2048).
 
 Use::
 
@@ -46,7 +48,7 @@ CHECK_ROWS = (3, 5, 8, 17, 24, 33, 64, 100, 257, 512)  # row counts compared wit
 CHUNK_ROWS = 32  # rows per call where a shape is invariant only up to that many rows (bfloat16 here)
 # Larger calls of exactly these row counts, where one such call gives every row its chunked bits
 # (oneDNN picks its kernel by shape, not by data): checked per shape, all rows, two inputs.
-PIECE_ROWS = (1024, 512, 256, 128, 64)
+PIECE_ROWS = tuple(range(1024, CHUNK_ROWS, -CHUNK_ROWS))  # 1024, 992, ..., 64
 PROBE_BIG = 2.0 ** 22  # the cancelling pair of :func:`probe` (exact in bfloat16)
 
 
@@ -124,15 +126,28 @@ def batch_invariant(out_features: int, in_features: int, threads: int, dtype: to
 
 
 def spans(n: int, chunk: int, pieces: tuple[int, ...] = ()) -> list[tuple[int, int]]:
-    """The row ranges of a chunked product's calls: while at least the smallest of ``pieces`` (row
-    counts, descending) remain, the largest that fits; the rest ``chunk`` rows per call."""
-    out, a = [], 0
-    for size in pieces:
-        while n - a >= size:
-            out.append((a, a + size))
-            a += size
-    out += [(i, min(n, i + chunk)) for i in range(a, n, chunk)]
-    return out
+    """The row ranges of a chunked product's calls, fewest first: whole ``pieces`` (row counts,
+    multiples of ``chunk``, largest first) and ``chunk``-row calls covering ``n // chunk * chunk``
+    rows in the fewest calls, then the last ``n % chunk`` rows in one call."""
+    if any(p % chunk for p in pieces):
+        raise ValueError(f"pieces must be multiples of chunk={chunk}, got {pieces}")
+    units = n // chunk
+    sizes = sorted({p // chunk for p in pieces if p // chunk <= units} | {1})  # in chunks
+    calls, last = [0] + [units + 1] * units, [0] * (units + 1)  # fewest calls for u chunks; its last size
+    for u in range(1, units + 1):
+        for size in sizes:
+            if size <= u and calls[u - size] + 1 < calls[u]:
+                calls[u], last[u] = calls[u - size] + 1, size
+    used, u = [], units
+    while u:
+        used.append(last[u])
+        u -= last[u]
+    bounds = [0]
+    for size in sorted(used, reverse=True):
+        bounds.append(bounds[-1] + size * chunk)
+    if n % chunk:
+        bounds.append(n)
+    return list(zip(bounds, bounds[1:]))
 
 
 @functools.lru_cache(maxsize=None)
