@@ -1,6 +1,6 @@
 """Prefill seconds and decode ms per step of our engine on the throughput prompts at 6 and 24 rows.
 
-    .venv/bin/python scripts/prefill_and_step.py ar,logitspec [--dtype bfloat16]
+    .venv/bin/python scripts/prefill_and_step.py ar,logitspec [--dtype bfloat16] [--model qwen]
 
 Per round, method and batch size: a 1-token run (its wall time is the prefill's) and a 64-token
 run; ms per step = (64-token wall - 1-token wall) / (steps - 1). The same split for vLLM:
@@ -8,8 +8,6 @@ run; ms per step = (64-token wall - 1-token wall) / (steps - 1). The same split 
 """
 import argparse
 import json
-
-import torch
 
 from logitspec import Engine, SpecConfig
 from logitspec.bench.questions import first_turns, warmup_question
@@ -21,9 +19,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("methods", nargs="?", default="ar", help="comma-separated engine methods")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--model", default="default", help="a model name or path, as for `logitspec throughput`")
     args = ap.parse_args()
     methods = args.methods.split(",")
-    model, tok = load_model("default", dtype=getattr(torch, args.dtype))
+    model, tok = load_model(args.model, dtype=args.dtype)
     engines = {(m, b): Engine(model, tok, SpecConfig(method=m, max_batch_size=b)) for m in methods for b in (6, 24)}
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     for e in engines.values():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 
 import pytest
 
@@ -413,6 +414,9 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
         assert row["same_as_ar"] is True, key  # lossless at every batch size
     assert table["ar@1"]["vs_ar"] == 1.0 and table["ar@2"]["mat"] == 1.0
     assert table["pld@2"]["vs_ar"] == pytest.approx(table["pld@2"]["tokens_per_s"] / table["ar@2"]["tokens_per_s"])
+    ratios = [x / a for x, a in zip(table["pld@2"]["rounds"], table["ar@2"]["rounds"])]
+    assert table["pld@2"]["vs_ar_paired"] == pytest.approx(statistics.median(ratios))
+    assert table["ar@2"]["vs_ar_paired"] == 1.0
     assert "| 2 | pld |" in throughput.render(table)
     sampled = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [2], max_new_tokens=6, rounds=1,
                              decoding=Decoding(temperature=0.8, num_samples=2))

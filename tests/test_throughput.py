@@ -91,7 +91,7 @@ def test_runner_record_is_read_back_into_table_rows(tmp_path):
     assert list(rows) == ["vllm-ngram@1", "vllm-ngram@2"]
     assert rows["vllm-ngram@1"]["vs_ar"] == 0.25 and rows["vllm-ngram@1"]["same_as_ar"] is True
     assert rows["vllm-ngram@2"]["same_as_ar"] is False and rows["vllm-ngram@2"]["mat"] is None
-    assert "| 2 | vllm-ngram | 2.00 | 2.00x | - | False |" in throughput.render(rows)
+    assert "| 2 | vllm-ngram | 2.00 | 2.00x | - | - | False |" in throughput.render(rows)  # not run in our rounds: no pairs
     with pytest.raises(ValueError, match="not a vLLM runner result"):
         vllm_baseline.read_result(json.dumps({"method": "plain", "runs": [{"batch_size": 1}]}))
 

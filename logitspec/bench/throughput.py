@@ -35,7 +35,8 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding(),
         prompts_per_slot: int = 1) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
-    batch size, MAT of the last round, the last round's new token ids and whether they equal ``ar``'s
+    batch size (of the medians, and ``vs_ar_paired``: the median of each round's own ratio, which a
+    machine whose speed drifts between rounds moves less), MAT of the last round, the last round's new token ids and whether they equal ``ar``'s
     (sampled: the same draws from the same seeds). ``decoding``: greedy, or sampled with
     ``num_samples`` per prompt. ``prompts_per_slot``: batch size b runs ``b x prompts_per_slot``
     prompts through its b slots (1: one static batch, which ends with its slowest row; more: slots
@@ -65,8 +66,10 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         base = statistics.median(tps[("ar", b)]) if ("ar", b) in tps else None
         for m in methods:
             t = statistics.median(tps[(m, b)])
+            paired = statistics.median(x / a for x, a in zip(tps[(m, b)], tps[("ar", b)])) if base else None
             table[f"{m}@{b}"] = {
                 "method": m, "batch_size": b, "tokens_per_s": t, "vs_ar": t / base if base else None,
+                "vs_ar_paired": paired,
                 "mat": mats[(m, b)],
                 "same_as_ar": outputs[(m, b)] == outputs[("ar", b)] if ("ar", b) in outputs else None,
                 "rounds": tps[(m, b)], "token_ids": outputs[(m, b)],
@@ -75,11 +78,12 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
 
 
 def render(table: dict) -> str:
-    lines = ["| batch | method | tokens/s | vs ar | MAT | output == ar |", "|---|---|---|---|---|---|"]
+    lines = ["| batch | method | tokens/s | vs ar | vs ar, paired by round | MAT | output == ar |",
+             "|---|---|---|---|---|---|---|"]
     for row in table.values():
-        vs = f"{row['vs_ar']:.2f}x" if row["vs_ar"] else "-"
+        vs, paired = (f"{row[k]:.2f}x" if row.get(k) else "-" for k in ("vs_ar", "vs_ar_paired"))
         mat = f"{row['mat']:.2f}" if row["mat"] is not None else "-"
-        lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | "
+        lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | {paired} | "
                      f"{mat} | {row['same_as_ar']} |")
     return "\n".join(lines)
 
