@@ -36,11 +36,11 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         prompts_per_slot: int = 1) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
     batch size (of the medians, and ``vs_ar_paired``: the median of each round's own ratio, which a
-    machine whose speed drifts between rounds moves less), MAT of the last round, the last round's new token ids and whether they equal ``ar``'s
-    (sampled: the same draws from the same seeds). ``decoding``: greedy, or sampled with
-    ``num_samples`` per prompt. ``prompts_per_slot``: batch size b runs ``b x prompts_per_slot``
-    prompts through its b slots (1: one static batch, which ends with its slowest row; more: slots
-    refilled as rows finish, as in a job)."""
+    machine whose speed drifts between rounds moves less), MAT of the last round, the last round's
+    new token ids and whether they equal ``ar``'s (sampled: the same draws from the same seeds).
+    ``decoding``: greedy, or sampled with ``num_samples`` per prompt. ``prompts_per_slot``: batch
+    size b runs ``b x prompts_per_slot`` prompts through its b slots (1: one static batch, which ends
+    with its slowest row; more: slots refilled as rows finish, as in a job)."""
     from ..engine import Engine
 
     given = configs or {}

@@ -126,9 +126,15 @@ def batch_invariant(out_features: int, in_features: int, threads: int, dtype: to
 
 
 def spans(n: int, chunk: int, pieces: tuple[int, ...] = ()) -> list[tuple[int, int]]:
-    """The row ranges of a chunked product's calls, fewest first: whole ``pieces`` (row counts,
-    multiples of ``chunk``, largest first) and ``chunk``-row calls covering ``n // chunk * chunk``
-    rows in the fewest calls, then the last ``n % chunk`` rows in one call."""
+    """The row ranges of a chunked product's calls, as few as possible: whole ``pieces`` (row counts,
+    multiples of ``chunk``; largest first) and ``chunk``-row calls covering ``n // chunk * chunk``
+    rows, then the last ``n % chunk`` rows in one call. Cached per (n, chunk, pieces): every linear
+    of a forward asks the same."""
+    return list(_spans(n, chunk, tuple(pieces)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(n: int, chunk: int, pieces: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     if any(p % chunk for p in pieces):
         raise ValueError(f"pieces must be multiples of chunk={chunk}, got {pieces}")
     units = n // chunk
@@ -147,7 +153,7 @@ def spans(n: int, chunk: int, pieces: tuple[int, ...] = ()) -> list[tuple[int, i
         bounds.append(bounds[-1] + size * chunk)
     if n % chunk:
         bounds.append(n)
-    return list(zip(bounds, bounds[1:]))
+    return tuple(zip(bounds, bounds[1:]))
 
 
 @functools.lru_cache(maxsize=None)
