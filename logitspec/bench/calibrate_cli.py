@@ -5,8 +5,6 @@ The measuring and the store are :mod:`logitspec.calibrate`'s; this is the comman
 """
 from __future__ import annotations
 
-import torch
-
 from ..calibrate import TOKENS, curve_path, machine_fingerprint, measure, save
 
 
@@ -26,7 +24,7 @@ def calibrate_command(args) -> int:
     from ..models import load_model
     from ..target import TargetForward
 
-    model, _ = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    model, _ = load_model(args.model, device=args.device, dtype=args.dtype)
     target = TargetForward(model)
     curve = measure(target, TOKENS, context=args.context, reps=args.reps)
     path = curve_path(model, head=target.head)

@@ -140,9 +140,7 @@ def _main(args) -> int:
     decoding = decoding_from_args(args)
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
-    import torch
-
-    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tok = load_model(args.model, dtype=args.dtype)
     t0 = time.perf_counter()
     table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
                 args.prompts_per_slot)

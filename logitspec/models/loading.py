@@ -186,8 +186,8 @@ def load_model(
         if dtype == torch.float32:
             swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
         swapped["rms_norm"] = use_fused_rms_norms(model)  # where the fused kernel reproduces the module
-        left = [n for n, m in model.named_modules() if dtype == torch.bfloat16 and type(m) is torch.nn.Linear
-                and m is not model.get_output_embeddings()]
+        left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
+                and m is not model.get_output_embeddings()] if dtype == torch.bfloat16 else []
         if left:
             logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here (no oneDNN "
                            "bfloat16 GEMM, or it failed the check), so speculative and batched outputs may part "
