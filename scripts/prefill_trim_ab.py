@@ -52,12 +52,12 @@ def main() -> None:
         python, why = vllm_baseline.find_python(None)
         if python is None:
             raise SystemExit(why)
-        res = vllm_baseline.run_method(python, model.config._name_or_path, "plain", {1: [ids]}, 1, args.repeats,
-                                       ids[:64], threads=args.threads, max_model_len=len(ids) + 64)
-        for tps in res["batches"][1]["rounds"]:  # one new token per round: tokens/s x prompt = prefill rate
-            print(f"vLLM plain: {len(ids)} tokens prefilled at {tps * len(ids):.0f} tokens/s "
-                  f"(start-up {res['engine_init_s']:.0f} s); next token {res['batches'][1]['token_ids'][0][0]}",
-                  flush=True)
+        with vllm_baseline.Runner(python, model.config._name_or_path, "plain", 1, 1, ids[:64], threads=args.threads,
+                                  max_model_len=len(ids) + 64) as runner:
+            for _ in range(args.repeats):  # one new token per round: tokens/s x prompt = prefill rate
+                rec = runner.round(1, [ids])
+                print(f"vLLM plain: {len(ids)} tokens prefilled at {rec['tokens_per_s'] * len(ids):.0f} tokens/s "
+                      f"(start-up {runner.engine_init_s:.0f} s); next token {rec['token_ids'][0][0]}", flush=True)
 
 
 if __name__ == "__main__":

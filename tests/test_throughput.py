@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -67,60 +68,93 @@ def test_missing_vllm_environment_is_skipped_with_a_message(tmp_path, capsys, mo
     assert "| 2 | ar |" in out and "vllm" not in json.dumps(json.loads((tmp_path / "t.json").read_text()))
 
 
-def test_runner_record_is_read_back_into_table_rows(tmp_path):
-    """The runner's own measuring and writing code (vLLM's generate replaced by a deterministic
-    one), read back by the host side: medians, batches, and outputs compared with ours."""
-    calls = []
-
-    def generate(group):  # new ids: the prompt reversed, one token fewer for prompt [9]
-        calls.append(len(group))
-        return [list(p[::-1]) if p != [9] else [] for p in group]
-
-    ticks = iter(range(100))
-    prompts = {"1": [[1, 2], [9]], "2": [[1, 2], [9], [1, 2], [9]]}
-    runs = vllm_runner.measure(generate, prompts, rounds=2, clock=lambda: 2.0 * next(ticks))
-    assert calls == [1, 1, 2, 2] * 2  # batch b: consecutive groups of b prompts
-    vllm_runner.write_record(tmp_path / "r.json", "ngram", 12.5, runs)
-    res = vllm_baseline.read_result((tmp_path / "r.json").read_text())
-    assert res["method"] == "ngram" and res["engine_init_s"] == 12.5
-    assert res["batches"][1]["rounds"] == [1.0, 1.0] and res["batches"][2]["tokens_per_s"] == 2.0
-    assert res["batches"][2]["token_ids"] == [[2, 1], [], [2, 1], []]
-    ours = {"ar@1": {"tokens_per_s": 4.0, "token_ids": [[2, 1], []]},
-            "ar@2": {"tokens_per_s": 1.0, "token_ids": [[2, 1], [3], [2, 1], []]}}
-    rows = vllm_baseline.table_rows(res, ours)
-    assert list(rows) == ["vllm-ngram@1", "vllm-ngram@2"]
-    assert rows["vllm-ngram@1"]["vs_ar"] == 0.25 and rows["vllm-ngram@1"]["same_as_ar"] is True
-    assert rows["vllm-ngram@2"]["same_as_ar"] is False and rows["vllm-ngram@2"]["mat"] is None
-    assert "| 2 | vllm-ngram | 2.00 | 2.00x | - | - | False |" in throughput.render(rows)  # not run in our rounds: no pairs
-    with pytest.raises(ValueError, match="not a vLLM runner result"):
-        vllm_baseline.read_result(json.dumps({"method": "plain", "runs": [{"batch_size": 1}]}))
+FAKE_RUNNER = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("runner", sys.argv[1])
+runner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(runner)
+req = json.load(open(sys.argv[2]))
+with open(SEEN, "a") as f:
+    f.write(json.dumps(req) + "\\n")
+if req["method"] == "ngram":
+    print("no such engine", flush=True)
+    sys.exit(3)
+runner.write_json(req["reply"], {"method": req["method"], "engine_init_s": 1.5})
+runner.announce(req["reply"])
+# new ids: the prompt reversed, cut to max_new_tokens; one token fewer for prompt [9]
+gen = lambda group: [list(p[::-1])[:req["max_new_tokens"]] if p != [9] else [] for p in group]
+runner.serve(gen, sys.stdin, runner.announce, clock=iter(range(0, 1000, 2)).__next__)
+"""
 
 
-def test_runner_slots_send_all_prompts_in_one_call_and_the_host_one_batch_size_per_run(tmp_path):
-    """With slots the runner hands vLLM all of a batch size's prompts at once (its scheduler keeps
-    b running), and the host starts one runner per batch size, each told its one size."""
-    calls = []
+def fake_vllm_python(tmp_path):
+    """A stand-in for vLLM's python: runs the real runner's protocol (:func:`vllm_runner.serve`)
+    with a deterministic generate; records each request in ``tmp_path / "seen"``; ngram fails to start."""
+    script = tmp_path / "fake_runner.py"
+    script.write_text(FAKE_RUNNER.replace("SEEN", repr(str(tmp_path / "seen"))))
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def test_runner_serves_rounds_until_an_empty_line(tmp_path):
+    calls, said = [], []
 
     def generate(group):
         calls.append(len(group))
-        return [[1]] * len(group)
+        return [[7] * len(p) for p in group]
 
-    runs = vllm_runner.measure(generate, {"2": [[1]] * 8}, rounds=2, clock=iter(range(100)).__next__, slots=True)
-    assert calls == [8, 8] and [r["tokens"] for r in runs] == [8, 8]
-    seen = tmp_path / "seen"
-    fake = tmp_path / "python"  # records each request, answers like the runner for its one batch size
-    fake.write_text("#!/bin/sh\ncat \"$2\" >> " + str(seen) + "\necho >> " + str(seen) + "\n"
-                    "b=$(sed 's/.*\"prompts\": {\"\\([0-9]*\\)\".*/\\1/' \"$2\")\n"
-                    "echo '{\"method\": \"plain\", \"engine_init_s\": 1, \"runs\": [{\"batch_size\": '$b', "
-                    "\"round\": 0, \"tokens\": 4, \"wall_s\": 1, \"token_ids\": [[7]]}]}' > \"$3\"\n")
-    fake.chmod(0o755)
-    rows = vllm_baseline.run_all(fake, tmp_path, ["plain"], {1: [[1]] * 3, 2: [[1]] * 6}, 1, 1, [1], ours={},
-                                 log=lambda _: None, slots=True)
-    requests = [json.loads(line) for line in seen.read_text().splitlines() if line.strip()]
-    assert [list(r["prompts"]) for r in requests] == [["1"], ["2"]] and all(r["slots"] for r in requests)
-    assert list(rows) == ["vllm-plain@1", "vllm-plain@2"] and rows["vllm-plain@2"]["tokens_per_s"] == 4.0
-    with pytest.raises(ValueError, match="one batch size per vLLM run"):
-        vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1]], 2: [[1]]}, 1, 1, [1], slots=True)
+    cmds = [json.dumps({"batch_size": 2, "prompts": [[1, 2], [3], [4]], "reply": str(tmp_path / "a.json")}),
+            json.dumps({"batch_size": 2, "prompts": [[1]] * 5, "slots": True, "reply": str(tmp_path / "b.json")}),
+            "", json.dumps({"batch_size": 1, "prompts": [[1]], "reply": str(tmp_path / "c.json")})]
+    assert vllm_runner.serve(generate, cmds, said.append, clock=iter(range(0, 100, 2)).__next__) == 2
+    assert calls == [2, 1, 5] and said == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    a = json.loads((tmp_path / "a.json").read_text())  # batch b: consecutive groups of b prompts
+    assert a["tokens"] == 4 and a["wall_s"] == 2 and a["tokens_per_s"] == 2.0 and a["token_ids"] == [[7, 7], [7], [7]]
+    assert json.loads((tmp_path / "b.json").read_text())["tokens"] == 5  # slots: all prompts in one call
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_resident_runners_alternate_with_our_rounds_and_compare_outputs(tmp_path, capsys):
+    """The runners' process protocol end to end (a stand-in python running the real serve loop):
+    one runner per method serves every batch size, its rounds rotate with ours, its rows carry
+    paired ratios and the output check; a method that fails to start is reported and left out."""
+    import contextlib
+
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    prompts = [[5, 6, 7, 5, 6], [9]]
+    with contextlib.ExitStack() as stack:
+        runners = vllm_baseline.start_runners(fake_vllm_python(tmp_path), tmp_path, ["plain", "ngram"], [1, 2], 4,
+                                              [1, 2], stack, log=lambda _: None, dtype="bfloat16")
+        assert set(runners) == {("vllm-plain", 1), ("vllm-plain", 2)}
+        assert runners[("vllm-plain", 1)] is runners[("vllm-plain", 2)]
+        table = throughput.run(model, None, prompts, ["ar"], [1, 2], max_new_tokens=4, rounds=3, baselines=runners)
+    assert "vLLM ngram skipped: vLLM runner (ngram) failed with exit code 3" in capsys.readouterr().err
+    requests = [json.loads(line) for line in (tmp_path / "seen").read_text().splitlines()]
+    assert [(r["method"], r["max_num_seqs"], r["dtype"], r["max_new_tokens"]) for r in requests] == [
+        ("plain", 2, "bfloat16", 4), ("ngram", 2, "bfloat16", 4)]
+    assert list(table) == ["ar@1", "vllm-plain@1", "ar@2", "vllm-plain@2"]
+    row = table["vllm-plain@2"]
+    assert row["token_ids"] == [[6, 5, 7, 6], []] and row["mat"] is None
+    assert row["same_as_ar"] == (table["ar@2"]["token_ids"] == row["token_ids"])
+    assert len(row["rounds"]) == 3 and row["vs_ar_paired"] == pytest.approx(
+        sorted(v / a for v, a in zip(row["rounds"], table["ar@2"]["rounds"]))[1])
+    assert "| 2 | vllm-plain |" in throughput.render(table)
+
+
+def test_a_baseline_that_fails_mid_run_is_dropped_and_ours_stand(capsys):
+    from tiny_models import tiny_model
+
+    class Broken:
+        def round(self, batch_size, prompts, slots=False):
+            raise RuntimeError("engine died")
+
+    table = throughput.run(tiny_model("llama"), None, [[5, 6, 7]], ["ar"], [1], max_new_tokens=2, rounds=2,
+                           baselines={("vllm-plain", 1): Broken()})
+    assert list(table) == ["ar@1"] and "vllm-plain dropped: engine died" in capsys.readouterr().err
 
 
 def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monkeypatch):
@@ -130,38 +164,37 @@ def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monke
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     env = vllm_baseline.runner_env(tmp_path / "bin" / "python", threads=2)
-    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     tcmalloc = [p for p in vllm_baseline.TCMALLOC if os.path.exists(p)][:1]
     assert "PYTHONPATH" not in env and env["LD_PRELOAD"] == ":".join(tcmalloc + [str(tmp_path / "lib" / "libiomp5.so")])
 
 
-def test_a_failing_vllm_run_is_reported_and_skipped(tmp_path, capsys):
+def test_a_failing_vllm_start_is_reported_and_skipped(tmp_path, capsys):
     """The real runner script under a python without vLLM: the child fails at its import, the
-    error reaches the user, the table keeps our rows."""
-    import sys
+    error reaches the user, no runner is left."""
+    import contextlib
 
-    rows = vllm_baseline.run_all(sys.executable, tmp_path, ["plain"], {1: [[1, 2, 3]]}, 4, 1, [1, 2], ours={},
-                                 threads=1, log=lambda _: None)
+    with contextlib.ExitStack() as stack:
+        runners = vllm_baseline.start_runners(sys.executable, tmp_path, ["plain"], [1], 4, [1, 2], stack, threads=1,
+                                              log=lambda _: None)
     err = capsys.readouterr().err
-    assert rows == {} and "vLLM plain skipped: vLLM runner (plain) failed" in err and "vllm" in err.lower()
+    assert runners == {} and "vLLM plain skipped: vLLM runner (plain) failed" in err and "vllm" in err.lower()
 
 
-def test_run_method_passes_the_context_length_and_reads_the_result(tmp_path):
-    """A stand-in python that records the runner's request and answers like the runner."""
-    seen = tmp_path / "request.json"
-    fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ncp \"$2\" {seen}\n"
-                    "echo '{\"method\": \"plain\", \"engine_init_s\": 1.5, \"runs\": [{\"batch_size\": 1, "
-                    "\"round\": 0, \"tokens\": 1, \"wall_s\": 0.5, \"token_ids\": [[7]]}]}' > \"$3\"\n")
-    fake.chmod(0o755)
-    res = vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1], max_model_len=4096)
-    assert json.loads(seen.read_text())["max_model_len"] == 4096
-    assert res["batches"][1]["tokens_per_s"] == 2.0 and res["batches"][1]["token_ids"] == [[7]]
-    vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1])
-    assert "max_model_len" not in json.loads(seen.read_text())  # the runner's default
-    assert json.loads(seen.read_text())["dtype"] == "float32"
-    vllm_baseline.run_method(fake, tmp_path, "plain", {1: [[1, 2, 3]]}, 1, 1, [1], dtype="bfloat16")
-    assert json.loads(seen.read_text())["dtype"] == "bfloat16"
+def test_runner_passes_the_context_length_and_one_runner_per_slot_size(tmp_path):
+    import contextlib
+
+    fake = fake_vllm_python(tmp_path)
+    with vllm_baseline.Runner(fake, tmp_path, "plain", 1, 3, [1], max_model_len=4096) as r:
+        assert r.engine_init_s == 1.5 and r.round(1, [[1, 2, 3]])["token_ids"] == [[3]]
+    with contextlib.ExitStack() as stack:
+        runners = vllm_baseline.start_runners(fake, tmp_path, ["plain"], [1, 4], 1, [1], stack, slots=True,
+                                              log=lambda _: None)
+        assert runners[("vllm-plain", 4)].round(4, [[1, 2]] * 8, slots=True)["tokens"] == 8
+    requests = [json.loads(line) for line in (tmp_path / "seen").read_text().splitlines()]
+    assert requests[0]["max_model_len"] == 4096 and requests[0]["dtype"] == "float32"
+    assert "max_model_len" not in requests[1]  # the runner's default
+    assert [r["max_num_seqs"] for r in requests] == [3, 1, 4]  # slots: vLLM's row limit is each batch size
 
 
 def test_prompts_per_slot_refills_the_slots_and_keeps_outputs_exact():

@@ -6,14 +6,18 @@ alike, after a warm-up on a built-in prompt that is not measured, and prints a t
 tokens/s and the ratio to ``ar``. A batch size larger than the prompt list runs the list repeated
 until every row is filled (batch 24 over 6 prompts: each four times). Engines live for all rounds:
 from the second round on, a ``logitspec`` engine's learned acceptance rates include the earlier
-rounds' (same) prompts. ``--baselines vllm`` adds vLLM's CPU backend on the same token ids
-(:mod:`logitspec.bench.vllm_baseline`).
+rounds' (same) prompts. ``--baselines vllm`` adds vLLM's CPU backend on the same token ids: its
+engines start first and stay resident (:class:`logitspec.bench.vllm_baseline.Runner`), their
+rounds in the same rotation as ours, so a drifting machine slows both alike and the paired ratios
+cover vLLM's rows too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import statistics
+import sys
 import time
 
 from ..config import SpecConfig
@@ -33,14 +37,17 @@ def batch_prompts(prompts: list, batch_size: int) -> list:
 
 def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, rounds: int = 2,
         configs: dict[str, SpecConfig] | None = None, decoding: Decoding = Decoding(),
-        prompts_per_slot: int = 1) -> dict:
+        prompts_per_slot: int = 1, baselines: dict | None = None) -> dict:
     """``{"<method>@<batch>": row}``: median tokens/s over ``rounds``, the ratio to ``ar`` at the same
     batch size (of the medians, and ``vs_ar_paired``: the median of each round's own ratio, which a
     machine whose speed drifts between rounds moves less), MAT of the last round, the last round's
     new token ids and whether they equal ``ar``'s (sampled: the same draws from the same seeds).
     ``decoding``: greedy, or sampled with ``num_samples`` per prompt. ``prompts_per_slot``: batch
     size b runs ``b x prompts_per_slot`` prompts through its b slots (1: one static batch, which ends
-    with its slowest row; more: slots refilled as rows finish, as in a job)."""
+    with its slowest row; more: slots refilled as rows finish, as in a job). ``baselines``: other
+    engines' resident runners, ``{(name, b): runner}`` with ``runner.round(b, token_ids, slots)``
+    (:class:`~logitspec.bench.vllm_baseline.Runner`), run on the prompts' token ids in the same
+    rotation as ours; one that fails is reported and dropped from the table."""
     from ..engine import Engine
 
     given = configs or {}
@@ -51,30 +58,54 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
     warm = warmup_question(tokenizer, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     for e in engines.values():
         e.generate([warm], max_new_tokens=8)
-    tps = {k: [] for k in engines}
+    contenders = {k: _engine_round(e, prompts, k[1] * prompts_per_slot, max_new_tokens, decoding)
+                  for k, e in engines.items()}
+    ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    contenders.update({(name, b): _baseline_round(r, b, batch_prompts(ids, b * prompts_per_slot), prompts_per_slot > 1)
+                       for (name, b), r in (baselines or {}).items()})
+    tps = {k: [] for k in contenders}
     outputs, mats = {}, {}
     for r in range(rounds):
-        keys = list(engines)
-        keys = keys[r % len(keys):] + keys[: r % len(keys)]
-        for k in keys:
-            done = run_samples(engines[k], batch_prompts(prompts, k[1] * prompts_per_slot), max_new_tokens, decoding)
-            tps[k].append(done.stats["tokens_per_s"])
-            outputs[k] = [x.token_ids for x in done.results]
-            mats[k] = statistics.mean(x.stats["mean_accepted"] for x in done.results)
+        keys = [k for k in contenders if k in tps]
+        for k in keys[r % len(keys):] + keys[: r % len(keys)]:
+            try:
+                tokens_per_s, outputs[k], mats[k] = contenders[k]()
+            except (RuntimeError, TimeoutError) as e:  # a baseline's engine failed: the rest stands
+                print(f"{k[0]} dropped: {e}", file=sys.stderr)
+                del tps[k]
+                continue
+            tps[k].append(tokens_per_s)
     table = {}
     for b in batch_sizes:
-        base = statistics.median(tps[("ar", b)]) if ("ar", b) in tps else None
-        for m in methods:
+        base = tps.get(("ar", b))
+        for m in [m for m in dict.fromkeys(n for n, _ in tps) if (m, b) in tps]:
             t = statistics.median(tps[(m, b)])
-            paired = statistics.median(x / a for x, a in zip(tps[(m, b)], tps[("ar", b)])) if base else None
+            paired = statistics.median(x / a for x, a in zip(tps[(m, b)], base)) if base else None
             table[f"{m}@{b}"] = {
-                "method": m, "batch_size": b, "tokens_per_s": t, "vs_ar": t / base if base else None,
-                "vs_ar_paired": paired,
+                "method": m, "batch_size": b, "tokens_per_s": t,
+                "vs_ar": t / statistics.median(base) if base else None, "vs_ar_paired": paired,
                 "mat": mats[(m, b)],
                 "same_as_ar": outputs[(m, b)] == outputs[("ar", b)] if ("ar", b) in outputs else None,
                 "rounds": tps[(m, b)], "token_ids": outputs[(m, b)],
             }
     return table
+
+
+def _engine_round(engine, prompts, count: int, max_new_tokens: int, decoding: Decoding):
+    """One round of our engine on ``count`` of the (repeated) prompts: (tokens/s, token ids, MAT)."""
+    def go():
+        done = run_samples(engine, batch_prompts(prompts, count), max_new_tokens, decoding)
+        mat = statistics.mean(x.stats["mean_accepted"] for x in done.results)
+        return done.stats["tokens_per_s"], [x.token_ids for x in done.results], mat
+    return go
+
+
+def _baseline_round(runner, batch_size: int, ids: list[list[int]], slots: bool):
+    """One round of another engine's resident runner: (tokens/s, token ids, no MAT)."""
+    def go():
+        rec = runner.round(batch_size, ids, slots)
+        return float(rec["tokens_per_s"]), [[int(t) for t in o] for o in rec["token_ids"]], None
+    return go
 
 
 def render(table: dict) -> str:
@@ -138,17 +169,17 @@ def _main(args) -> int:
     if args.prompts_per_slot < 1:
         raise ValueError(f"--prompts-per-slot must be >= 1, got {args.prompts_per_slot}")
     decoding = decoding_from_args(args)
+    if vllm_python is not None and not decoding.greedy:
+        print("vLLM baseline skipped: it is compared under greedy decoding only")
+        vllm_python = None
     # the first turn of the first N questions of each task; long turns cut to 1500 characters
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model, dtype=args.dtype)
-    t0 = time.perf_counter()
-    table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
-                args.prompts_per_slot)
-    if vllm_python is not None:
-        if not decoding.greedy:
-            print("vLLM baseline skipped: it is compared under greedy decoding only")
-        else:
-            table = _add_vllm(table, vllm_python, vllm_methods, model, tok, prompts, sizes, args)
+    with contextlib.ExitStack() as stack:
+        runners = _start_vllm(stack, vllm_python, vllm_methods, model, tok, sizes, args) if vllm_python else {}
+        t0 = time.perf_counter()
+        table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
+                    args.prompts_per_slot, baselines=runners)
     print(render(table))
     print(f"\n{len(prompts)} prompts, {args.prompts_per_slot} per slot, {args.dtype}, {decoding.describe()}, "
           f"{args.max_new_tokens} new tokens, {args.rounds} rounds, "
@@ -159,18 +190,15 @@ def _main(args) -> int:
     return 0
 
 
-def _add_vllm(table, python, methods, model, tok, prompts, sizes, args) -> dict:
-    """``table`` with vLLM's rows for the same token ids added, ordered by batch size."""
+def _start_vllm(stack, python, methods, model, tok, sizes, args) -> dict:
+    """vLLM's resident runners for ``methods`` (entered into ``stack``), warmed up on our warm-up prompt."""
     import torch
 
-    ids = [tok(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     warm_ids = tok(warm).input_ids if isinstance(warm, str) else list(warm)
-    table = {**table, **vllm_baseline.run_all(
-        python, model.config._name_or_path, methods, {b: batch_prompts(ids, b * args.prompts_per_slot) for b in sizes},
-        args.max_new_tokens, args.rounds, warm_ids, table, threads=torch.get_num_threads(),
-        slots=args.prompts_per_slot > 1, dtype=args.dtype)}
-    return {k: table[k] for k in sorted(table, key=lambda k: table[k]["batch_size"])}
+    return vllm_baseline.start_runners(python, model.config._name_or_path, methods, sizes, args.max_new_tokens,
+                                       warm_ids, stack, threads=torch.get_num_threads(),
+                                       slots=args.prompts_per_slot > 1, dtype=args.dtype)
 
 
 def parse_sizes(text: str) -> list[int]:

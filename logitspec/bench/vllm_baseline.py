@@ -2,20 +2,24 @@
 
 vLLM's CPU build pins its own torch, so it lives in a separate environment (default
 ``~/.cache/logitspec/vllm-venv``, see docs/performance.md for the install). For each vLLM method this
-module writes a request, runs :mod:`logitspec.bench.vllm_runner` with that environment's python
-(both cores bound to its OpenMP threads, tcmalloc preloaded when installed), and reads the runner's
-result back into rows of :func:`logitspec.bench.throughput.run`'s table.
+module starts :mod:`logitspec.bench.vllm_runner` with that environment's python (both cores bound
+to its OpenMP threads, tcmalloc preloaded when installed) as a resident :class:`Runner`, which runs
+measured rounds on demand: :func:`logitspec.bench.throughput.run` alternates them with its own.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import glob
 import json
 import os
 import pathlib
-import statistics
+import queue
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 from . import vllm_runner
 
@@ -56,7 +60,7 @@ def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
     environment's Intel OpenMP preloaded where present (vLLM's CPU backend asks for both)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # the default keeps a core idle
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GiB
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, per resident runner
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     root = python.parent.parent
     preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
@@ -67,84 +71,108 @@ def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
     return env
 
 
-def run_method(python: pathlib.Path, model_dir, method: str, prompts: dict[int, list[list[int]]],
-               max_new_tokens: int, rounds: int, warmup: list[int], threads: int = 2,
-               timeout: float = 1800, max_model_len: int | None = None, slots: bool = False,
-               dtype: str = "float32") -> dict:
-    """Run one vLLM method on token-id ``prompts`` (batch size -> its prompts) in a child process;
-    its result as :func:`read_result` gives it. RuntimeError with the child's last output if it fails.
-    ``max_model_len``: vLLM's context (the runner's default is 2,048 tokens). ``slots``: each batch
-    size's prompts in one ``generate`` call, vLLM keeping that many running (refilled as rows
-    finish); ``prompts`` must then hold one batch size (vLLM's limit is set at start-up). ``dtype``:
-    the model's ("float32" or "bfloat16")."""
-    if slots and len(prompts) != 1:
-        raise ValueError(f"slots: one batch size per vLLM run, got {sorted(prompts)}")
-    python = pathlib.Path(python)
-    with tempfile.TemporaryDirectory(prefix="logitspec-vllm-") as tmp:
-        req, out = pathlib.Path(tmp, "request.json"), pathlib.Path(tmp, "result.json")
+class Runner:
+    """One resident vLLM engine (a method, a dtype, at most ``max_num_seqs`` rows running) in a child
+    process with vLLM's python; :meth:`round` runs one measured round there on demand, so its rounds
+    can alternate with ours. Start-up (engine and warm-up, not measured) happens in the constructor;
+    RuntimeError with the child's last output if it fails, TimeoutError after ``timeout`` seconds
+    without an answer. Close it (or use it as a context manager) to end the child."""
+
+    def __init__(self, python, model_dir, method: str, max_new_tokens: int, max_num_seqs: int,
+                 warmup: list[int], threads: int = 2, dtype: str = "float32", max_model_len: int | None = None,
+                 timeout: float = 1800):
+        self.method, self._timeout, self._rounds = method, timeout, 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="logitspec-vllm-")
+        self._lines: queue.Queue = queue.Queue()
+        self._tail: collections.deque = collections.deque(maxlen=80)
+        req = pathlib.Path(self._tmp.name, "request.json")
         req.write_text(json.dumps({"model": str(model_dir), "method": method, "dtype": dtype,
-                                   "prompts": {str(b): p for b, p in prompts.items()},
-                                   "max_new_tokens": max_new_tokens, "rounds": rounds, "warmup": warmup,
-                                   "slots": slots,
+                                   "max_new_tokens": max_new_tokens, "max_num_seqs": max_num_seqs,
+                                   "warmup": list(warmup), "reply": str(req.with_name("ready.json")),
                                    **({"max_model_len": max_model_len} if max_model_len else {})}))
-        proc = subprocess.run([str(python), str(RUNNER), str(req), str(out)], env=runner_env(python, threads),
-                              capture_output=True, text=True, timeout=timeout, cwd=tmp)
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            raise RuntimeError(f"vLLM runner ({method}) failed with exit code {proc.returncode}:\n{tail}")
-        return read_result(out.read_text())
+        python = pathlib.Path(python)
+        self._proc = subprocess.Popen([str(python), str(RUNNER), str(req)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=runner_env(python, threads), cwd=self._tmp.name)
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.engine_init_s = float(self._await(req.with_name("ready.json"))["engine_init_s"])
+        except BaseException:
+            self.close()
+            raise
 
+    def round(self, batch_size: int, prompts: list[list[int]], slots: bool = False) -> dict:
+        """``prompts`` at batch size ``batch_size`` (groups of b, or all at once with ``slots``: vLLM
+        keeps ``max_num_seqs`` running): the runner's record, ``{"tokens", "wall_s", "tokens_per_s",
+        "token_ids"}``."""
+        self._rounds += 1
+        reply = pathlib.Path(self._tmp.name, f"round-{self._rounds}.json")
+        try:
+            self._proc.stdin.write(json.dumps({"batch_size": batch_size, "prompts": prompts, "slots": slots,
+                                               "reply": str(reply)}) + "\n")
+            self._proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._failed()
+        return self._await(reply)
 
-def read_result(text: str) -> dict:
-    """The runner's JSON -> ``{"method", "engine_init_s", "batches": {b: {"tokens_per_s": median
-    over rounds, "rounds": [tokens/s], "token_ids": the last round's outputs}}}``; ValueError if
-    the record is not the runner's."""
-    try:
-        rec = json.loads(text)
-        batches: dict[int, dict] = {}
-        for run in rec["runs"]:
-            row = batches.setdefault(int(run["batch_size"]), {"rounds": [], "token_ids": None})
-            row["rounds"].append(float(run["tokens"]) / float(run["wall_s"]))
-            row["token_ids"] = [[int(t) for t in ids] for ids in run["token_ids"]]
-        method, init = str(rec["method"]), float(rec["engine_init_s"])
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ValueError(f"not a vLLM runner result: {e!r}") from None
-    for row in batches.values():
-        row["tokens_per_s"] = statistics.median(row["rounds"])
-    return {"method": method, "engine_init_s": init, "batches": batches}
-
-
-def table_rows(result: dict, ours: dict) -> dict:
-    """Rows ``vllm-<method>@<b>`` for the throughput table, against our ``ar`` rows in ``ours``
-    (``vs_ar``; ``same_as_ar`` when ``ours`` carries ``ar``'s outputs)."""
-    rows = {}
-    for b, r in sorted(result["batches"].items()):
-        ar = ours.get(f"ar@{b}") or {}
-        base, ar_ids = ar.get("tokens_per_s"), ar.get("token_ids")
-        rows[f"vllm-{result['method']}@{b}"] = {
-            "method": f"vllm-{result['method']}", "batch_size": b, "tokens_per_s": r["tokens_per_s"],
-            "vs_ar": r["tokens_per_s"] / base if base else None, "mat": None,
-            "same_as_ar": r["token_ids"] == ar_ids if ar_ids is not None else None, "rounds": r["rounds"],
-        }
-    return rows
-
-
-def run_all(python, model_dir, methods, prompts, max_new_tokens, rounds, warmup, ours: dict,
-            threads: int = 2, log=print, slots: bool = False, dtype: str = "float32") -> dict:
-    """:func:`run_method` for each of ``methods``, as table rows; a failing method is reported and
-    skipped (the rest of the table stands). ``slots``: each batch size runs as a job of its own
-    (one vLLM start-up per batch size, see :func:`run_method`)."""
-    rows = {}
-    groups = [{b: p} for b, p in prompts.items()] if slots else [prompts]
-    for m in methods:
-        for group in groups:
-            log(f"vLLM {m}: running in {python} ...")
+    def close(self) -> None:
+        if self._proc.poll() is None:
             try:
-                result = run_method(python, model_dir, m, group, max_new_tokens, rounds, warmup, threads,
-                                    slots=slots, dtype=dtype)
-            except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+                self._proc.stdin.write("\n")  # the runner's end of rounds
+                self._proc.stdin.close()
+                self._proc.wait(timeout=120)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _read(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the child closed its output: it has ended
+
+    def _await(self, reply: pathlib.Path) -> dict:
+        """Wait for the runner's ``MARK reply`` line (keeping its other output for errors); the reply."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"vLLM runner ({self.method}) gave no answer in {self._timeout:.0f} s") from None
+            if line is None:
+                self._failed()
+            if line.startswith(vllm_runner.MARK) and line.split(maxsplit=1)[1].strip() == str(reply):
+                return json.loads(reply.read_text())
+            self._tail.append(line)
+
+    def _failed(self):
+        code = self._proc.wait()
+        raise RuntimeError(f"vLLM runner ({self.method}) failed with exit code {code}:\n"
+                           + "".join(self._tail)[-3000:])
+
+
+def start_runners(python, model_dir, methods, batch_sizes, max_new_tokens: int, warmup: list[int],
+                  stack: contextlib.ExitStack, threads: int = 2, slots: bool = False, dtype: str = "float32",
+                  max_model_len: int | None = None, log=print) -> dict[tuple[str, int], "Runner"]:
+    """A resident :class:`Runner` per vLLM method (per method and batch size with ``slots``: vLLM's
+    row limit is fixed at start-up), entered into ``stack``: ``{("vllm-<method>", b): runner}``. A
+    method whose engine fails to start is reported on stderr and left out (the rest stands)."""
+    runners = {}
+    for m in methods:
+        for group in ([[b] for b in batch_sizes] if slots else [list(batch_sizes)]):
+            log(f"vLLM {m}: starting in {python} ...")
+            try:
+                r = stack.enter_context(Runner(python, model_dir, m, max_new_tokens, max(group), warmup, threads,
+                                               dtype, max_model_len))
+            except (RuntimeError, TimeoutError, OSError) as e:
                 print(f"vLLM {m} skipped: {e}", file=sys.stderr)
                 break
-            log(f"vLLM {m}: engine start-up {result['engine_init_s']:.0f} s (not in tokens/s)")
-            rows.update(table_rows(result, ours))
-    return rows
+            log(f"vLLM {m}: engine start-up {r.engine_init_s:.0f} s (not in tokens/s)")
+            runners.update({(f"vllm-{m}", b): r for b in group})
+    return runners
