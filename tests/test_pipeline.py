@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from logitspec.kernels import skinny
+from logitspec.models.paths import default_cache_dir
 from pipeline.config import ConfigError, GenerationSpec, JobConfig
 from pipeline.inputs import open_input, read_columns, row_problem
 from pipeline.rows import scan_ids
@@ -835,6 +838,9 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     home.mkdir()
     cwd.mkdir()
     env = {**_env_without_ray_address(), "HOME": str(home), "LOGITSPEC_CACHE": str(tmp_path / "cache")}
+    built = skinny.build_dir()  # this process's kernel build, copied: a new cache would compile it again (a minute)
+    if built.is_dir():
+        shutil.copytree(built, tmp_path / "cache" / built.relative_to(default_cache_dir()))
     p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
                         str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6"],
                        capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
