@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 
+from . import allocator
 from .config import METHODS, SpecConfig
 
 
@@ -46,6 +47,10 @@ def _generate(args) -> int:
 
 
 def main(argv=None) -> int:
+    """The ``logitspec`` command; ``argv`` None: this process's own arguments, after re-executing
+    itself once with tcmalloc where the machine has it (:mod:`logitspec.allocator`)."""
+    if argv is None:
+        allocator.reexec_with_tcmalloc()
     parser = argparse.ArgumentParser(prog="logitspec", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)

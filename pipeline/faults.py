@@ -1,7 +1,7 @@
 """Test-only fault injection: with ``LOGITSPEC_FAULT`` set, a replica's process SIGKILLs itself at a
 chosen point, as the OOM killer or a lost node would. Nothing happens when the variable is unset.
 
-The driver forwards the variable to the actors it starts (:func:`fault_env`); forms:
+The driver forwards the variable to the actors it starts (:func:`actor_runtime_env`); forms:
 
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time
@@ -15,13 +15,17 @@ import pathlib
 import signal
 import tempfile
 
+from logitspec import allocator
+
 ENV = "LOGITSPEC_FAULT"
 
 
-def fault_env() -> dict | None:
-    """The ``runtime_env`` that gives an actor the driver's ``LOGITSPEC_FAULT`` (None when unset)."""
-    value = os.environ.get(ENV)
-    return {"env_vars": {ENV: value}} if value else None
+def actor_runtime_env() -> dict | None:
+    """The ``runtime_env`` of a replica's actors: the driver's ``LOGITSPEC_FAULT`` when set, and
+    tcmalloc preloaded where the machine has it (:mod:`logitspec.allocator`); None when neither."""
+    env_vars = {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
+    env_vars.update(allocator.preload_env())
+    return {"env_vars": env_vars} if env_vars else None
 
 
 def _die() -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from logitspec import allocator
+
 from .config import GenerationSpec
 from .resources import array_spans, peak_rss, tensor_spans, where_bytes_live
 
@@ -86,6 +88,7 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
         warm_up(engine, tokenizer)
     t_warm = time.perf_counter()
     info = {"device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "tcmalloc": allocator.loaded(),
             "model_load_s": t_load - t0, "reference_attach_s": t_refs - t_load, "warmup_s": t_warm - t_refs,
             **model_memory(model), **held, "peak_rss_bytes": peak_rss()}
     return RowGenerator(engine, spec, references), info

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from logitspec import allocator
 from logitspec.kernels import skinny
 from logitspec.models.paths import default_cache_dir
 from pipeline.config import ConfigError, GenerationSpec, JobConfig
@@ -852,6 +853,8 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     assert summary["ray"]["started_here"] is True and summary["timing"]["ray_init_s"] > 0
     cpus = summary["config"]["cpus_per_actor"] or (os.cpu_count() or 1)
     assert [r["threads"] for r in summary["replicas"]["startup"]] == [max(1, int(cpus))]
+    # the actor runs on tcmalloc where this machine has it (logitspec.allocator)
+    assert [r["tcmalloc"] for r in summary["replicas"]["startup"]] == [allocator.library() is not None]
     _check_exactly_once(tmp_path / "out", [0, 1, 2])
     # Ray >= 2.5x turns on token auth for a new local cluster and keeps its token in ~/.ray/auth_token
     # (created once, reused by later local clusters): Ray's own file, the only one outside --output
