@@ -20,8 +20,8 @@ python -m pip install -q -e ".[test]"
 # tcmalloc, preloaded into the processes that run the model (logitspec/allocator.py: a few percent a
 # step, no result changes): best effort, where apt-get runs as root; without it the system allocator is used
 if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  timeout 300 apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
-    || { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
+  timeout 120 apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+    || { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 120 apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; } \
     || echo "tcmalloc: not installed (the system allocator is used)"
 fi
 # build the CPU skinny-linear kernel now (about a minute, once) rather than in the first job
