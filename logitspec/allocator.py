@@ -37,6 +37,11 @@ def loaded(maps: str = "/proc/self/maps") -> bool:
         return False
 
 
+def preloads(env) -> list[str]:
+    """The libraries ``env``'s ``LD_PRELOAD`` names (colon- or space-separated)."""
+    return [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+
+
 def preload_env(env: dict | None = None, candidates=CANDIDATES) -> dict:
     """Environment variables to add for a new process so that it runs on tcmalloc: ``{"LD_PRELOAD":
     ...}`` (after any preload ``env`` has), or ``{}`` when there is none here or it is switched off."""
@@ -44,7 +49,7 @@ def preload_env(env: dict | None = None, candidates=CANDIDATES) -> dict:
     lib = library(candidates)
     if lib is None or env.get(ENV) == "0":
         return {}
-    have = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+    have = preloads(env)
     if any("tcmalloc" in p for p in have):
         return {}
     return {"LD_PRELOAD": ":".join(have + [lib])}

@@ -1,7 +1,8 @@
 """Test-only fault injection: with ``LOGITSPEC_FAULT`` set, a replica's process SIGKILLs itself at a
 chosen point, as the OOM killer or a lost node would. Nothing happens when the variable is unset.
 
-The driver forwards the variable to the actors it starts (:func:`actor_runtime_env`); forms:
+The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
+:func:`pipeline.actor_env.actor_runtime_env`); forms:
 
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time
@@ -15,17 +16,12 @@ import pathlib
 import signal
 import tempfile
 
-from logitspec import allocator
-
 ENV = "LOGITSPEC_FAULT"
 
 
-def actor_runtime_env() -> dict | None:
-    """The ``runtime_env`` of a replica's actors: the driver's ``LOGITSPEC_FAULT`` when set, and
-    tcmalloc preloaded where the machine has it (:mod:`logitspec.allocator`); None when neither."""
-    env_vars = {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
-    env_vars.update(allocator.preload_env())
-    return {"env_vars": env_vars} if env_vars else None
+def fault_vars() -> dict:
+    """The driver's ``LOGITSPEC_FAULT`` for an actor's environment (empty when unset)."""
+    return {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
 
 
 def _die() -> None:

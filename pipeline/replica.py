@@ -16,6 +16,7 @@ import time
 import ray
 
 from . import faults
+from .actor_env import actor_runtime_env
 from .config import GenerationSpec
 from .resources import Replica, ReplicaResources, process_memory
 
@@ -98,7 +99,7 @@ class ActorReplica:
             max_concurrency=STREAM_CONCURRENCY if self.concurrent else 1,
             num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
             max_restarts=0, max_task_retries=0,  # the scheduler replaces dead replicas and redoes their rows
-            runtime_env=faults.actor_runtime_env(),
+            runtime_env=actor_runtime_env(),
         )
         self.actor = cls.remote(spec, resources.threads, resources.num_gpus > 0,
                                 {k: (v,) for k, v in reference_refs.items()})

@@ -26,7 +26,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from . import faults
+from .actor_env import actor_runtime_env
 from .config import ConfigError, GenerationSpec
 from .resources import ReplicaResources, process_memory
 
@@ -186,7 +186,7 @@ class TPReplica:
             ray.remote(TPRank).options(
                 num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
                 max_restarts=0, max_task_retries=0,  # the scheduler replaces the whole group
-                runtime_env=faults.actor_runtime_env(),
+                runtime_env=actor_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
             ).remote()
             for i in range(tp)]

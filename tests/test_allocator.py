@@ -7,6 +7,7 @@ import sys
 
 from logitspec import allocator
 from pipeline import faults
+from pipeline.actor_env import actor_runtime_env
 
 PROBE = ("import os; from logitspec import allocator; allocator.reexec_with_tcmalloc(); "
          "print(allocator.loaded(), os.environ.get('LOGITSPEC_TCMALLOC'))")
@@ -39,8 +40,8 @@ def test_actors_get_the_fault_variable_and_the_preload(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv(allocator.ENV, raising=False)
     monkeypatch.setenv(faults.ENV, "row:7")
-    got = faults.actor_runtime_env()["env_vars"]
+    got = actor_runtime_env()["env_vars"]
     assert got == {faults.ENV: "row:7", **allocator.preload_env()}
     monkeypatch.delenv(faults.ENV)
     monkeypatch.setenv(allocator.ENV, "0")
-    assert faults.actor_runtime_env() is None
+    assert actor_runtime_env() is None

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
 
+from logitspec import allocator
 from logitspec.bench import throughput, vllm_baseline, vllm_runner
 
 
@@ -165,8 +165,12 @@ def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monke
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     env = vllm_baseline.runner_env(tmp_path / "bin" / "python", threads=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    tcmalloc = [p for p in vllm_baseline.TCMALLOC if os.path.exists(p)][:1]
+    tcmalloc = [p for p in [allocator.library()] if p]
     assert "PYTHONPATH" not in env and env["LD_PRELOAD"] == ":".join(tcmalloc + [str(tmp_path / "lib" / "libiomp5.so")])
+    # our own process on tcmalloc (the logitspec command preloads it): the runner still gets Intel OpenMP
+    monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc_minimal.so.4")
+    got = vllm_baseline.runner_env(tmp_path / "bin" / "python", threads=2)["LD_PRELOAD"].split(":")
+    assert got == ["/x/libtcmalloc_minimal.so.4", str(tmp_path / "lib" / "libiomp5.so")]
 
 
 def test_a_failing_vllm_start_is_reported_and_skipped(tmp_path, capsys):

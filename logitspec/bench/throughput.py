@@ -60,9 +60,10 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
         e.generate([warm], max_new_tokens=8)
     contenders = {k: _engine_round(e, prompts, k[1] * prompts_per_slot, max_new_tokens, decoding)
                   for k, e in engines.items()}
-    ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts]
+    baselines = baselines or {}
+    ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts] if baselines else []
     contenders.update({(name, b): _baseline_round(r, b, batch_prompts(ids, b * prompts_per_slot), prompts_per_slot > 1)
-                       for (name, b), r in (baselines or {}).items()})
+                       for (name, b), r in baselines.items()})
     tps = {k: [] for k in contenders}
     outputs, mats = {}, {}
     for r in range(rounds):
@@ -71,7 +72,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
             try:
                 tokens_per_s, outputs[k], mats[k] = contenders[k]()
             except (RuntimeError, TimeoutError) as e:
-                if k not in (baselines or {}):
+                if k not in baselines:
                     raise  # our own engines' errors are bugs
                 print(f"{k[0]} dropped: {e}", file=sys.stderr)  # a baseline's engine failed: the rest stands
                 del tps[k]

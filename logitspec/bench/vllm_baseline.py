@@ -21,11 +21,11 @@ import tempfile
 import threading
 import time
 
+from .. import allocator
 from . import vllm_runner
 
 METHODS = tuple(vllm_runner.SPECULATIVE)  # plain, ngram, suffix
 RUNNER = pathlib.Path(vllm_runner.__file__)
-TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4")
 
 
 def default_python() -> pathlib.Path:
@@ -57,16 +57,18 @@ def parse_methods(text: str) -> list[str]:
 
 def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
     """The runner's environment: vLLM's CPU settings for ``threads`` cores, and tcmalloc plus the
-    environment's Intel OpenMP preloaded where present (vLLM's CPU backend asks for both)."""
+    environment's Intel OpenMP preloaded where present (vLLM's CPU backend asks for both), after
+    what ``LD_PRELOAD`` holds already (ours, run on tcmalloc, holds only that)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")  # the default keeps a core idle
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, per resident runner
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    root = python.parent.parent
-    preload = [p for p in TCMALLOC if os.path.exists(p)][:1]
-    preload += sorted(glob.glob(str(root / "lib" / "libiomp5.so")))[:1]
-    if preload and "LD_PRELOAD" not in env:
-        env["LD_PRELOAD"] = ":".join(preload)
+    have = allocator.preloads(env)
+    tcmalloc = None if any("tcmalloc" in p for p in have) else allocator.library()
+    preload = [p for p in (tcmalloc, *sorted(glob.glob(str(python.parent.parent / "lib" / "libiomp5.so")))[:1])
+               if p and p not in have]
+    if have or preload:
+        env["LD_PRELOAD"] = ":".join(have + preload)
     env.pop("PYTHONPATH", None)  # our tree must not shadow the environment's packages
     return env
 
