@@ -13,12 +13,12 @@ import logging
 import os
 import pathlib
 import platform
-import statistics
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from . import allocator
 from .budget import CostCurve
 from .cache import GrowingLayer
 from .device import elapsed
@@ -72,7 +72,8 @@ def rows_for(grid: Grid, max_batch_size: int) -> tuple[int, ...]:
 
 
 def machine_fingerprint(device) -> str:
-    """What the cost depends on besides the model: processor, threads, device."""
+    """What the cost depends on besides the model: processor, threads, device, the allocator
+    (tcmalloc made a 6-row step 8-12% cheaper here)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -82,7 +83,8 @@ def machine_fingerprint(device) -> str:
     dev = str(device)
     if dev.startswith("cuda") and torch.cuda.is_available():
         dev = f"{torch.cuda.get_device_name(torch.device(dev))} | CUDA {torch.version.cuda} | torch {torch.__version__}"
-    return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev}"
+    alloc = "tcmalloc" if allocator.loaded() else "system malloc"
+    return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev} | {alloc}"
 
 
 def kernel_fingerprint(model, head=None) -> str:
@@ -116,8 +118,9 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 @torch.inference_mode()
 def measure(target: TargetForward, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
             batch_rows=None, batch_tokens=None, batch_chains: str = CHAINS) -> CostCurve:
-    """Median time of one target forward (decoder + greedy output layer for every node, the device's
-    work included) adding n tokens to a ``context``-token cache, for each n in ``tokens``; then, for
+    """Fastest time over ``reps`` (machine noise only adds time: a median of few reps took one
+    slow forward for the cost of its size) of one target forward (decoder + greedy output layer
+    for every node, the device's work included) adding n tokens to a ``context``-token cache, for each n in ``tokens``; then, for
     each b in ``batch_rows``, b rows (caches of different lengths from ``context`` on) adding n
     tokens each, for n in ``batch_tokens``. Caches are rolled back after each forward. Arguments
     left None come from the device's :func:`grid_for`. ``batch_chains``: what the batch curves
@@ -167,7 +170,7 @@ def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmu
 
 
 def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCurve:
-    """Median time of the output layer alone (greedy: the screen where the engine uses it) over n
+    """Fastest time of the output layer alone (greedy: the screen where the engine uses it) over n
     nodes' hidden states, for each n in ``nodes``."""
     hidden = target.head.weight.shape[1]
     gen = torch.Generator().manual_seed(0)
@@ -178,12 +181,12 @@ def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCu
             dt = elapsed(lambda: target.head.output(x[:n], exact=False), target.device)
             if rep >= warmup:
                 times[n].append(dt)
-    return CostCurve(list(nodes), [statistics.median(times[n]) for n in nodes])
+    return CostCurve(list(nodes), [min(times[n]) for n in nodes])
 
 
 def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: int, warmup: int,
                  own_chains: bool = False) -> CostCurve:
-    """Median forward time of ``rows`` rows (row r caching ``context + 16 r`` tokens) adding n tokens
+    """Fastest forward time of ``rows`` rows (row r caching ``context + 16 r`` tokens) adding n tokens
     each, for each n in ``tokens`` (interleaved over ``warmup + reps`` rounds): chains of arbitrary
     tokens, or (``own_chains``) of the model's own continuation (:func:`own_continuations`)."""
     vocab = target.vocab_size
@@ -202,7 +205,7 @@ def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: i
             kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
                 times[n].append(dt)
-    return CostCurve(list(tokens), [statistics.median(times[n]) for n in tokens])
+    return CostCurve(list(tokens), [min(times[n]) for n in tokens])
 
 
 def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
@@ -239,7 +242,7 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    curve = measure(target, tokens=grid.tokens, reps=2 if quick else 5, batch_rows=rows, batch_tokens=grid.per_row)
+    curve = measure(target, tokens=grid.tokens, reps=3 if quick else 5, batch_rows=rows, batch_tokens=grid.per_row)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
         save(curve, path, target)

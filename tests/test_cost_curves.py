@@ -63,6 +63,30 @@ def test_measure_times_rows_and_nodes_per_row():
     assert all(s > 0 for s in c.seconds) and c.batches[3].tokens == [1, 2]
 
 
+def test_one_slow_forward_does_not_become_the_cost_of_its_size(monkeypatch):
+    """Machine noise only adds time: a forward slowed by another process in one of the reps must
+    not be taken for the cost of its size (with a median of two, it made a second token a row
+    look free at 8 rows and the budget drafted at a loss)."""
+    target = TargetForward(tiny_model("llama"))
+    real, calls = calibrate.elapsed, []
+
+    def noisy(fn, device):
+        calls.append(1)
+        return real(fn, device) + (1.0 if len(calls) == 2 else 0.0)  # the first rep's 2-token forward: +1 s
+
+    monkeypatch.setattr(calibrate, "elapsed", noisy)
+    c = calibrate.measure_rows(target, 2, (1, 2), 12, reps=2, warmup=0)
+    assert len(calls) == 4 and c.seconds[0] < 0.5 and c.seconds[1] < 0.5
+
+
+def test_the_allocator_is_part_of_the_machine_key(monkeypatch):
+    """A curve measured under the system allocator is not used under tcmalloc (cheaper steps here)."""
+    monkeypatch.setattr(calibrate.allocator, "loaded", lambda: True)
+    on = calibrate.machine_fingerprint("cpu")
+    monkeypatch.setattr(calibrate.allocator, "loaded", lambda: False)
+    assert calibrate.machine_fingerprint("cpu") != on and "tcmalloc" in on
+
+
 def test_batch_curves_verify_the_models_own_continuation(monkeypatch):
     """Every curve verifies chains of the model's own continuation unless told otherwise (A/B runs),
     and the stored curve's key says which; a misspelt choice fails before any forward."""
