@@ -120,9 +120,10 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
             batch_rows=None, batch_tokens=None, batch_chains: str = CHAINS) -> CostCurve:
     """Fastest time over ``reps`` (machine noise only adds time: a median of few reps took one
     slow forward for the cost of its size) of one target forward (decoder + greedy output layer
-    for every node, the device's work included) adding n tokens to a ``context``-token cache, for each n in ``tokens``; then, for
-    each b in ``batch_rows``, b rows (caches of different lengths from ``context`` on) adding n
-    tokens each, for n in ``batch_tokens``. Caches are rolled back after each forward. Arguments
+    for every node, the device's work included) adding n tokens to a ``context``-token cache, for
+    each n in ``tokens``; then, for each b in ``batch_rows``, b rows (caches of different lengths
+    from ``context`` on) adding n tokens each, for n in ``batch_tokens``. Caches are rolled back
+    after each forward. Arguments
     left None come from the device's :func:`grid_for`. ``batch_chains``: what the batch curves
     verify, ``"own"`` (the model's continuation) or ``"arbitrary"`` (until 2026-12-02; for A/B runs)."""
     if batch_chains not in ("own", "arbitrary"):

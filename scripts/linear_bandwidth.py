@@ -8,21 +8,19 @@ kernel (1-8 rows), each over 20 distinct weights so that no weight is read from 
 10 calls after a warm-up.
 """
 import argparse
-import time
 
 import torch
 
+from logitspec.device import elapsed
 from logitspec.kernels import onednn, skinny
+
+CPU = torch.device("cpu")
 
 
 def fastest(fn, reps: int = 10) -> float:
+    """Fastest of ``reps`` timed calls of ``fn`` after one untimed call."""
     fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return min(elapsed(fn, CPU) for _ in range(reps))
 
 
 @torch.inference_mode()
@@ -46,7 +44,8 @@ def main() -> None:
             if packed:
                 line.append(f"oneDNN {gb / fastest(lambda: [onednn.linear(x, p) for p in packed]):5.1f} GB/s")
             if m <= skinny.MAX_ROWS and skinny.available():
-                line.append(f"skinny {gb / fastest(lambda: [skinny.skinny_linear(x, w, None, skinny.MAX_ROWS) for w in weights]):5.1f} GB/s")
+                dt = fastest(lambda: [skinny.skinny_linear(x, w, None, skinny.MAX_ROWS) for w in weights])
+                line.append(f"skinny {gb / dt:5.1f} GB/s")
             print("  ".join(line), flush=True)
 
 
