@@ -2,7 +2,7 @@
 prefill rows attended prompt by prompt, and decoding steps by a batch-invariant kernel of our own.
 
 Registered with transformers' ``AttentionInterface`` (and its mask function, SDPA's) as :data:`NAME`;
-:func:`~logitspec.models.load_model` selects it by default. Three differences from ``sdpa``, all
+:func:`~logitspec.models.load_model` selects it by default. Four differences from ``sdpa``, all
 exact (the same products per query row):
 
 - **Decoding and verification steps on CPU** (at most ``decode_attention.MAX_QUERIES`` nodes per row,
@@ -14,6 +14,8 @@ exact (the same products per query row):
   copies every key and value to each query head (``repeat_kv``): at an 8k context a drafted step
   of 4 rows copied 65 MB a layer. Here the query heads of a group are stacked as extra queries of
   their key head and the mask repeated for them (``T x S`` per group, not ``S x D`` per head).
+- **Prefill on CPU in float32** runs :mod:`logitspec.kernels.gemm_attention` (oneDNN's GEMM, 2x
+  SDPA's MKL kernels on AMD CPUs) over blocks of queries (:func:`_causal_blocks`).
 - **Segments.** A forward given ``segments`` (``(start, end)`` node ranges of one fresh row, each a
   prompt run from position 0: :meth:`~logitspec.target.TargetForward.prefill_rows`) attends each
   prompt to itself only, instead of the whole packed square under a block-diagonal mask.
@@ -25,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .kernels import decode_attention
+from .kernels import decode_attention, gemm_attention
 
 NAME = "logitspec_sdpa"
 PREFILL_BLOCK = 128  # queries per block of a prefill chunk (:func:`_causal_blocks`)
@@ -47,6 +49,10 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return decode_attention.attention(query, key, value, attention_mask, scale), None  # [B, T, H, D]
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
+    plain = not dropout and not getattr(module, "attn_logit_softcapping", None)
+    if prefill and plain and gemm_attention.applies(query, key, attention_mask):
+        scale = scaling if scaling is not None else D ** -0.5
+        return _causal_blocks(query, key, value, attention_mask, scale, groups, gemm=True)
     if prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout and query.device.type == "cpu":
         return _causal_blocks(query, key, value, attention_mask, scaling, groups)
     if groups == 1 or T == 1 or attention_mask is None or dropout or query.device.type != "cpu":
@@ -59,12 +65,13 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, T, H, D]
 
 
-def _causal_blocks(query, key, value, mask, scaling, groups):
+def _causal_blocks(query, key, value, mask, scaling, groups, gemm: bool = False):
     """A causal chunk's attention in blocks of ``PREFILL_BLOCK`` queries, each over only the key
     columns its rows can see: from its first row's first visible column to its last row's last
     (a causal mask, windowed or not, sees a range that only moves forward). Under Gemma 3's
     sliding window a 512-token chunk's sliding layers then read about 640 columns a block, not
-    1,023, and no layer copies the mask or the keys per query head (SDPA's own GQA)."""
+    1,023, and no layer copies the mask or the keys per query head (SDPA's own GQA). ``gemm``: each
+    block by :mod:`logitspec.kernels.gemm_attention` (``scaling`` given), not SDPA."""
     T = query.shape[2]
     outs = []
     for a in range(0, T, PREFILL_BLOCK):
@@ -73,10 +80,15 @@ def _causal_blocks(query, key, value, mask, scaling, groups):
         last = (mask[:, 0, b - 1] == 0).any(0)  # [S]
         lo = int(first.int().argmax())
         hi = last.numel() - int(last.flip(0).int().argmax())
+        if gemm:
+            outs.append(gemm_attention.attention(query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi],
+                                                 mask[:, :, a:b, lo:hi], scaling))  # [B, b - a, H, D]
+            continue
         outs.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi], attn_mask=mask[:, :, a:b, lo:hi], scale=scaling,
-            enable_gqa=groups > 1))  # [B, H, b - a, D]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None  # [B, T, H, D]
+            enable_gqa=groups > 1).transpose(1, 2))  # [B, b - a, H, D]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.contiguous(), None  # [B, T, H, D]
 
 
 def _by_segment(module, query, key, value, attention_mask, segments, **kwargs):

@@ -6,6 +6,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from logitspec.attention import NAME, PREFILL_BLOCK, attention
+from logitspec.kernels import gemm_attention, onednn
 from logitspec.engine import Engine
 from logitspec.config import SpecConfig
 from tiny_models import repetitive_prompts, tiny_model
@@ -32,7 +33,8 @@ def test_grouped_heads_share_their_key_head_exactly(B, H, KV, T, S):
     torch.testing.assert_close(ours, stock, rtol=1e-6, atol=1e-6)
 
 
-def test_segments_attend_each_prompt_alone():
+@pytest.mark.parametrize("prefill", [False, True])
+def test_segments_attend_each_prompt_alone(prefill):
     lengths = [3, 9, 1, 6]
     n = sum(lengths)
     module, q, k, v, _ = _qkv(1, 4, 1, n, n)
@@ -42,10 +44,11 @@ def test_segments_attend_each_prompt_alone():
     block = torch.full((n, n), torch.finfo(torch.float32).min)
     for a, z in segments:
         block[a:z, a:z] = causal[:z - a, :z - a]
-    ours, _ = attention(module, q, k, v, block[None, None], segments=segments)  # [1, n, H, D]
-    whole, _ = attention(module, q, k, v, block[None, None])  # the packed square under its mask
+    ours, _ = attention(module, q, k, v, block[None, None], segments=segments, prefill=prefill)  # [1, n, H, D]
+    whole, _ = attention(module, q, k, v, block[None, None], prefill=prefill)  # the packed square under its mask
     for a, z in segments:
-        alone, _ = attention(module, q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], causal[None, None, :z - a, :z - a])
+        alone, _ = attention(module, q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], causal[None, None, :z - a, :z - a],
+                             prefill=prefill)
         assert torch.equal(ours[:, a:z], alone)
     torch.testing.assert_close(ours, whole, rtol=1e-6, atol=1e-6)
 
@@ -87,3 +90,29 @@ def test_a_prefill_chunk_in_blocks_equals_the_whole_chunk(window):
     whole, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.4)
     assert blocked.shape == whole.shape == (1, T, H, D)
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
+
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN's linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("B,H,KV,T,S,mask_rows", [(1, 4, 1, 23, 23, 1), (2, 8, 2, 16, 300, 2), (3, 6, 3, 5, 40, 1)])
+def test_gemm_attention_equals_sdpa(B, H, KV, T, S, mask_rows):
+    module, q, k, v, mask = _qkv(B, H, KV, T, S)
+    mask = mask[:mask_rows]
+    ours = gemm_attention.attention(q, k, v, mask, 0.3)  # [B, T, H, D]
+    stock, _ = sdpa_attention_forward(module, q, k, v, mask.expand(B, -1, -1, -1), scaling=0.3)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_float32_prefill_attention_runs_the_gemm_kernel():
+    """A prefill chunk of one block is the kernel's result bitwise (not SDPA's), and only in float32."""
+    module, q, k, v, mask = _qkv(1, 4, 1, PREFILL_BLOCK - 3, 200, D=16)
+    ours, _ = attention(module, q, k, v, mask, scaling=0.25, prefill=True)
+    assert torch.equal(ours, gemm_attention.attention(q, k, v, mask, 0.25))
+    assert gemm_attention.applies(q, k, mask)
+    assert not gemm_attention.applies(q.bfloat16(), k.bfloat16(), mask.bfloat16())
+    assert not gemm_attention.applies(q, k, None)
+    assert not gemm_attention.applies(q[:, :1], k.expand(1, 2, -1, -1), mask)  # a shard: 1 query head, 2 key heads
+    assert not gemm_attention.applies(q[:, :0], k[:, :0], mask)  # a shard without heads
