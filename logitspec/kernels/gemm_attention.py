@@ -1,14 +1,15 @@
 """Masked attention of a block of queries as two oneDNN GEMMs (scores, then weighted values), float32 on CPU.
 
-torch's CPU attention (SDPA's flash kernel, and ``bmm``) multiplies with MKL, which takes its AVX2
-path on AMD CPUs: about 190 GFLOP/s on this project's 2-core AVX-512 EPYC, where oneDNN's GEMM (the
-one :mod:`logitspec.kernels.onednn` runs the linears with, here on plain unpacked operands) ran the
-same products at 390-440 GFLOP/s from 128 queries on. A key head's query heads are stacked as rows
+torch's CPU attention (SDPA's flash kernel, and ``matmul``) multiplies with MKL, which takes its AVX2
+path on AMD CPUs: about 210 GFLOP/s for Gemma 3's score product on this project's 2-core AVX-512
+EPYC, where oneDNN's GEMM (the one :mod:`logitspec.kernels.onednn` runs the linears with, here on
+plain unpacked operands) ran it at 440-480 GFLOP/s from 128 queries on
+(``scripts/prefill_attention_ab.py --products``). A key head's query heads are stacked as rows
 of one product (grouped-query attention reads each key once), and the softmax is torch's, in float32.
 
 A query row's result depends only on its block's shapes and values (the same prompt gives the same
-bits in any packing of prompts), but not bitwise on SDPA's: the engine uses it for every prefill,
-so plain and speculative decoding start from the same cache.
+bits in any packing of prompts), but not bitwise on SDPA's: the engine runs every float32 prefill
+on CPU through it, so plain and speculative decoding start from the same cache.
 """
 from __future__ import annotations
 
