@@ -15,7 +15,9 @@ exact (the same products per query row):
   of 4 rows copied 65 MB a layer. Here the query heads of a group are stacked as extra queries of
   their key head and the mask repeated for them (``T x S`` per group, not ``S x D`` per head).
 - **Prefill on CPU in float32** runs :mod:`logitspec.kernels.gemm_attention` (oneDNN's GEMM, 2x
-  SDPA's MKL kernels on AMD CPUs) over blocks of queries (:func:`_causal_blocks`).
+  SDPA's MKL kernels on AMD CPUs) over blocks of queries (:func:`_causal_blocks`): the same
+  products, summed in oneDNN's order, which is not SDPA's to the last bit; every method prefills
+  through it, so their caches agree.
 - **Segments.** A forward given ``segments`` (``(start, end)`` node ranges of one fresh row, each a
   prompt run from position 0: :meth:`~logitspec.target.TargetForward.prefill_rows`) attends each
   prompt to itself only, instead of the whole packed square under a block-diagonal mask.
