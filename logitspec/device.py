@@ -36,3 +36,9 @@ def elapsed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - t0
+
+
+def fastest(fn: Callable[[], object], device: torch.device, reps: int = 10) -> float:
+    """The fastest of ``reps`` :func:`elapsed` timings of ``fn()``, after one untimed call (warm-up)."""
+    fn()
+    return min(elapsed(fn, device) for _ in range(reps))

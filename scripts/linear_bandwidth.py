@@ -11,16 +11,10 @@ import argparse
 
 import torch
 
-from logitspec.device import elapsed
+from logitspec.device import fastest
 from logitspec.kernels import onednn, skinny
 
 CPU = torch.device("cpu")
-
-
-def fastest(fn, reps: int = 10) -> float:
-    """Fastest of ``reps`` timed calls of ``fn`` after one untimed call."""
-    fn()
-    return min(elapsed(fn, CPU) for _ in range(reps))
 
 
 @torch.inference_mode()
@@ -31,7 +25,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(100_000_000, generator=gen)  # 400 MB
-    print(f"plain read (sum of 400 MB): {0.4 / fastest(lambda: big.sum()):.1f} GB/s")
+    print(f"plain read (sum of 400 MB): {0.4 / fastest(lambda: big.sum(), CPU):.1f} GB/s")
     del big
     for shape in args.shapes.split(","):
         n_out, n_in = (int(v) for v in shape.split("x"))
@@ -42,9 +36,9 @@ def main() -> None:
             x = torch.randn(m, n_in, generator=gen)  # [m, I]
             line = [f"{n_out}x{n_in} {m:3d} rows:"]
             if packed:
-                line.append(f"oneDNN {gb / fastest(lambda: [onednn.linear(x, p) for p in packed]):5.1f} GB/s")
+                line.append(f"oneDNN {gb / fastest(lambda: [onednn.linear(x, p) for p in packed], CPU):5.1f} GB/s")
             if m <= skinny.MAX_ROWS and skinny.available():
-                dt = fastest(lambda: [skinny.skinny_linear(x, w, None, skinny.MAX_ROWS) for w in weights])
+                dt = fastest(lambda: [skinny.skinny_linear(x, w, None, skinny.MAX_ROWS) for w in weights], CPU)
                 line.append(f"skinny {gb / dt:5.1f} GB/s")
             print("  ".join(line), flush=True)
 

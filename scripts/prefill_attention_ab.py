@@ -16,8 +16,8 @@ import torch
 from logitspec import Engine, SpecConfig
 from logitspec.bench.questions import first_turns
 from logitspec.bench.throughput import batch_prompts
-from logitspec.device import elapsed
-from logitspec.kernels import gemm_attention
+from logitspec.device import elapsed, fastest
+from logitspec.kernels import gemm_attention, onednn
 from logitspec.models import load_model
 
 CPU = torch.device("cpu")
@@ -54,20 +54,14 @@ def main() -> None:
 
 def products() -> None:
     """GFLOP/s of Q K^T for T = 128, 322 and 1,288 by MKL (``torch.matmul``) and by oneDNN."""
-    gemm = torch.ops.mkldnn._linear_pointwise
     print("| T | MKL GFLOP/s | oneDNN GFLOP/s |\n|---|---|---|")
     with torch.inference_mode():
         for t in (128, 322, 1288):
             q, k = torch.randn(4 * t, 256), torch.randn(t, 256)  # [4T, D], [T, D]
             flops = 2 * 4 * t * t * 256
-            rates = [flops / best_seconds(f) / 1e9 for f in (lambda: q @ k.T, lambda: gemm(q, k, None, "none", [], ""))]
+            rates = [flops * 20 / fastest(lambda: [f() for _ in range(20)], CPU, reps=5) / 1e9
+                     for f in (lambda: q @ k.T, lambda: onednn.linear(q, k))]
             print(f"| {t} | {rates[0]:.0f} | {rates[1]:.0f} |", flush=True)
-
-
-def best_seconds(fn, calls: int = 20, reps: int = 5) -> float:
-    """Seconds per call of ``fn``: the fastest of ``reps`` timings of ``calls`` calls, after one call."""
-    fn()
-    return min(elapsed(lambda: [fn() for _ in range(calls)], CPU) for _ in range(reps)) / calls
 
 
 if __name__ == "__main__":

@@ -38,14 +38,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     KV, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = H // KV
     out = query.new_empty(B, T, H, Dv)
-    gemm = torch.ops.mkldnn._linear_pointwise
     for b in range(B):
         m = mask[b if mask.shape[0] > 1 else 0, 0]  # [T, S]
         for h in range(KV):
             q = query[b, h * G:(h + 1) * G].reshape(G * T, D)  # [G*T, D]: head g's rows g*T..g*T+T-1
-            scores = gemm(q, key[b, h].contiguous(), None, "none", [], "")  # [G*T, S]
+            scores = onednn.linear(q, key[b, h].contiguous())  # [G*T, S]
             scores = scores.view(G, T, S).mul_(scale).add_(m)  # [G, T, S]
             probs = torch.softmax(scores, dim=-1).view(G * T, S)
-            o = gemm(probs, value[b, h].t().contiguous(), None, "none", [], "")  # [G*T, Dv]
+            o = onednn.linear(probs, value[b, h].t().contiguous())  # [G*T, Dv]
             out[b, :, h * G:(h + 1) * G] = o.view(G, T, Dv).transpose(0, 1)
     return out

@@ -73,7 +73,9 @@ def linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = N
            pieces: tuple[int, ...] = ()) -> torch.Tensor:
     """``x2`` [n, I] @ the packed weight^T (+ bias) -> [n, O], in the weight's dtype; one row runs as
     two (the path taken for more rows, so the result is the row's in any batch). ``chunk`` > 0: at
-    most that many rows per oneDNN call, or exactly one of ``pieces`` (see :func:`spans`)."""
+    most that many rows per oneDNN call, or exactly one of ``pieces`` (see :func:`spans`). ``packed``
+    may also be a plain contiguous [O, I] tensor, which oneDNN reorders on each call (operands that
+    change per call, as :mod:`logitspec.kernels.gemm_attention`'s keys and values do)."""
     if 0 < chunk < x2.shape[0]:
         return torch.cat([linear(x2[a:b], packed, bias) for a, b in spans(x2.shape[0], chunk, pieces)])
     one = x2.shape[0] == 1
