@@ -157,6 +157,30 @@ def test_a_baseline_that_fails_mid_run_is_dropped_and_ours_stand(capsys):
     assert list(table) == ["ar@1"] and "vllm-plain dropped: engine died" in capsys.readouterr().err
 
 
+def test_baseline_rows_say_how_our_best_method_compares_round_by_round():
+    """Each baseline row carries our best method at its batch size (highest median), the ratio of the
+    medians and each round's own ratio; the report counts the rounds we were ahead."""
+    from tiny_models import tiny_model
+
+    class Scripted:  # a baseline whose rounds run at the given speeds
+        def __init__(self, speeds):
+            self.speeds = iter(speeds)
+
+        def round(self, batch_size, prompts, slots=False):
+            return {"tokens_per_s": next(self.speeds), "token_ids": [[1, 2]] * len(prompts)}
+
+    table = throughput.run(tiny_model("llama"), None, [[5, 6, 7, 5, 6]], ["ar", "pld"], [1], max_new_tokens=2,
+                           rounds=3, baselines={("vllm-plain", 1): Scripted([1.0, 1e12, 2.0])})
+    row = table["vllm-plain@1"]
+    best = max((table["ar@1"], table["pld@1"]), key=lambda r: r["tokens_per_s"])
+    assert row["our_best"] == best["method"]
+    assert row["vs_our_best"] == pytest.approx(best["tokens_per_s"] / 2.0)
+    assert row["our_best_per_round"] == pytest.approx([o / v for o, v in zip(best["rounds"], [1.0, 1e12, 2.0])])
+    assert "our_best" not in table["ar@1"]
+    report = throughput.render(table)
+    assert f"| 1 | {best['method']} | vllm-plain | " in report and "| 2 of 3 |" in report
+
+
 def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

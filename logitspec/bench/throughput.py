@@ -91,7 +91,23 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
                 "same_as_ar": outputs[(m, b)] == outputs[("ar", b)] if ("ar", b) in outputs else None,
                 "rounds": tps[(m, b)], "token_ids": outputs[(m, b)],
             }
+        _against_our_best(table, b, {name for name, _ in baselines})
     return table
+
+
+def _against_our_best(table: dict, b: int, baseline_names: set[str]) -> None:
+    """Add to each baseline row at batch size ``b`` how our best method there (the highest median
+    tokens/s) compares with it: ``vs_our_best`` (ratio of the medians), ``our_best_per_round`` (each
+    round's own ratio: both ran in the same rotation) and ``our_best`` (the method)."""
+    rows = [r for r in table.values() if r["batch_size"] == b]
+    ours = [r for r in rows if r["method"] not in baseline_names]
+    if not ours:
+        return
+    best = max(ours, key=lambda r: r["tokens_per_s"])
+    for row in (r for r in rows if r["method"] in baseline_names):
+        row["our_best"] = best["method"]
+        row["vs_our_best"] = best["tokens_per_s"] / row["tokens_per_s"] if row["tokens_per_s"] else None
+        row["our_best_per_round"] = [o / v for o, v in zip(best["rounds"], row["rounds"]) if v]
 
 
 def _engine_round(engine, prompts, count: int, max_new_tokens: int, decoding: Decoding):
@@ -119,6 +135,16 @@ def render(table: dict) -> str:
         mat = f"{row['mat']:.2f}" if row["mat"] is not None else "-"
         lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | {paired} | "
                      f"{mat} | {row['same_as_ar']} |")
+    against = [r for r in table.values() if r.get("our_best")]
+    if against:
+        lines += ["", "| batch | our best | baseline | our best / baseline, medians | per round: median (min-max) "
+                      "| rounds ours ahead |", "|---|---|---|---|---|---|"]
+        for row in against:
+            per = row["our_best_per_round"]
+            spread = f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f})" if per else "-"
+            ratio = f"{row['vs_our_best']:.2f}x" if row["vs_our_best"] else "-"
+            lines.append(f"| {row['batch_size']} | {row['our_best']} | {row['method']} | {ratio} | {spread} | "
+                         f"{sum(x > 1 for x in per)} of {len(per)} |")
     return "\n".join(lines)
 
 
