@@ -108,7 +108,7 @@ def vnni_prototype(W: torch.Tensor, channels: int):
     """The prototype kernel's pass over ``W[:, :channels]`` (``channels`` a multiple of 4), or None
     without AVX-512 VNNI or a compiler: ``x`` [B, H] -> [B, V] float32."""
     if W.shape[0] % 16 or channels % 4:
-        raise ValueError(f"the prototype needs a vocabulary of a multiple of 16 tokens and of 4 channels, got {W.shape[0]}, {channels}")
+        raise ValueError(f"the prototype needs multiples of 16 tokens and of 4 channels, got {W.shape[0]}, {channels}")
     with open("/proc/cpuinfo") as f:
         if "avx512_vnni" not in f.read():
             return None
@@ -120,30 +120,40 @@ def vnni_prototype(W: torch.Tensor, channels: int):
     except Exception as e:  # no compiler, no headers
         print(f"VNNI prototype not built: {type(e).__name__}: {e}")
         return None
-    WR = W[:, :channels].contiguous()  # [V, K]
-    scale = WR.abs().amax(1) / 127  # [V]
-    wq = torch.round(WR / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [V, K]
+    wq, scale = int8_rows(W[:, :channels])  # [V, K], [V]
     packed, colsum = ext.pack(wq), wq.sum(1, dtype=torch.int32).contiguous()  # [V/16, K/4, 16, 4], [V]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         xr = x[:, :channels]
-        lo, hi = xr.amin(1).clamp(max=0), xr.amax(1).clamp(min=0)  # [B] each
-        xs = (hi - lo) / 255
-        zp = torch.round(-lo / xs).to(torch.int32)
-        xq = (torch.round(xr / xs[:, None]) + zp[:, None]).clamp(0, 255).to(torch.uint8).contiguous()  # [B, K]
-        return ext.int8_linear(xq, xs.float().contiguous(), zp.contiguous(), packed, colsum, scale.float().contiguous())
+        xq, xs, zp = to_u8(xr, xr.amin(1, keepdim=True).clamp(max=0), xr.amax(1, keepdim=True).clamp(min=0))  # per row
+        return ext.int8_linear(xq.contiguous(), xs.flatten().float().contiguous(), zp.flatten().to(torch.int32).contiguous(),
+                               packed, colsum, scale.float().contiguous())
     return run
 
 
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [V, K] rounded per row to int8: (values [V, K] int8, scales [V] = max|w_v| / 127)."""
+    scale = w.abs().amax(1) / 127  # [V]
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def to_u8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` rounded to 8 bits over [lo, hi] (which hold 0; tensors broadcasting against ``x``):
+    (codes uint8, step, zero point), ``x ~ (codes - zero) * step``."""
+    step = (hi - lo) / 255
+    zero = torch.round(-lo / step)
+    return (torch.round(x / step) + zero).clamp(0, 255).to(torch.uint8), step, zero
+
+
 class FbgemmInt8:
-    """fbgemm's dynamic int8 linear over per-row int8 copies of ``w`` [V, H] (prepacked), and the
+    """fbgemm's dynamic int8 linear over :func:`int8_rows` of ``w`` [V, H] (prepacked), and the
     norms of its dequantized rows and of their error ([V] each)."""
 
     def __init__(self, w: torch.Tensor):
+        _, scale = int8_rows(w)
         with warnings.catch_warnings():  # quantize_per_channel's deprecation notice
             warnings.simplefilter("ignore")
-            scale = (w.abs().amax(1) / 127).double()
-            wq = torch.quantize_per_channel(w, scale, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
+            wq = torch.quantize_per_channel(w, scale.double(), torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(wq, None)
         deq = wq.dequantize()  # [V, H]
         self.wq_norm, self.dw_norm = deq.norm(dim=1), (deq - w).norm(dim=1)
@@ -157,37 +167,38 @@ def stats(counts: list[int]) -> str:
     return f"median {c.median():.0f} p90 {torch.quantile(c, 0.9):.0f} max {c.max():.0f}"
 
 
-def candidates(X: torch.Tensor, W: torch.Tensor, k: int, B: int) -> tuple[dict[str, list[int]], int]:
-    """Per kind, the candidate count of each row over ``X`` [n, H] in batches of ``B``, with the ``k``
-    channels of largest mean |x| exact; and the number of bound violations."""
+def candidates(X: torch.Tensor, W: torch.Tensor, k: int, batch_sizes: list[int]):
+    """Per batch size B: (B, per kind the candidate count of each row over ``X`` [n, H] in batches of
+    B, the number of bound violations), with the ``k`` channels of largest mean |x| exact."""
     wn = W.norm(dim=1)  # [V]
-    scale = W.abs().amax(1) / 127  # [V]
-    Wq = torch.round(W / scale[:, None]).clamp(-127, 127) * scale[:, None]  # [V, H] int8 values, dequantized
+    values, scale = int8_rows(W)
+    Wq = values.float() * scale[:, None]  # [V, H] int8 values, dequantized
     dW = (Wq - W).norm(dim=1)  # [V]
     order = X.abs().mean(0).argsort(descending=True)
     O, R = order[:k], order[k:]
     WqR, WO = Wq[:, R].T.contiguous(), W[:, O].T.contiguous()  # [H-k, V], [k, V]
     fbgemm = FbgemmInt8(W[:, R].contiguous())
-    counts, violations = {"fbgemm": [], "known": [], "weight-only": []}, 0
-    for i in range(0, len(X) - B + 1, B):
-        x = X[i:i + B]  # [B, H]
-        xr, exact_part, exact = x[:, R].contiguous(), x[:, O] @ WO, x @ W.T  # [B, H-k], [B, V], [B, V]
-        lo, hi = min(xr.min().item(), 0.0), max(xr.max().item(), 0.0)
-        step8, step7 = (hi - lo) / 255, (hi - lo) / 127
-        zero = round(-lo / step8)
-        xt = ((torch.round(xr / step8) + zero).clamp(0, 255) - zero) * step8  # [B, H-k] uint8 values
-        slack = 1e-4 * wn[None, :] * x.norm(dim=1)[:, None]  # [B, V]
-        kinds = {
-            "fbgemm": (fbgemm(xr) + exact_part, fbgemm.wq_norm[None, :] * step7 * xr.shape[1] ** 0.5
-                       + fbgemm.dw_norm[None, :] * xr.norm(dim=1)[:, None] + slack),
-            "known": (xt @ WqR + exact_part,
-                      dW[None, :] * xt.norm(dim=1)[:, None] + wn[None, :] * (xt - xr).norm(dim=1)[:, None] + slack),
-            "weight-only": (xr @ WqR + exact_part, dW[None, :] * xr.norm(dim=1)[:, None] + slack)}
-        for name, (approx, bound) in kinds.items():  # [B, V] each
-            violations += int(((approx - exact).abs() > bound).sum())
-            floor = (approx - bound).amax(1, keepdim=True)  # [B, 1]
-            counts[name] += ((approx + bound) >= floor).sum(1).tolist()
-    return counts, violations
+    for B in batch_sizes:
+        counts, violations = {"fbgemm": [], "known": [], "weight-only": []}, 0
+        for i in range(0, len(X) - B + 1, B):
+            x = X[i:i + B]  # [B, H]
+            xr, exact_part, exact = x[:, R].contiguous(), x[:, O] @ WO, x @ W.T  # [B, H-k], [B, V], [B, V]
+            lo, hi = xr.min().double().clamp(max=0), xr.max().double().clamp(min=0)  # over the batch
+            codes, step8, zero = to_u8(xr, lo, hi)
+            xt = (codes.float() - zero) * step8  # [B, H-k] uint8 values
+            step7 = (hi - lo) / 127
+            slack = 1e-4 * wn[None, :] * x.norm(dim=1)[:, None]  # [B, V]
+            kinds = {
+                "fbgemm": (fbgemm(xr) + exact_part, fbgemm.wq_norm[None, :] * step7 * xr.shape[1] ** 0.5
+                           + fbgemm.dw_norm[None, :] * xr.norm(dim=1)[:, None] + slack),
+                "known": (xt @ WqR + exact_part,
+                          dW[None, :] * xt.norm(dim=1)[:, None] + wn[None, :] * (xt - xr).norm(dim=1)[:, None] + slack),
+                "weight-only": (xr @ WqR + exact_part, dW[None, :] * xr.norm(dim=1)[:, None] + slack)}
+            for name, (approx, bound) in kinds.items():  # [B, V] each
+                violations += int(((approx - exact).abs() > bound).sum())
+                floor = (approx - bound).amax(1, keepdim=True)  # [B, 1]
+                counts[name] += ((approx + bound) >= floor).sum(1).tolist()
+        yield B, counts, violations
 
 
 def time_passes(W: torch.Tensor, batch_sizes: list[int], calls: int = 20) -> None:
@@ -215,7 +226,7 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--outliers", default="0,32", help="comma-separated counts of exact channels")
     ap.add_argument("--batch-sizes", default="6,24")
-    ap.add_argument("--time", action="store_true", help="also time the bfloat16 pass against dynamic int8")
+    ap.add_argument("--time", action="store_true", help="also time the bfloat16 pass against the int8 passes")
     args = ap.parse_args()
     model, tok = load_model(args.model)
     sizes = [int(v) for v in args.batch_sizes.split(",")]
@@ -233,8 +244,7 @@ def main() -> None:
         print(f"{len(X)} states; gap between the two best logits: p10 / p50 / p90 "
               f"{[round(v, 2) for v in torch.quantile(gap, torch.tensor([0.1, 0.5, 0.9])).tolist()]}")
         for k in (int(v) for v in args.outliers.split(",")):
-            for B in sizes:
-                counts, violations = candidates(X, W, k, B)
+            for B, counts, violations in candidates(X, W, k, sizes):
                 print(f"exact channels {k:2d}, {B:2d} rows: candidates a row, "
                       + "; ".join(f"{name} {stats(c)}" for name, c in counts.items())
                       + f"; bound violations {violations}")
