@@ -52,8 +52,9 @@ torch::Tensor pack(torch::Tensor w) {
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const int8_t* __restrict p, const uint8_t* __restrict x,
-    int64_t K, float* __restrict y, int64_t V, int64_t v0, const int32_t* colsum, const float* ws, const int32_t* zp, const float* xs) {
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(
+    const int8_t* __restrict p, const uint8_t* __restrict x, int64_t K, float* __restrict y, int64_t V, int64_t v0,
+    const int32_t* colsum, const float* ws, const int32_t* zp, const float* xs) {
   __m512i acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
   const int64_t G = K / 4;
@@ -73,7 +74,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(const in
   }
 }
 
-torch::Tensor int8_linear(torch::Tensor xq, torch::Tensor xs, torch::Tensor zp, torch::Tensor p, torch::Tensor colsum, torch::Tensor ws) {
+torch::Tensor int8_linear(torch::Tensor xq, torch::Tensor xs, torch::Tensor zp, torch::Tensor p, torch::Tensor colsum,
+                          torch::Tensor ws) {
   const int64_t B = xq.size(0), K = xq.size(1), VB = p.size(0), V = VB * 16;
   auto y = torch::empty({B, V}, torch::kFloat);
   const uint8_t* xp = xq.data_ptr<uint8_t>();
@@ -126,8 +128,8 @@ def vnni_prototype(W: torch.Tensor, channels: int):
     def run(x: torch.Tensor) -> torch.Tensor:
         xr = x[:, :channels]
         xq, xs, zp = to_u8(xr, xr.amin(1, keepdim=True).clamp(max=0), xr.amax(1, keepdim=True).clamp(min=0))  # per row
-        return ext.int8_linear(xq.contiguous(), xs.flatten().float().contiguous(), zp.flatten().to(torch.int32).contiguous(),
-                               packed, colsum, scale.float().contiguous())
+        rows = (xs.flatten().float().contiguous(), zp.flatten().to(torch.int32).contiguous())  # [B] each
+        return ext.int8_linear(xq.contiguous(), *rows, packed, colsum, scale.float().contiguous())
     return run
 
 
