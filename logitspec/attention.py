@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels import decode_attention, gemm_attention
+from .masks import sdpa_aligned
 
 NAME = "logitspec_sdpa"
 PREFILL_BLOCK = 128  # queries per block of a prefill chunk (:func:`_causal_blocks`)
@@ -58,6 +59,8 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout and query.device.type == "cpu":
         return _causal_blocks(query, key, value, attention_mask, scaling, groups)
     if groups == 1 or T == 1 or attention_mask is None or dropout or query.device.type != "cpu":
+        if attention_mask is not None and query.device.type != "cpu":
+            attention_mask = sdpa_aligned(attention_mask)  # a segment's square starts mid-row
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     KV, S = key.shape[1], key.shape[2]

@@ -150,6 +150,20 @@ def _additive(prefix, pos, tree_vis, cache_len: int, window: int | None, dtype: 
     return out[:, None]
 
 
+def sdpa_aligned(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` [..., T, W] itself when its start and its strides are multiples of ``MASK_ALIGN``
+    elements, else a copy in rows padded to ``MASK_ALIGN`` columns (a view). SDPA's memory-efficient
+    CUDA kernel checks a bias's strides but not where it starts, and reads it with vector loads: a
+    view starting mid-row (one prompt's square of a packed prefill mask) is a misaligned address
+    there."""
+    strides_ok = all(s % MASK_ALIGN == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
+    if strides_ok and mask.storage_offset() % MASK_ALIGN == 0:
+        return mask
+    W = mask.shape[-1]
+    out = mask.new_empty(*mask.shape[:-1], -(-W // MASK_ALIGN) * MASK_ALIGN)[..., :W]
+    return out.copy_(mask)
+
+
 def pack_step(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
               device: torch.device | str = "cpu"):
     """``input_ids`` [B, T], ``position_ids`` [B, T] and the mask(s) of :func:`pack`."""

@@ -25,8 +25,10 @@ import argparse
 import gc
 import json
 import math
+import os
 import pathlib
 import platform
+import subprocess
 import sys
 import time
 import traceback
@@ -220,20 +222,20 @@ def engine_steps(model, plan: Plan) -> dict:
 
 def curve_for(name: str, plan: Plan, deadline: float) -> dict:
     """t(rows, nodes per row) of one shape; rows are skipped once the time budget runs short."""
-    t0 = time.perf_counter()
+    t0 = time.time()
     model, cfg = build_shape(name, plan)
     target = TargetForward(model)
     doc = {"shape": name, "dtype": "bfloat16", "attn": model.config._attn_implementation, "context": plan.context,
            "config": {k: getattr(cfg, k) for k in (TINY_SHAPE if plan.tiny else SHAPES[name][1])},
-           "build_s": round(time.perf_counter() - t0, 1), "rows": {}, "skipped_rows": []}
+           "build_s": round(time.time() - t0, 1), "rows": {}, "skipped_rows": []}
     curves, last_s = {}, 0.0
     for b in plan.rows:
-        if time.perf_counter() + 3 * last_s > deadline:
+        if time.time() + 3 * last_s > deadline:
             doc["skipped_rows"].append(b)
             continue
-        t1 = time.perf_counter()
+        t1 = time.time()
         c = measure_rows(target, b, plan.nodes, plan.context, plan.reps, warmup=1)
-        last_s = time.perf_counter() - t1
+        last_s = time.time() - t1
         curves[b] = c
         doc["rows"][str(b)] = {"nodes_per_row": c.tokens, "ms": [round(s * 1e3, 3) for s in c.seconds],
                                "x_plain": [round(s / c.seconds[0], 3) for s in c.seconds],
@@ -243,11 +245,11 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
         curve = CostCurve(one.tokens, one.seconds, curves)
         doc["cost_curve"] = curve.to_dict()
         doc["prediction"] = predict(curve, [b for b in plan.rows if b == 1 or b in curves])
-    if time.perf_counter() + 2 * last_s < deadline:
+    if time.time() + 2 * last_s < deadline:
         doc["engine_steps"] = engine_steps(model, plan)
     if torch.cuda.is_available() and plan.device.startswith("cuda"):
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
-    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    doc["wall_s"] = round(time.time() - t0, 1)
     return doc
 
 
@@ -264,22 +266,51 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-def part(name: str, fn, summary: dict, out: pathlib.Path):
-    """Run one part, write its JSON, record its outcome (an exception is recorded, not raised)."""
+def part_names(plan: Plan) -> list[str]:
+    return ["lossless", "device_paths"] + [f"curve_{name}" for name in plan.shapes]
+
+
+def run_part(name: str, plan: Plan, deadline: float) -> dict:
+    if name == "lossless":
+        return {"cases": [c for f in FAMILIES for c in lossless_family(f, plan)]}
+    if name == "device_paths":
+        return {"host_waits": host_waits(plan), "sampling": device_sampling(plan)}
+    return curve_for(name.removeprefix("curve_"), plan, deadline)
+
+
+def part(name: str, plan: Plan, deadline: float, out: pathlib.Path) -> dict:
+    """Run one part, write its JSON; its outcome (an exception is recorded, not raised)."""
     t0 = time.perf_counter()
     try:
-        doc = fn()
+        with torch.inference_mode():
+            doc = run_part(name, plan, deadline)
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
-        summary["parts"][name] = {"wall_s": round(time.perf_counter() - t0, 1), "error": None}
-        return doc
+        return {"wall_s": round(time.perf_counter() - t0, 1), "error": None}
     except Exception as e:  # noqa: BLE001 - one failing part must not lose the others' results
         traceback.print_exc()
-        summary["parts"][name] = {"wall_s": round(time.perf_counter() - t0, 1), "error": repr(e)[:2000]}
-        return None
+        return {"wall_s": round(time.perf_counter() - t0, 1), "error": repr(e)[:2000]}
     finally:
         gc.collect()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.empty_cache()
+            except RuntimeError:  # after a CUDA fault every call raises it again; it is recorded above
+                pass
+
+
+def part_in_process(name: str, args, start: float) -> dict:
+    """One part in a process of its own: a CUDA error is sticky (the process's every later call
+    fails), so one part's fault must not take the others down. The lossless part runs with
+    ``CUDA_LAUNCH_BLOCKING=1``, so a fault's traceback names the call that made it."""
+    t0 = time.perf_counter()
+    cmd = [sys.executable, __file__, "--out", args.out, "--device", args.device, "--parts", name,
+           "--start", repr(start), "--budget-s", repr(args.budget_s)] + (["--tiny"] if args.tiny else [])
+    env = {**os.environ, **({"CUDA_LAUNCH_BLOCKING": "1"} if name == "lossless" else {})}
+    rc = subprocess.run(cmd, env=env).returncode
+    done = pathlib.Path(args.out, f"{name}.part.json")
+    if done.exists():
+        return json.loads(done.read_text())
+    return {"wall_s": round(time.perf_counter() - t0, 1), "error": f"its process exited with {rc} before recording"}
 
 
 def main(argv=None) -> int:
@@ -288,26 +319,41 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
     ap.add_argument("--budget-s", type=float, default=360.0, help="start no curve row or engine run past this")
+    ap.add_argument("--parts", help="comma-separated parts to run (default all; off CPU each in its own process)")
+    ap.add_argument("--isolate", action="store_true", help="each part in its own process (the default off CPU)")
+    ap.add_argument("--start", type=float, help=argparse.SUPPRESS)  # the whole check's start (epoch seconds)
     args = ap.parse_args(argv)
-    plan, start = plan_for(args), time.perf_counter()
+    plan, start = plan_for(args), args.start or time.time()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    names = args.parts.split(",") if args.parts else part_names(plan)
+    if args.parts and len(names) == 1:  # a child of the run below: record the outcome for the parent
+        outcome = part(names[0], plan, start + args.budget_s, out)
+        (out / f"{names[0]}.part.json").write_text(json.dumps(outcome))
+        return 0 if outcome["error"] is None else 1
+    isolate = args.isolate or not plan.device.startswith("cpu")
     summary = {"environment": environment(plan), "parts": {}}
-    with torch.inference_mode():
-        lossless = part("lossless", lambda: {"cases": [c for f in FAMILIES for c in lossless_family(f, plan)]},
-                        summary, out)
-        paths = part("device_paths", lambda: {"host_waits": host_waits(plan), "sampling": device_sampling(plan)},
-                     summary, out)
-        for name in plan.shapes:
-            part(f"curve_{name}", lambda name=name: curve_for(name, plan, start + args.budget_s), summary, out)
+    for name in names:
+        summary["parts"][name] = (part_in_process(name, args, start) if isolate
+                                  else part(name, plan, start + args.budget_s, out))
+    for f in out.glob("*.part.json"):
+        f.unlink()
+    return summarise(summary, out, start)
+
+
+def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
+    """``summary.json`` from the parts' files; the exit status (0: every case lossless, no part failed)."""
+    read = {n: json.loads((out / f"{n}.json").read_text()) if (out / f"{n}.json").exists() else None
+            for n in ("lossless", "device_paths")}
+    lossless, paths = read["lossless"], read["device_paths"]
     cases = lossless["cases"] if lossless else []
     summary["lossless_ok"] = bool(cases) and all(c["ok"] for c in cases)
     summary["sampling_ok"] = bool(paths) and paths["sampling"]["ok"]
     summary["host_waits_per_step"] = paths["host_waits"].get("waits_per_step") if paths else None
     summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
                                for c in cases if not c["ok"]]
-    summary["wall_s"] = round(time.perf_counter() - start, 1)
+    summary["wall_s"] = round(time.time() - start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     summary["part_errors"] = [k for k, v in summary["parts"].items() if v["error"]]
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s")

@@ -25,5 +25,5 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-PYTHONUNBUFFERED=1 timeout 450 "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
+PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_TIMEOUT:-450}" "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
 exit "${PIPESTATUS[0]}"

@@ -7,7 +7,8 @@ import torch
 from logitspec import Engine, SpecConfig
 from logitspec.head import Head, NodeLogits
 from logitspec.kernels import onednn, rms_norm
-from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, pack
+from logitspec import attention as attention_module
+from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, pack, sdpa_aligned
 from logitspec.tree import DraftTree, TreeBuilder
 from logitspec.verify import SamplingParams, decide, greedy_accept, inverse_cdf, sample_token
 from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
@@ -167,6 +168,39 @@ def test_masks_off_cpu_have_aligned_rows():
                         {"full_attention": None, "sliding_attention": 4}, torch.bfloat16)
     for mask in m.values():
         assert mask.shape == (3, 1, 5, 42) and mask.stride(-2) % MASK_ALIGN == 0 and mask.stride(-1) == 1
+
+
+def test_sdpa_aligned_copies_only_views_that_start_mid_row():
+    """A segment's square of a packed mask starts mid-row: SDPA's memory-efficient CUDA kernel read
+    it at a misaligned address (the first run on the H200). The copy is aligned and holds the same
+    values; an aligned mask passes through uncopied."""
+    full = torch.randn(1, 1, 28, 32)[..., :28]  # [1, 1, T, W] rows padded to 32 columns
+    assert sdpa_aligned(full) is full
+    square = full[..., 5:14, 5:14]
+    got = sdpa_aligned(square)
+    assert torch.equal(got, square) and got.storage_offset() % MASK_ALIGN == 0
+    assert all(s % MASK_ALIGN == 0 for s in got.stride()[:-1]) and got.stride(-1) == 1
+
+
+def test_segment_masks_reach_sdpa_aligned_off_cpu(monkeypatch):
+    """Off CPU, each prompt's square of a side-by-side prefill reaches SDPA aligned (meta tensors
+    stand in for the GPU's; SDPA is replaced by a recorder)."""
+    seen = []
+
+    def sdpa(module, query, key, value, mask, **kw):
+        seen.append(mask)
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(attention_module, "sdpa_attention_forward", sdpa)
+    dev = torch.device("meta")
+    q = torch.empty(1, 4, 28, 16, device=dev)
+    kv = torch.empty(1, 2, 28, 16, device=dev)
+    mask = torch.empty(1, 1, 28, 32, device=dev)[..., :28]
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    out, _ = attention_module.attention(module, q, kv, kv, mask, segments=((0, 5), (5, 14), (14, 28)), prefill=True)
+    assert out.shape == (1, 28, 4, 16) and len(seen) == 3
+    assert all(m.storage_offset() % MASK_ALIGN == 0 and m.stride(-2) % MASK_ALIGN == 0 for m in seen)
 
 
 def test_trimmed_sliding_masks_drop_only_columns_no_node_sees():
