@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .kernels import decode_attention, gemm_attention
-from .masks import sdpa_aligned
+from .masks import fold_groups, sdpa_aligned
 
 NAME = "logitspec_sdpa"
 PREFILL_BLOCK = 128  # queries per block of a prefill chunk (:func:`_causal_blocks`)
@@ -58,14 +58,14 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         return _causal_blocks(query, key, value, attention_mask, scale, groups, gemm=True)
     if prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout and query.device.type == "cpu":
         return _causal_blocks(query, key, value, attention_mask, scaling, groups)
-    if groups == 1 or T == 1 or attention_mask is None or dropout or query.device.type != "cpu":
+    if groups == 1 or T == 1 or attention_mask is None or dropout:
         if attention_mask is not None and query.device.type != "cpu":
             attention_mask = sdpa_aligned(attention_mask)  # a segment's square starts mid-row
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    KV, S = key.shape[1], key.shape[2]
+    KV = key.shape[1]
     q = query.reshape(B, KV, groups * T, D)  # head h = kv * groups + g, as repeat_kv orders them
-    mask = attention_mask.expand(B, groups, T, S).reshape(B, 1, groups * T, S)
+    mask = fold_groups(attention_mask, groups)  # [B, 1, groups * T, S]
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, T, H, D]
 

@@ -164,6 +164,18 @@ def sdpa_aligned(mask: torch.Tensor) -> torch.Tensor:
     return out.copy_(mask)
 
 
+def fold_groups(mask: torch.Tensor, groups: int, aligned: bool | None = None) -> torch.Tensor:
+    """``mask`` [B, 1, T, S] for ``groups`` query heads stacked along the queries: [B, 1, groups * T, S].
+    ``aligned`` (default: off CPU): in rows padded to ``MASK_ALIGN`` columns (a view), which SDPA's
+    memory-efficient kernel reads as they are (a contiguous [.., S] mask it copies again, per layer)."""
+    B, _, T, S = mask.shape
+    if not (mask.device.type != "cpu" if aligned is None else aligned):
+        return mask.expand(B, groups, T, S).reshape(B, 1, groups * T, S)
+    out = mask.new_empty(B, groups, T, -(-S // MASK_ALIGN) * MASK_ALIGN)[..., :S]
+    out.copy_(mask.expand(B, groups, T, S))
+    return out.view(B, 1, groups * T, S)
+
+
 def pack_step(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
               device: torch.device | str = "cpu"):
     """``input_ids`` [B, T], ``position_ids`` [B, T] and the mask(s) of :func:`pack`."""

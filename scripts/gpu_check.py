@@ -22,12 +22,15 @@ forward-cost curves of two real model shapes with random weights. Writes JSON un
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import gc
 import json
 import math
 import os
 import pathlib
 import platform
+import pstats
 import subprocess
 import sys
 import time
@@ -199,25 +202,38 @@ def predict(curve: CostCurve, rows: list[int]) -> list[dict]:
     return out
 
 
-def engine_steps(model, plan: Plan) -> dict:
+def engine_steps(model, plan: Plan) -> tuple[dict, list[str]]:
     """The whole engine's decode step on this shape at 1 row and the most rows, beside the forward:
     random weights accept almost nothing, but trees are built, packed, verified and committed, so the
-    host's share (drafting, packing, the walk) shows. ms per step, split as in the engine's stats."""
-    out = {}
+    host's share (drafting, packing, the walk) shows. ms per step, split as in the engine's stats;
+    and the host's time by function in the ``ar`` run at 1 row."""
+    out, host = {}, []
     for b in (1, plan.rows[-1]):
         # a repeating pattern, so lookups find continuations and trees fill up
         vocab = min(1000, model.config.vocab_size)
         prompts = [[(31 * (i % 50) + r) % vocab for i in range(plan.context)] for r in range(b)]
         for method, extra in (("ar", {}), ("logitspec", {"budget": "fixed", "capacity": 16})):
-            run = Engine(model, None, SpecConfig(method=method, max_batch_size=b, **extra)).run(
-                prompts, max_new_tokens=plan.step_tokens)
+            engine = Engine(model, None, SpecConfig(method=method, max_batch_size=b, **extra))
+            profile = cProfile.Profile() if b == 1 and method == "ar" else None
+            with profile or contextlib.nullcontext():
+                run = engine.run(prompts, max_new_tokens=plan.step_tokens)
+            if profile is not None:  # the host's time by function, where the step's time goes
+                host = top_functions(profile)
             s = run.results[0].stats  # every row is charged the whole step
             n = max(1, s["steps"] - 1)
             parts = ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
             split = {k[:-2]: round(s[k] / n * 1e3, 2) for k in parts}
             out[f"{method}@{b}"] = {"ms_per_step": round(sum(split.values()), 2), "split_ms": split,
                                     "mean_tree_size": round(s["mean_tree_size"], 1), "decode_steps": n}
-    return out
+    return out, host
+
+
+def top_functions(profile: cProfile.Profile, n: int = 25) -> list[str]:
+    """The ``n`` functions with the most time of their own, one line each."""
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, calls, own s, total s, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [f"{v[2] * 1e3:9.1f} ms own {v[3] * 1e3:9.1f} ms total {v[1]:7d} calls  "
+            f"{pathlib.Path(k[0]).name}:{k[1]}({k[2]})" for k, v in rows]
 
 
 def curve_for(name: str, plan: Plan, deadline: float) -> dict:
@@ -246,7 +262,7 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
         doc["cost_curve"] = curve.to_dict()
         doc["prediction"] = predict(curve, [b for b in plan.rows if b == 1 or b in curves])
     if time.time() + 2 * last_s < deadline:
-        doc["engine_steps"] = engine_steps(model, plan)
+        doc["engine_steps"], doc["host_profile_ar@1"] = engine_steps(model, plan)
     if torch.cuda.is_available() and plan.device.startswith("cuda"):
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
     doc["wall_s"] = round(time.time() - t0, 1)

@@ -8,7 +8,7 @@ from logitspec import Engine, SpecConfig
 from logitspec.head import Head, NodeLogits
 from logitspec.kernels import onednn, rms_norm
 from logitspec import attention as attention_module
-from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, pack, sdpa_aligned
+from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
 from logitspec.tree import DraftTree, TreeBuilder
 from logitspec.verify import SamplingParams, decide, greedy_accept, inverse_cdf, sample_token
 from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
@@ -194,13 +194,25 @@ def test_segment_masks_reach_sdpa_aligned_off_cpu(monkeypatch):
     monkeypatch.setattr(attention_module, "sdpa_attention_forward", sdpa)
     dev = torch.device("meta")
     q = torch.empty(1, 4, 28, 16, device=dev)
-    kv = torch.empty(1, 2, 28, 16, device=dev)
+    kv = torch.empty(1, 4, 28, 16, device=dev)
     mask = torch.empty(1, 1, 28, 32, device=dev)[..., :28]
     module = torch.nn.Module()
-    module.num_key_value_groups = 2
+    module.num_key_value_groups = 1  # (grouped heads are folded, each group's mask copied: test above)
     out, _ = attention_module.attention(module, q, kv, kv, mask, segments=((0, 5), (5, 14), (14, 28)), prefill=True)
     assert out.shape == (1, 28, 4, 16) and len(seen) == 3
     assert all(m.storage_offset() % MASK_ALIGN == 0 and m.stride(-2) % MASK_ALIGN == 0 for m in seen)
+
+
+def test_folded_group_masks_off_cpu_keep_aligned_rows():
+    """Off CPU the query heads of a group are stacked along the queries as on CPU (no key copy per
+    head); the repeated mask keeps rows padded to ``MASK_ALIGN`` (else SDPA copies it per layer)."""
+    mask = torch.randn(3, 1, 5, 32)[..., :21]  # [B, 1, T, S]
+    plain = fold_groups(mask, 4)
+    got = fold_groups(mask, 4, aligned=True)
+    assert torch.equal(got, plain) and got.shape == (3, 1, 20, 21)
+    assert all(s % MASK_ALIGN == 0 for s in got.stride()[:-1]) and got.stride(-1) == 1
+    meta = fold_groups(torch.empty(2, 1, 3, 40, device="meta"), 2)  # the default off CPU
+    assert meta.stride(-2) % MASK_ALIGN == 0 and meta.shape == (2, 1, 6, 40)
 
 
 def test_trimmed_sliding_masks_drop_only_columns_no_node_sees():

@@ -49,6 +49,7 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
         curve = CostCurve(**doc["cost_curve"])
         assert sorted(curve.batches) == [2, 4] and curve.step(4, 2) > 0
         assert all({"acceptance", "mat", "tokens_per_row", "1", "4"} <= set(p) for p in doc["prediction"])
+        assert any("forward" in line for line in doc["host_profile_ar@1"])  # the host's time by function
         steps = doc["engine_steps"]
         assert sorted(steps) == ["ar@1", "ar@4", "logitspec@1", "logitspec@4"]
         assert all(v["ms_per_step"] > 0 and set(v["split_ms"]) == {"draft", "pack", "forward", "verify", "commit"}
