@@ -11,7 +11,9 @@ whole decoder at one token and grows with every verified node. Two things make i
   fastest for the step's node count; it gives approximate logits with a proven error bound, and
   only the tokens that can still be the float32 argmax (almost always one) are rescored in
   float32. The argmax is the float32 one; the approximate logits serve ranking only (LogitSpec's
-  next-next guesses). One screen per output weight, shared by every engine on the model.
+  next-next guesses). One screen per output weight, shared by every engine on the model;
+* for greedy calls of up to 16 nodes, an int8 pass (:mod:`logitspec.int8_screen`: half the bytes of
+  bfloat16, a bound per token), where AVX-512 VNNI runs it and it is timed the faster per row count.
 
 Sampling on the host draws from the screen too (:mod:`logitspec.sampling`: float32 logits only
 where the bound cannot decide, only at the nodes a tree walk visits); with ``exact`` it gets the
@@ -25,17 +27,23 @@ output layer is sharded, e.g. DeepSpeed AutoTP).
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
 
 import torch
 
+from .int8_screen import Int8Race
 from .kernels import onednn, skinny
 
 log = logging.getLogger("logitspec.head")
 
-# |fp32 dot - exact dot| <= gamma_n * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
+# the int8 pass of greedy calls (:mod:`logitspec.int8_screen`): "auto" (where AVX-512 VNNI runs it: timed
+# against the other passes per row count, kept where faster), "on" (always, e.g. tests), "off";
+# read when a screen is made (environment variable LOGITSPEC_INT8_SCREEN)
+INT8 = os.environ.get("LOGITSPEC_INT8_SCREEN", "auto")
+# |fp32 dot - exact dot| <= * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
 # orders; 3.8e-5 for n = 640). Both the screen and the reference round, hence twice, with headroom.
 ROUNDING_SLACK = 1e-4
 
@@ -112,6 +120,7 @@ class ScreenedArgmax:
         self._chosen: dict[int, str] = {}  # row-count bucket -> pass
         self._times: dict[int, dict[str, list[float]]] = {}  # "auto" trials: bucket -> pass -> seconds
         self._decisive: set[int] = set()  # buckets whose trials found a pass DECISIVE times slower
+        self.int8 = Int8Race(w, INT8, ROUNDING_SLACK)
 
     @staticmethod
     def _auto_set(have: list[str]) -> list[str]:
@@ -221,7 +230,24 @@ class ScreenedArgmax:
 
     def __call__(self, x: torch.Tensor, argmax: bool = True) -> NodeLogits:
         """``x`` [N, H] float32 hidden states -> approximate logits [N, V] and the exact argmax [N]
-        (``argmax=False``: computed only if asked; sampling draws from the screen instead, in float32)."""
+        (``argmax=False``: computed only if asked; sampling draws from the screen instead, in float32).
+        A greedy call of few rows may take the int8 pass instead (:class:`Int8Race`)."""
+        if not (argmax and self.int8.offered(x)):
+            return self._screened(x, argmax)
+        use = self.int8.choose(x)
+        t0 = time.perf_counter()
+        out = self._int8_greedy(x) if use else self._screened(x, True)
+        self.int8.record(len(x), use, time.perf_counter() - t0)
+        return out
+
+    def _int8_greedy(self, x: torch.Tensor) -> NodeLogits:
+        """The int8 pass's scores (ranking only) and the exact argmax among its candidates; no
+        ``screen`` on the result: its bound is per token, not the screen's (sampling never comes here)."""
+        scores, coef, floor = self.int8.pass_(x)  # [N, V], [N, 3], [N]
+        rows, toks = self.int8.pass_.candidates(scores, coef, floor)
+        return NodeLogits(scores, exact=False, screened_argmax=best_candidate(self.weight, x, rows, toks), hidden=x)
+
+    def _screened(self, x: torch.Tensor, argmax: bool) -> NodeLogits:
         approx = self.approx_logits(x)  # [N, V]: float32 or bfloat16
         if not argmax:
             approx = approx.float()  # sampling's softmax and sums run in float32
@@ -235,16 +261,22 @@ class ScreenedArgmax:
         logits ``approx`` [N, V]: only tokens within twice the bound of the best are rescored."""
         margin = 2 * self.bound_per_norm * x.norm(dim=1)  # [N]
         rows, toks = _candidates(approx, margin)  # [K] each
-        exact = _rescore(self.weight, x, rows, toks)  # [K] float32 logits of the candidates
-        # per row: the largest exact logit, ties to the lowest token id (torch.argmax's rule)
-        n, vocab = x.shape[0], self.weight.shape[0]
-        top = torch.full((n,), float("-inf")).scatter_reduce(0, rows, exact, "amax")  # [N]
-        lowest = torch.where(exact == top[rows], toks, vocab)  # [K]
-        arg = torch.full((n,), vocab).scatter_reduce(0, rows, lowest, "amin")  # [N]
-        lost = torch.nonzero(arg == vocab).squeeze(1)  # rows without a candidate (non-finite input)
-        if len(lost):
-            arg[lost] = torch.mm(self.weight, x[lost].T).argmax(dim=0)
-        return arg
+        return best_candidate(self.weight, x, rows, toks)
+
+
+def best_candidate(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
+    """[N] int64: per row of ``x`` [N, H], the float32 argmax of ``weight @ x`` among its candidate
+    tokens (``rows``, ``toks`` [K]; a row without any, e.g. a non-finite input: over all tokens)."""
+    exact = _rescore(weight, x, rows, toks)  # [K] float32 logits of the candidates
+    # per row: the largest exact logit, ties to the lowest token id (torch.argmax's rule)
+    n, vocab = x.shape[0], weight.shape[0]
+    top = torch.full((n,), float("-inf")).scatter_reduce(0, rows, exact, "amax")  # [N]
+    lowest = torch.where(exact == top[rows], toks, vocab)  # [K]
+    arg = torch.full((n,), vocab).scatter_reduce(0, rows, lowest, "amin")  # [N]
+    lost = torch.nonzero(arg == vocab).squeeze(1)  # rows without a candidate (non-finite input)
+    if len(lost):
+        arg[lost] = torch.mm(weight, x[lost].T).argmax(dim=0)
+    return arg
 
 
 def _cpu_extension(t: torch.Tensor):

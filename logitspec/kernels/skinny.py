@@ -39,9 +39,10 @@ logger = logging.getLogger("logitspec.skinny")
 MAX_ROWS = 64
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
-# the screen's candidate search of head.ScreenedArgmax and the fused RMS norm of kernels.rms_norm
+# the screen's candidate search of head.ScreenedArgmax, the fused RMS norm of kernels.rms_norm and
+# the int8 screen pass of logitspec.int8_screen
 _OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp",
-                                                                                 "rms_norm.cpp"))
+                                                                                 "rms_norm.cpp", "int8_screen.cpp"))
 _HEADERS = (pathlib.Path(__file__).with_name("csrc") / "vec8.h",)  # their hash is a build flag: an edit rebuilds
 _EXT_NAME = "logitspec_skinny_linear"
 

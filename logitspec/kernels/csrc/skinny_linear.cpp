@@ -178,7 +178,7 @@ torch::Tensor skinny_linear_f16(const torch::Tensor& x, const torch::Tensor& W) 
   return y;
 }
 
-// decode_attention.cpp, screen.cpp and rms_norm.cpp (built into the same extension)
+// decode_attention.cpp, screen.cpp, rms_norm.cpp and int8_screen.cpp (built into the same extension)
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const torch::Tensor& mask, double scale);
 std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin);
@@ -186,6 +186,13 @@ torch::Tensor rescore(const torch::Tensor& weight, const torch::Tensor& x, const
                       const torch::Tensor& toks);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double offset, double eps);
 torch::Tensor top_tokens(const torch::Tensor& scores, const torch::Tensor& rows, int64_t k);
+bool int8_vnni();
+torch::Tensor int8_pack(const torch::Tensor& w);
+std::vector<torch::Tensor> int8_scores(const torch::Tensor& xq, const torch::Tensor& step, const torch::Tensor& zero,
+                                       const torch::Tensor& packed, const torch::Tensor& colsum,
+                                       const torch::Tensor& scale, const torch::Tensor& coef, const torch::Tensor& norms);
+std::vector<torch::Tensor> bounded_candidates(const torch::Tensor& approx, const torch::Tensor& coef,
+                                              const torch::Tensor& norms, const torch::Tensor& floor);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear", &skinny_linear, "y[n, O] = x[n, I] @ W[O, I]^T (fp32, AVX2, batch-invariant)",
@@ -208,4 +215,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm,
         "y = (x * rsqrt(mean(x^2, -1) + eps)) * (offset + weight), float32, one pass a row (rms_norm.cpp)",
         py::arg("x"), py::arg("weight"), py::arg("offset"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_vnni", &int8_vnni, "whether int8_scores runs AVX-512 VNNI here (else a plain loop) (int8_screen.cpp)");
+  m.def("int8_pack", &int8_pack, "int8 [V, K] -> [V/16, K/4, 16, 4] for int8_scores (int8_screen.cpp)", py::arg("w"));
+  m.def("int8_scores", &int8_scores,
+        "(scores [B, V] = (xq[r] . w[v] - zero[r] colsum[v]) step[r] scale[v], u8 x s8 exact integer sums; "
+        "floor [B] = max_v scores - coef[r] . norms[:, v]) (int8_screen.cpp)",
+        py::arg("xq"), py::arg("step"), py::arg("zero"), py::arg("packed"), py::arg("colsum"), py::arg("scale"),
+        py::arg("coef"), py::arg("norms"), py::call_guard<py::gil_scoped_release>());
+  m.def("bounded_candidates", &bounded_candidates,
+        "per row, tokens whose approx + bound reaches floor[r]; bound = coef[r] . norms[:, v] (int8_screen.cpp)",
+        py::arg("approx"), py::arg("coef"), py::arg("norms"), py::arg("floor"), py::call_guard<py::gil_scoped_release>());
 }

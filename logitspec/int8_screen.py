@@ -1,0 +1,164 @@
+"""An int8 pass for the greedy output-layer screen: approximate logits from u8 activations and s8
+weights (exact integer sums: AVX-512 VNNI's ``vpdpbusd`` where the CPU has it), with a proven bound
+per token, so the float32 argmax is found among the few tokens the bound cannot rule out.
+
+At 1-8 rows the pass reads the output weight as int8 (168 MB for Gemma 3's 262k x 640, against 335 MB
+for the bfloat16 pass), which is what a few-row pass costs on a CPU at its memory rate.
+
+**Smoothing.** Final hidden states have a few channels far larger than the rest (Gemma 3: 45-130
+against a median of 2.3); rounding a row to 8 bits over its whole range would lose the small ones.
+Each channel c is divided by a scale ``s_c`` and the weight's column multiplied by it
+(``x' = x / s``, ``W' = W * s``: the same products), with ``s_c = sqrt(max |x_c|)`` over the first
+rows the screen sees. Any ``s`` keeps the bound true; a good one keeps it narrow.
+
+**The bound.** Per row, ``x'`` is rounded to 8 bits over its range (``x~``, with step and zero
+point); each weight row ``W'_v`` is rounded to int8 with its own scale (``W~_v``). The pass computes
+``a_v = x~ . W~_v`` exactly (integers, then one float scale), and
+
+    |a_v - x . W_v| <= ||x~|| ||W~_v - W'_v|| + ||x~ - x'|| ||W'_v|| + slack ||W_v|| ||x||
+
+(Cauchy-Schwarz on each rounding; ``slack`` = ``head.ROUNDING_SLACK`` covers float32 rounding of the
+float32 reference, of the scaling and of the pass's final multiply). Every token whose ``a_v + e_v``
+reaches the row's largest ``a_u - e_u`` is rescored in float32: the float32 argmax is among them.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .kernels import skinny
+
+log = logging.getLogger("logitspec.int8_screen")
+MAX_ROWS = 16  # rows per call the pass is offered for (the race keeps it only where it is faster)
+
+
+def available() -> bool:
+    """Whether the compiled kernels are built (the pass itself runs on any CPU they build on)."""
+    ext = skinny.extension()
+    return ext is not None and hasattr(ext, "int8_scores")
+
+
+def fast_here() -> bool:
+    """Whether the pass runs AVX-512 VNNI here (else a plain loop: exact, but no faster than float)."""
+    return available() and bool(skinny.extension().int8_vnni())
+
+
+def usable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` [V, H] fits the kernel: float32 on CPU, V a multiple of 16, H of 4."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0)
+
+
+class Int8Pass:
+    """The int8 pass over ``weight`` [V, H] float32, smoothed by channel scales from ``sample`` [n, H]
+    (hidden states the screen has seen)."""
+
+    def __init__(self, weight: torch.Tensor, sample: torch.Tensor, slack: float):
+        if not usable(weight):
+            raise ValueError(f"the int8 pass needs a float32 CPU weight [V, H] with V % 16 == 0 and H % 4 == 0, "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        self.ext = skinny.extension()
+        peak = sample.detach().abs().amax(dim=0).float()  # [H]
+        floor = peak[peak > 0].min() if (peak > 0).any() else torch.ones(())
+        s = torch.where(peak > 0, peak, floor).sqrt()  # [H] channel scales
+        self.inv_scale = 1.0 / s  # [H]: x' = x * inv_scale
+        w = weight * s[None, :]  # [V, H] W' = W * s (float32 rounding: within the slack, see the module's note)
+        step = w.abs().amax(dim=1) / 127  # [V]
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        q = torch.round(w / step[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
+        self.packed = self.ext.int8_pack(q)  # [V/16, H/4, 16, 4]
+        self.colsum = q.sum(dim=1, dtype=torch.int32)  # [V]
+        self.step = step  # [V]
+        self.norms = _bound_norms(weight, w, q, step)  # [3, V]
+        self.slack = slack
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [N, H] finite float32 -> (approximate logits [N, V] float32, bound coefficients [N, 3],
+        floor [N]): token v's error is at most ``e_v = coef[r] . norms[:, v]``, and ``floor[r]`` is the
+        row's largest ``a_v - e_v``, a lower bound of its float32 maximum."""
+        xs = x * self.inv_scale  # [N, H] x'
+        lo = xs.amin(dim=1).clamp(max=0)  # [N]: the range holds 0, so the zero point is a code
+        hi = xs.amax(dim=1).clamp(min=0)
+        step = (hi - lo) / 255
+        step = torch.where(step > 0, step, torch.ones_like(step))  # an all-zero row: any step
+        zero = torch.round(-lo / step)  # [N]
+        codes = (torch.round(xs / step[:, None]) + zero[:, None]).clamp(0, 255)  # [N, H]
+        rounded = (codes - zero[:, None]) * step[:, None]  # [N, H] x~ (exact in float32: small integers times step)
+        up = 1 + 1e-5
+        coef = torch.stack([rounded.norm(dim=1) * up, (rounded - xs).norm(dim=1) * up,
+                            self.slack * x.norm(dim=1) * up], dim=1).contiguous()  # [N, 3]
+        scores, floor = self.ext.int8_scores(codes.to(torch.uint8).contiguous(), step.contiguous(),
+                                             zero.to(torch.int32).contiguous(), self.packed, self.colsum, self.step,
+                                             coef, self.norms)
+        return scores, coef, floor
+
+    def candidates(self, scores: torch.Tensor, coef: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, tokens) [K] each: per row the tokens whose ``a_v + e_v`` reaches ``floor``: the
+        float32 argmax is among them."""
+        return tuple(self.ext.bounded_candidates(scores, coef, self.norms, floor))
+
+
+def _bound_norms(weight: torch.Tensor, smoothed: torch.Tensor, q: torch.Tensor, step: torch.Tensor,
+                 chunk: int = 16384) -> torch.Tensor:
+    """[3, V] float32, per token: ||W~_v - W'_v||, ||W'_v||, ||W_v||, summed in float64 a chunk of
+    rows at a time and rounded up, so that float32 never shrinks a bound."""
+    out = torch.empty(3, weight.shape[0], dtype=torch.float64)
+    for a in range(0, weight.shape[0], chunk):
+        w, ws = weight[a:a + chunk].double(), smoothed[a:a + chunk].double()
+        out[0, a:a + chunk] = (q[a:a + chunk].double() * step[a:a + chunk].double()[:, None] - ws).norm(dim=1)
+        out[1, a:a + chunk] = ws.norm(dim=1)
+        out[2, a:a + chunk] = w.norm(dim=1)
+    return (out * (1 + 1e-5)).float().contiguous()
+
+
+class Int8Race:
+    """Whether a greedy screen call of few rows takes the int8 pass: ``mode`` "auto" offers it where
+    AVX-512 VNNI runs it, builds it once ``CALIBRATION_ROWS`` rows have been seen (their channel peaks
+    smooth it), then times whole calls (pass, candidates, rescoring) of each row count against the
+    other passes, ``TRIALS`` each, and keeps the faster; "on" builds it at the first call and always
+    takes it (tests); "off" never."""
+
+    TRIALS = 3
+    CALIBRATION_ROWS = 16
+
+    def __init__(self, weight: torch.Tensor, mode: str, slack: float):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"int8 screen mode must be 'auto', 'on' or 'off', got {mode!r}")
+        self.weight, self.mode, self.slack = weight, mode, slack
+        self.enabled = mode != "off" and usable(weight) and (fast_here() if mode == "auto" else available())
+        self.pass_: Int8Pass | None = None
+        self._peak: torch.Tensor | None = None  # [H]: largest |x| per channel seen before the build
+        self._seen = 0
+        self._times: dict[int, dict[bool, list[float]]] = {}  # rows -> int8 or not -> seconds
+        self.chosen: dict[int, bool] = {}  # rows -> whether the int8 pass serves them
+
+    def offered(self, x: torch.Tensor) -> bool:
+        return self.enabled and len(x) <= MAX_ROWS and x.dtype == torch.float32 and bool(torch.isfinite(x).all())
+
+    def choose(self, x: torch.Tensor) -> bool:
+        """Whether this call of ``x`` [N, H] takes the int8 pass (building it once calibrated)."""
+        if self.pass_ is None:
+            peak = x.detach().abs().amax(dim=0)
+            self._peak = peak if self._peak is None else torch.maximum(self._peak, peak)
+            self._seen += len(x)
+            if self._seen < (1 if self.mode == "on" else self.CALIBRATION_ROWS):
+                return False
+            self.pass_ = Int8Pass(self.weight, self._peak[None], self.slack)
+        if self.mode == "on":
+            return True
+        if len(x) in self.chosen:
+            return self.chosen[len(x)]
+        t = self._times.setdefault(len(x), {True: [], False: []})
+        return len(t[True]) <= len(t[False])
+
+    def record(self, rows: int, used: bool, seconds: float) -> None:
+        """A timed call; after ``TRIALS`` of each kind for ``rows`` rows, keep the faster."""
+        t = self._times.get(rows)
+        if self.mode == "on" or t is None or rows in self.chosen:
+            return
+        t[used].append(seconds)
+        if min(len(v) for v in t.values()) >= self.TRIALS:
+            self.chosen[rows] = min(t[True]) < min(t[False])
+            log.debug("int8 screen pass for %d rows: %s (%.2f ms against %.2f)", rows, self.chosen[rows],
+                      min(t[True]) * 1e3, min(t[False]) * 1e3)
