@@ -89,13 +89,14 @@ def machine_fingerprint(device) -> str:
 
 def kernel_fingerprint(model, head=None) -> str:
     """What the cost depends on in the code: attention kernel, linear and norm modules, output-layer
-    screen (its passes, and its scores kept in the pass's dtype), KV-cache layer, the compiled CPU
-    kernels' sources."""
+    screen (its passes, the int8 pass, and its scores kept in the pass's dtype), KV-cache layer, the
+    compiled CPU kernels' sources."""
     attn = getattr(model.config, "_attn_implementation", None)
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
     norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
     screen = getattr(head, "screen", None)
-    screen = f"{screen.kind}:{'+'.join(screen.passes)}:scores=pass-dtype" if screen is not None else None
+    int8 = "+int8-settled" if screen is not None and screen.int8.enabled else ""  # its race settled before timing
+    screen = f"{screen.kind}:{'+'.join(screen.passes)}{int8}:scores=pass-dtype" if screen is not None else None
     return (f"attn={attn}|linears={','.join(linears)}|norms={','.join(norms)}|screen={screen}"
             f"|cache={GrowingLayer.__name__}|chains={CHAINS}|kernels={skinny.sources_digest()}")
 
@@ -135,6 +136,7 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     batch_tokens = g.per_row if batch_tokens is None else batch_tokens
     batches = {}
     if target.head.screen is not None:  # the screen's pass choice settled first: its timing trials are not costs
+        warm_screen(target, context)
         for n in {*tokens, *(b * n for b in batch_rows for n in batch_tokens), *HEAD_NODES}:
             target.head.screen.settle(n, target.device)
     # every curve verifies chains of the model's own continuation (a drafted chain that reads like
@@ -150,6 +152,16 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None,
                      measure_columns(target, context, g.long_context, reps, warmup, at_low=one)).monotone()
+
+
+def warm_screen(target: TargetForward, context: int) -> None:
+    """Let the screen's int8 pass calibrate on the model's own decoding (hidden states of text, not
+    of arbitrary tokens) before anything is timed: its build, and the race's trials (settled next on
+    those states), would otherwise fall inside measured forwards."""
+    race = target.head.screen.int8
+    if race.enabled and race.pass_ is None:
+        kv, _ = target.prefill([(7 * i + 3) % target.vocab_size for i in range(context)], chunk=CONTEXT_CHUNK)
+        own_continuations(target, kv, race.CALIBRATION_ROWS + 1)  # one row a step
 
 
 def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16,

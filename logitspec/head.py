@@ -212,12 +212,15 @@ class ScreenedArgmax:
 
     def settle(self, rows: int, device="cpu") -> None:
         """Run the timing trials of ``rows`` rows' bucket now (random hidden states), so that later
-        calls of that size, e.g. a cost measurement's, all use the pass kept."""
-        if len(self.passes) == 1:
-            return
-        x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(device)
-        while self._chosen.get(self._bucket(rows)) is None:
-            self.approx_logits(x)
+        calls of that size, e.g. a cost measurement's, all use the pass kept; then the int8 race's
+        for ``rows`` rows, on the hidden states it calibrated from (once it has seen enough)."""
+        if len(self.passes) > 1:
+            x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(device)
+            while self._chosen.get(self._bucket(rows)) is None:
+                self.approx_logits(x)
+        real = self.int8.settle_states(rows)
+        while real is not None and rows not in self.int8.chosen:
+            self(real)
 
     def choices(self) -> dict[int, str]:
         """The pass settled on per row-count bucket so far (one pass: it, under bucket 0)."""

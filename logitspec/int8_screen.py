@@ -128,7 +128,7 @@ class Int8Race:
         self.weight, self.mode, self.slack = weight, mode, slack
         self.enabled = mode != "off" and usable(weight) and (fast_here() if mode == "auto" else available())
         self.pass_: Int8Pass | None = None
-        self._peak: torch.Tensor | None = None  # [H]: largest |x| per channel seen before the build
+        self.sample: list[torch.Tensor] = []  # the hidden states seen before the build ([n, H] each)
         self._seen = 0
         self._times: dict[int, dict[bool, list[float]]] = {}  # rows -> int8 or not -> seconds
         self.chosen: dict[int, bool] = {}  # rows -> whether the int8 pass serves them
@@ -139,18 +139,26 @@ class Int8Race:
     def choose(self, x: torch.Tensor) -> bool:
         """Whether this call of ``x`` [N, H] takes the int8 pass (building it once calibrated)."""
         if self.pass_ is None:
-            peak = x.detach().abs().amax(dim=0)
-            self._peak = peak if self._peak is None else torch.maximum(self._peak, peak)
+            self.sample.append(x.detach().clone())
             self._seen += len(x)
             if self._seen < (1 if self.mode == "on" else self.CALIBRATION_ROWS):
                 return False
-            self.pass_ = Int8Pass(self.weight, self._peak[None], self.slack)
+            self.pass_ = Int8Pass(self.weight, torch.cat(self.sample), self.slack)
         if self.mode == "on":
             return True
         if len(x) in self.chosen:
             return self.chosen[len(x)]
         t = self._times.setdefault(len(x), {True: [], False: []})
         return len(t[True]) <= len(t[False])
+
+    def settle_states(self, rows: int) -> torch.Tensor | None:
+        """``rows`` hidden states to time the race with (the calibration's own, repeated), or None
+        when nothing is left to settle for that row count (not offered, not built yet, or decided)."""
+        if (not self.enabled or self.mode == "on" or self.pass_ is None or rows > MAX_ROWS
+                or rows in self.chosen):
+            return None
+        seen = torch.cat(self.sample)  # [n, H]
+        return seen[torch.arange(rows) % len(seen)]
 
     def record(self, rows: int, used: bool, seconds: float) -> None:
         """A timed call; after ``TRIALS`` of each kind for ``rows`` rows, keep the faster."""

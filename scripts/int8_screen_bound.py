@@ -17,9 +17,9 @@ all three (Gemma 3's final states have channels of magnitude 45-130 against a me
 slack of 1e-4 ||W_v|| ||x|| is added. Prints the candidate counts per row, the bounds' violations
 against the float32 logits (must be 0), and the gap between each state's two best logits.
 ``--time``: the output-layer pass alone, alternating, fastest of 20 calls: the screen's bfloat16
-oneDNN pass, fbgemm's dynamic int8 (prepacked), and, where the CPU has AVX-512 VNNI, a prototype
-u8 x s8 kernel of this script's own (``VNNI_SOURCE``: activations rounded per row to 8 bits in torch,
-then one ``vpdpbusd`` chain a token, 8 rows at a time; not in the engine) over the first 608 channels.
+oneDNN pass, fbgemm's dynamic int8 (prepacked), and the engine's int8 pass (``logitspec.int8_screen``:
+smoothed channels, 8-bit activations per row, ``vpdpbusd`` where the CPU has AVX-512 VNNI; it
+computes its bound's floor too).
 """
 import argparse
 import time
@@ -27,110 +27,11 @@ import warnings
 
 import torch
 
+from logitspec import int8_screen
 from logitspec.bench.questions import first_turns
+from logitspec.head import ROUNDING_SLACK
 from logitspec.kernels import onednn
 from logitspec.models import load_model
-
-
-VNNI_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <cstdint>
-
-// w [V, K] int8 -> [V/16][K/4][16][4]
-torch::Tensor pack(torch::Tensor w) {
-  const int64_t V = w.size(0), K = w.size(1);
-  auto p = torch::empty({V / 16, K / 4, 16, 4}, w.options());
-  auto wa = w.accessor<int8_t, 2>();
-  int8_t* out = p.data_ptr<int8_t>();
-  for (int64_t b = 0; b < V / 16; ++b)
-    for (int64_t g = 0; g < K / 4; ++g)
-      for (int l = 0; l < 16; ++l)
-        for (int j = 0; j < 4; ++j) out[((b * (K / 4) + g) * 16 + l) * 4 + j] = wa[b * 16 + l][g * 4 + j];
-  return p;
-}
-
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void tile(
-    const int8_t* __restrict p, const uint8_t* __restrict x, int64_t K, float* __restrict y, int64_t V, int64_t v0,
-    const int32_t* colsum, const float* ws, const int32_t* zp, const float* xs) {
-  __m512i acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
-  const int64_t G = K / 4;
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512i w = _mm512_loadu_si512(p + g * 64);
-    for (int r = 0; r < R; ++r) {
-      const __m512i xb = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + r * K + g * 4));
-      acc[r] = _mm512_dpbusd_epi32(acc[r], xb, w);
-    }
-  }
-  const __m512i cs = _mm512_loadu_si512(colsum + v0);
-  const __m512 sv = _mm512_loadu_ps(ws + v0);
-  for (int r = 0; r < R; ++r) {
-    __m512i a = _mm512_sub_epi32(acc[r], _mm512_mullo_epi32(_mm512_set1_epi32(zp[r]), cs));
-    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(sv, _mm512_set1_ps(xs[r])));
-    _mm512_storeu_ps(y + r * V + v0, f);
-  }
-}
-
-torch::Tensor int8_linear(torch::Tensor xq, torch::Tensor xs, torch::Tensor zp, torch::Tensor p, torch::Tensor colsum,
-                          torch::Tensor ws) {
-  const int64_t B = xq.size(0), K = xq.size(1), VB = p.size(0), V = VB * 16;
-  auto y = torch::empty({B, V}, torch::kFloat);
-  const uint8_t* xp = xq.data_ptr<uint8_t>();
-  const int8_t* pp = p.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const int32_t* cp = colsum.data_ptr<int32_t>();
-  const float* wsp = ws.data_ptr<float>();
-  const int32_t* zpp = zp.data_ptr<int32_t>();
-  const float* xsp = xs.data_ptr<float>();
-  at::parallel_for(0, VB, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t r0 = 0; r0 < B; r0 += 8) {
-        const int64_t R = std::min<int64_t>(8, B - r0);
-        const int8_t* blk = pp + b * K * 16;
-        auto args = std::make_tuple(blk, xp + r0 * K, K, yp + r0 * V, V, b * 16, cp, wsp, zpp + r0, xsp + r0);
-        switch (R) {
-          case 1: std::apply(tile<1>, args); break; case 2: std::apply(tile<2>, args); break;
-          case 3: std::apply(tile<3>, args); break; case 4: std::apply(tile<4>, args); break;
-          case 5: std::apply(tile<5>, args); break; case 6: std::apply(tile<6>, args); break;
-          case 7: std::apply(tile<7>, args); break; default: std::apply(tile<8>, args); break;
-        }
-      }
-    }
-  });
-  return y;
-}
-
-"""
-
-
-def vnni_prototype(W: torch.Tensor, channels: int):
-    """The prototype kernel's pass over ``W[:, :channels]`` (``channels`` a multiple of 4), or None
-    without AVX-512 VNNI or a compiler: ``x`` [B, H] -> [B, V] float32."""
-    if W.shape[0] % 16 or channels % 4:
-        raise ValueError(f"the prototype needs multiples of 16 tokens and of 4 channels, got {W.shape[0]}, {channels}")
-    with open("/proc/cpuinfo") as f:
-        if "avx512_vnni" not in f.read():
-            return None
-    from torch.utils.cpp_extension import load_inline
-
-    try:
-        ext = load_inline("int8_screen_vnni_prototype", VNNI_SOURCE, functions=["pack", "int8_linear"],
-                          extra_cflags=["-O3"])
-    except Exception as e:  # no compiler, no headers
-        print(f"VNNI prototype not built: {type(e).__name__}: {e}")
-        return None
-    wq, scale = int8_rows(W[:, :channels])  # [V, K], [V]
-    packed, colsum = ext.pack(wq), wq.sum(1, dtype=torch.int32).contiguous()  # [V/16, K/4, 16, 4], [V]
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        xr = x[:, :channels]
-        xq, xs, zp = to_u8(xr, xr.amin(1, keepdim=True).clamp(max=0), xr.amax(1, keepdim=True).clamp(min=0))  # per row
-        rows = (xs.flatten().float().contiguous(), zp.flatten().to(torch.int32).contiguous())  # [B] each
-        return ext.int8_linear(xq.contiguous(), *rows, packed, colsum, scale.float().contiguous())
-    return run
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,12 +105,12 @@ def candidates(X: torch.Tensor, W: torch.Tensor, k: int, batch_sizes: list[int])
 
 
 def time_passes(W: torch.Tensor, batch_sizes: list[int], calls: int = 20) -> None:
-    """ms per call of the screen's bfloat16 pass, fbgemm's dynamic int8 linear and the VNNI prototype, alternating."""
+    """ms per call of the screen's bfloat16 pass, fbgemm's dynamic int8 linear and the engine's int8 pass, alternating."""
     packed16 = onednn.pack(W.bfloat16())  # the screen's "bf16" pass (logitspec.head)
     passes = {"bf16": lambda x: onednn.linear(x.bfloat16(), packed16), "fbgemm int8": FbgemmInt8(W)}
-    vnni = vnni_prototype(W, W.shape[1] - 32)  # the 32 outlier channels stay float32 (not timed here)
-    if vnni is not None:
-        passes["VNNI prototype"] = vnni
+    if int8_screen.available() and int8_screen.usable(W):
+        vnni = "VNNI" if int8_screen.fast_here() else "plain loop"
+        passes[f"int8 pass ({vnni})"] = int8_screen.Int8Pass(W, torch.randn(16, W.shape[1]) * 3, ROUNDING_SLACK)
     for B in batch_sizes:
         x = torch.randn(B, W.shape[1]) * 3
         best = {k: float("inf") for k in passes}

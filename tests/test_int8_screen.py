@@ -103,3 +103,20 @@ def test_the_engine_with_the_int8_pass_forced_on_equals_hf_generate(monkeypatch,
         pytest.skip(f"{family}: no screen (soft-capped logits)")
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=16)] == refs
     assert screen.int8.pass_ is not None  # the int8 pass served the greedy calls
+
+
+def test_a_cost_measurement_settles_the_race_on_the_models_own_states_before_timing():
+    """The int8 pass is built and the race decided for every row count the measurement times
+    (``calibrate.warm_screen``, then ``settle``), so no build or trial falls inside a timed forward
+    (one had made an 8-row curve flat at 83 ms)."""
+    from logitspec import calibrate
+    from logitspec.target import TargetForward
+
+    model = tiny_model("llama")
+    target = TargetForward(model)
+    race = target.head.screen.int8
+    race.mode, race.enabled = "auto", True  # the "auto" logic, whatever this CPU has
+    calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3), batch_tokens=(1, 2))
+    assert race.pass_ is not None and len(torch.cat(race.sample)) >= race.CALIBRATION_ROWS
+    timed = {1, 4, 2, 3, 6} | {n for n in calibrate.HEAD_NODES if n <= 16}
+    assert timed <= set(race.chosen)
