@@ -12,6 +12,8 @@
 #include <mutex>
 #include <vector>
 
+std::vector<torch::Tensor> candidate_tensors(const std::vector<std::vector<int64_t>>& found);  // screen.cpp
+
 namespace {
 
 bool cpu_has_vnni() {
@@ -193,14 +195,8 @@ std::vector<torch::Tensor> bounded_candidates(const torch::Tensor& approx, const
       }
     }
   });
-  int64_t K = 0;
-  for (const auto& p : part) K += static_cast<int64_t>(p.size());
-  auto rows = torch::empty({K}, approx.options().dtype(at::kLong));
-  auto toks = torch::empty({K}, approx.options().dtype(at::kLong));
-  int64_t* rp = rows.data_ptr<int64_t>();
-  int64_t* tp = toks.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> found(N);
   for (int64_t r = 0; r < N; ++r)
-    for (int64_t q = 0; q < chunks; ++q)
-      for (int64_t v : part[q * N + r]) { *rp++ = r; *tp++ = v; }
-  return {rows, toks};
+    for (int64_t q = 0; q < chunks; ++q) found[r].insert(found[r].end(), part[q * N + r].begin(), part[q * N + r].end());
+  return candidate_tensors(found);
 }

@@ -135,6 +135,8 @@ torch::Tensor top_tokens(const torch::Tensor& scores, const torch::Tensor& rows,
 // logit is >= the row's largest minus margin[r] (compared in float32), rows in order, tokens ascending
 // (what torch.nonzero(approx >= (approx.amax(1) - margin)[:, None]) gives, in one pass over each row
 // and a second over the same row while it is in cache). A row holding a NaN has no candidates.
+std::vector<torch::Tensor> candidate_tensors(const std::vector<std::vector<int64_t>>& found);
+
 std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const torch::Tensor& margin) {
   TORCH_CHECK(approx.device().is_cpu() && (approx.scalar_type() == at::kFloat || approx.scalar_type() == at::kBFloat16) &&
               approx.dim() == 2 && approx.is_contiguous(),
@@ -148,13 +150,18 @@ std::vector<torch::Tensor> screen_candidates(const torch::Tensor& approx, const 
     candidates(approx.data_ptr<float>(), mg, N, V, found);
   else
     candidates(approx.data_ptr<at::BFloat16>(), mg, N, V, found);
+  return candidate_tensors(found);
+}
+
+// (rows, tokens) [K] int64 from per-row token lists: rows in order, each row's tokens as listed.
+std::vector<torch::Tensor> candidate_tensors(const std::vector<std::vector<int64_t>>& found) {
   int64_t K = 0;
   for (const auto& f : found) K += static_cast<int64_t>(f.size());
-  auto rows = torch::empty({K}, approx.options().dtype(at::kLong));
-  auto toks = torch::empty({K}, approx.options().dtype(at::kLong));
+  auto rows = torch::empty({K}, torch::kLong);
+  auto toks = torch::empty({K}, torch::kLong);
   int64_t* rp = rows.data_ptr<int64_t>();
   int64_t* tp = toks.data_ptr<int64_t>();
-  for (int64_t r = 0; r < N; ++r)
+  for (int64_t r = 0; r < static_cast<int64_t>(found.size()); ++r)
     for (int64_t v : found[r]) { *rp++ = r; *tp++ = v; }
   return {rows, toks};
 }
