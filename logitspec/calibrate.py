@@ -7,6 +7,7 @@ GPU's stays flat to far larger batches and trees, so it is measured there up to 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -95,7 +96,7 @@ def kernel_fingerprint(model, head=None) -> str:
     linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
     norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
     screen = getattr(head, "screen", None)
-    int8 = "+int8-settled" if screen is not None and screen.int8.enabled else ""  # its race settled before timing
+    int8 = "+int8-held" if screen is not None and screen.int8.enabled else ""  # not in the measured forwards
     screen = f"{screen.kind}:{'+'.join(screen.passes)}{int8}:scores=pass-dtype" if screen is not None else None
     return (f"attn={attn}|linears={','.join(linears)}|norms={','.join(norms)}|screen={screen}"
             f"|cache={GrowingLayer.__name__}|chains={CHAINS}|kernels={skinny.sources_digest()}")
@@ -134,11 +135,17 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
     context = g.context if context is None else context
     batch_rows = g.rows if batch_rows is None else batch_rows
     batch_tokens = g.per_row if batch_tokens is None else batch_tokens
-    batches = {}
-    if target.head.screen is not None:  # the screen's pass choice settled first: its timing trials are not costs
-        warm_screen(target, context)
+    screen = target.head.screen
+    if screen is not None:  # the screen's pass choice settled first: its timing trials are not costs
         for n in {*tokens, *(b * n for b in batch_rows for n in batch_tokens), *HEAD_NODES}:
-            target.head.screen.settle(n, target.device)
+            screen.settle(n, target.device)
+    with screen.int8.holding() if screen is not None else contextlib.nullcontext():  # (see Int8Race)
+        return _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, batch_chains, g)
+
+
+def _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, batch_chains, g) -> CostCurve:
+    """:func:`measure`'s timings, its arguments resolved (``g``: the device's grid)."""
+    batches = {}
     # every curve verifies chains of the model's own continuation (a drafted chain that reads like
     # text): on arbitrary chains the screen's rescoring made drafted steps look far dearer than the
     # engine's (docs/performance.md, 2026-12-02 (later)); what the curve still gets wrong, the
@@ -152,16 +159,6 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)
     return CostCurve(one.tokens, one.seconds, batches, head.to_dict() if head else None,
                      measure_columns(target, context, g.long_context, reps, warmup, at_low=one)).monotone()
-
-
-def warm_screen(target: TargetForward, context: int) -> None:
-    """Let the screen's int8 pass calibrate on the model's own decoding (hidden states of text, not
-    of arbitrary tokens) before anything is timed: its build, and the race's trials (settled next on
-    those states), would otherwise fall inside measured forwards."""
-    race = target.head.screen.int8
-    if race.enabled and race.pass_ is None:
-        kv, _ = target.prefill([(7 * i + 3) % target.vocab_size for i in range(context)], chunk=CONTEXT_CHUNK)
-        own_continuations(target, kv, race.CALIBRATION_ROWS + 1)  # one row a step
 
 
 def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .int8_screen import Int8Race
+from .int8_screen import MAX_CANDIDATES_PER_ROW, Int8Race
 from .kernels import onednn, skinny
 
 log = logging.getLogger("logitspec.head")
@@ -212,15 +212,12 @@ class ScreenedArgmax:
 
     def settle(self, rows: int, device="cpu") -> None:
         """Run the timing trials of ``rows`` rows' bucket now (random hidden states), so that later
-        calls of that size, e.g. a cost measurement's, all use the pass kept; then the int8 race's
-        for ``rows`` rows, on the hidden states it calibrated from (once it has seen enough)."""
-        if len(self.passes) > 1:
-            x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(device)
-            while self._chosen.get(self._bucket(rows)) is None:
-                self.approx_logits(x)
-        real = self.int8.settle_states(rows)
-        while real is not None and rows not in self.int8.chosen:
-            self(real)
+        calls of that size, e.g. a cost measurement's, all use the pass kept."""
+        if len(self.passes) == 1:
+            return
+        x = torch.randn(rows, self.weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(device)
+        while self._chosen.get(self._bucket(rows)) is None:
+            self.approx_logits(x)
 
     def choices(self) -> dict[int, str]:
         """The pass settled on per row-count bucket so far (one pass: it, under bucket 0)."""
@@ -245,9 +242,13 @@ class ScreenedArgmax:
 
     def _int8_greedy(self, x: torch.Tensor) -> NodeLogits:
         """The int8 pass's scores (ranking only) and the exact argmax among its candidates; no
-        ``screen`` on the result: its bound is per token, not the screen's (sampling never comes here)."""
+        ``screen`` on the result: its bound is per token, not the screen's (sampling never comes here).
+        Where its wider bound leaves too many candidates (a flat distribution: tens of thousands a
+        row, each a weight row to read), the other passes serve the call after all."""
         scores, coef, floor = self.int8.pass_(x)  # [N, V], [N, 3], [N]
         rows, toks = self.int8.pass_.candidates(scores, coef, floor)
+        if len(toks) > MAX_CANDIDATES_PER_ROW * len(x):
+            return self._screened(x, True)
         return NodeLogits(scores, exact=False, screened_argmax=best_candidate(self.weight, x, rows, toks), hidden=x)
 
     def _screened(self, x: torch.Tensor, argmax: bool) -> NodeLogits:

@@ -23,6 +23,7 @@ reaches the row's largest ``a_u - e_u`` is rescored in float32: the float32 argm
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -30,6 +31,9 @@ import torch
 from .kernels import skinny
 
 log = logging.getLogger("logitspec.int8_screen")
+# more candidates a row than this on average, and a call takes the other passes after all: rescoring
+# reads a weight row a candidate (2,048 rows of 640: 5 MB), the bfloat16 pass's tight bound few
+MAX_CANDIDATES_PER_ROW = 2048
 MAX_ROWS = 16  # rows per call the pass is offered for (the race keeps it only where it is faster)
 
 
@@ -117,7 +121,11 @@ class Int8Race:
     AVX-512 VNNI runs it, builds it once ``CALIBRATION_ROWS`` rows have been seen (their channel peaks
     smooth it), then times whole calls (pass, candidates, rescoring) of each row count against the
     other passes, ``TRIALS`` each, and keeps the faster; "on" builds it at the first call and always
-    takes it (tests); "off" never."""
+    takes it (tests); "off" never. ``held`` (set by a cost measurement): none of that happens.
+    A measurement's chains start with an arbitrary token, whose flat distribution leaves the int8
+    bound thousands of candidates (an 8-row step measured 69 ms with the pass, 34 without), so its
+    curve is the other passes'; the engine's steps, cheaper where the pass serves them, correct
+    the curve from their own timings (:mod:`logitspec.feedback`)."""
 
     TRIALS = 3
     CALIBRATION_ROWS = 16
@@ -130,11 +138,21 @@ class Int8Race:
         self.pass_: Int8Pass | None = None
         self.sample: list[torch.Tensor] = []  # the hidden states seen before the build ([n, H] each)
         self._seen = 0
+        self.held = False  # while True (a cost measurement), no call takes the pass, builds it or times it
         self._times: dict[int, dict[bool, list[float]]] = {}  # rows -> int8 or not -> seconds
         self.chosen: dict[int, bool] = {}  # rows -> whether the int8 pass serves them
 
+    @contextlib.contextmanager
+    def holding(self):
+        """``held`` within the block."""
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+
     def offered(self, x: torch.Tensor) -> bool:
-        return self.enabled and len(x) <= MAX_ROWS and x.dtype == torch.float32 and bool(torch.isfinite(x).all())
+        return self.enabled and not self.held and len(x) <= MAX_ROWS and x.dtype == torch.float32 and bool(torch.isfinite(x).all())
 
     def choose(self, x: torch.Tensor) -> bool:
         """Whether this call of ``x`` [N, H] takes the int8 pass (building it once calibrated)."""
@@ -150,15 +168,6 @@ class Int8Race:
             return self.chosen[len(x)]
         t = self._times.setdefault(len(x), {True: [], False: []})
         return len(t[True]) <= len(t[False])
-
-    def settle_states(self, rows: int) -> torch.Tensor | None:
-        """``rows`` hidden states to time the race with (the calibration's own, repeated), or None
-        when nothing is left to settle for that row count (not offered, not built yet, or decided)."""
-        if (not self.enabled or self.mode == "on" or self.pass_ is None or rows > MAX_ROWS
-                or rows in self.chosen):
-            return None
-        seen = torch.cat(self.sample)  # [n, H]
-        return seen[torch.arange(rows) % len(seen)]
 
     def record(self, rows: int, used: bool, seconds: float) -> None:
         """A timed call; after ``TRIALS`` of each kind for ``rows`` rows, keep the faster."""

@@ -6,7 +6,7 @@ Spec-Bench's first turns (one per task, repeated to fill the batch), greedy, 64 
 engine; between runs only ``screen.int8.enabled`` changes (so the other passes' timing choices and
 the cost curve are shared). Prints the race's choice per row count (with its timings, from the
 ``logitspec.int8_screen`` log), whether both outputs are identical, tokens/s per round (prefill
-included) and the per-round ratio.
+included), the mean tokens per step (MAT) and the per-round ratio.
 """
 import argparse
 import logging
@@ -38,7 +38,7 @@ def main() -> None:
         if screen is None or not screen.int8.enabled:
             raise SystemExit("the int8 pass is not available here (no screen, no AVX-512 VNNI, or LOGITSPEC_INT8_SCREEN=off)")
         engine.run(prompts, max_new_tokens=16)  # warm-up: calibrates the int8 pass
-        speed, outputs = {True: [], False: []}, {}
+        speed, outputs, mat = {True: [], False: []}, {}, {True: [], False: []}
         for r in range(args.rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
                 screen.int8.enabled = on
@@ -46,11 +46,13 @@ def main() -> None:
                 run = engine.run(prompts, max_new_tokens=args.max_new_tokens)
                 speed[on].append(sum(len(x.token_ids) for x in run.results) / (time.perf_counter() - t0))
                 outputs.setdefault(on, [x.token_ids for x in run.results])
+                mat[on].append(sum(len(x.token_ids) for x in run.results) / sum(x.stats["steps"] for x in run.results))
     print(f"{args.method}, {args.batch_size} rows; int8 pass kept for row counts: "
           f"{sorted(k for k, v in screen.int8.chosen.items() if v)}, not for {sorted(k for k, v in screen.int8.chosen.items() if not v)}")
     print("identical outputs:", outputs[True] == outputs[False])
     for on in (True, False):
-        print(f"{'int8 on ' if on else 'int8 off'} tokens/s {[round(v, 1) for v in speed[on]]}, median {statistics.median(speed[on]):.1f}")
+        print(f"{'int8 on ' if on else 'int8 off'} tokens/s {[round(v, 1) for v in speed[on]]}, "
+              f"median {statistics.median(speed[on]):.1f}; MAT {[round(v, 2) for v in mat[on]]}")
     print("on / off per round:", [round(a / b, 3) for a, b in zip(speed[True], speed[False])])
 
 
