@@ -43,7 +43,7 @@ log = logging.getLogger("logitspec.head")
 # against the other passes per row count, kept where faster), "on" (always, e.g. tests), "off";
 # read when a screen is made (environment variable LOGITSPEC_INT8_SCREEN)
 INT8 = os.environ.get("LOGITSPEC_INT8_SCREEN", "auto")
-# |fp32 dot - exact dot| <= * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
+# |fp32 dot - exact dot| <= gamma_n * |w| |x| with gamma_n ~ n * 2^-24 (worst case over summation
 # orders; 3.8e-5 for n = 640). Both the screen and the reference round, hence twice, with headroom.
 ROUNDING_SLACK = 1e-4
 

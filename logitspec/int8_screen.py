@@ -2,7 +2,7 @@
 weights (exact integer sums: AVX-512 VNNI's ``vpdpbusd`` where the CPU has it), with a proven bound
 per token, so the float32 argmax is found among the few tokens the bound cannot rule out.
 
-At 1-8 rows the pass reads the output weight as int8 (168 MB for Gemma 3's 262k x 640, against 335 MB
+At a few rows the pass reads the output weight as int8 (168 MB for Gemma 3's 262k x 640, against 335 MB
 for the bfloat16 pass), which is what a few-row pass costs on a CPU at its memory rate.
 
 **Smoothing.** Final hidden states have a few channels far larger than the rest (Gemma 3: 45-130

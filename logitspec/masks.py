@@ -159,9 +159,7 @@ def sdpa_aligned(mask: torch.Tensor) -> torch.Tensor:
     strides_ok = all(s % MASK_ALIGN == 0 for s in mask.stride()[:-1]) and mask.stride(-1) == 1
     if strides_ok and mask.storage_offset() % MASK_ALIGN == 0:
         return mask
-    W = mask.shape[-1]
-    out = mask.new_empty(*mask.shape[:-1], -(-W // MASK_ALIGN) * MASK_ALIGN)[..., :W]
-    return out.copy_(mask)
+    return _padded_copy(mask)
 
 
 def fold_groups(mask: torch.Tensor, groups: int, aligned: bool | None = None) -> torch.Tensor:
@@ -171,9 +169,13 @@ def fold_groups(mask: torch.Tensor, groups: int, aligned: bool | None = None) ->
     B, _, T, S = mask.shape
     if not (mask.device.type != "cpu" if aligned is None else aligned):
         return mask.expand(B, groups, T, S).reshape(B, 1, groups * T, S)
-    out = mask.new_empty(B, groups, T, -(-S // MASK_ALIGN) * MASK_ALIGN)[..., :S]
-    out.copy_(mask.expand(B, groups, T, S))
-    return out.view(B, 1, groups * T, S)
+    return _padded_copy(mask.expand(B, groups, T, S)).view(B, 1, groups * T, S)
+
+
+def _padded_copy(src: torch.Tensor) -> torch.Tensor:
+    """A copy of ``src`` [..., W] in rows padded to ``MASK_ALIGN`` columns (a view of the first W)."""
+    W = src.shape[-1]
+    return src.new_empty(*src.shape[:-1], -(-W // MASK_ALIGN) * MASK_ALIGN)[..., :W].copy_(src)
 
 
 def pack_step(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dtype: torch.dtype,
