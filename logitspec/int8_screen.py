@@ -39,8 +39,7 @@ MAX_ROWS = 16  # rows per call the pass is offered for (the race keeps it only w
 
 def available() -> bool:
     """Whether the compiled kernels are built (the pass itself runs on any CPU they build on)."""
-    ext = skinny.extension()
-    return ext is not None and hasattr(ext, "int8_scores")
+    return skinny.available()
 
 
 def fast_here() -> bool:
@@ -52,6 +51,23 @@ def usable(weight: torch.Tensor) -> bool:
     """Whether ``weight`` [V, H] fits the kernel: float32 on CPU, V a multiple of 16, H of 4."""
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 4 == 0)
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [V, K] rounded per row to int8: (values [V, K] int8, scales [V] = max|w_v| / 127; 1 for a
+    zero row)."""
+    scale = w.abs().amax(dim=1) / 127  # [V]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def to_u8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` rounded to 8 bits over [lo, hi] (which hold 0; tensors broadcasting against ``x``):
+    (codes 0..255 as float32, step, zero point), ``x ~ (codes - zero) * step``; an empty range takes step 1."""
+    step = (hi - lo) / 255
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    zero = torch.round(-lo / step)
+    return (torch.round(x / step) + zero).clamp(0, 255), step, zero
 
 
 class Int8Pass:
@@ -68,9 +84,7 @@ class Int8Pass:
         s = torch.where(peak > 0, peak, floor).sqrt()  # [H] channel scales
         self.inv_scale = 1.0 / s  # [H]: x' = x * inv_scale
         w = weight * s[None, :]  # [V, H] W' = W * s (float32 rounding: within the slack, see the module's note)
-        step = w.abs().amax(dim=1) / 127  # [V]
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        q = torch.round(w / step[:, None]).clamp(-127, 127).to(torch.int8)  # [V, H]
+        q, step = int8_rows(w)  # [V, H], [V]
         self.packed = self.ext.int8_pack(q)  # [V/16, H/4, 16, 4]
         self.colsum = q.sum(dim=1, dtype=torch.int32)  # [V]
         self.step = step  # [V]
@@ -82,19 +96,15 @@ class Int8Pass:
         floor [N]): token v's error is at most ``e_v = coef[r] . norms[:, v]``, and ``floor[r]`` is the
         row's largest ``a_v - e_v``, a lower bound of its float32 maximum."""
         xs = x * self.inv_scale  # [N, H] x'
-        lo = xs.amin(dim=1).clamp(max=0)  # [N]: the range holds 0, so the zero point is a code
-        hi = xs.amax(dim=1).clamp(min=0)
-        step = (hi - lo) / 255
-        step = torch.where(step > 0, step, torch.ones_like(step))  # an all-zero row: any step
-        zero = torch.round(-lo / step)  # [N]
-        codes = (torch.round(xs / step[:, None]) + zero[:, None]).clamp(0, 255)  # [N, H]
-        rounded = (codes - zero[:, None]) * step[:, None]  # [N, H] x~ (exact in float32: small integers times step)
+        # per row over its range, which holds 0 (so the zero point is a code): [N, H], [N, 1], [N, 1]
+        codes, xstep, zero = to_u8(xs, xs.amin(dim=1, keepdim=True).clamp(max=0), xs.amax(dim=1, keepdim=True).clamp(min=0))
+        rounded = (codes - zero) * xstep  # [N, H] x~ (exact in float32: small integers times the step)
         up = 1 + 1e-5
         coef = torch.stack([rounded.norm(dim=1) * up, (rounded - xs).norm(dim=1) * up,
                             self.slack * x.norm(dim=1) * up], dim=1).contiguous()  # [N, 3]
-        scores, floor = self.ext.int8_scores(codes.to(torch.uint8).contiguous(), step.contiguous(),
-                                             zero.to(torch.int32).contiguous(), self.packed, self.colsum, self.step,
-                                             coef, self.norms)
+        scores, floor = self.ext.int8_scores(codes.to(torch.uint8).contiguous(), xstep.flatten().contiguous(),
+                                             zero.flatten().to(torch.int32).contiguous(), self.packed, self.colsum,
+                                             self.step, coef, self.norms)
         return scores, coef, floor
 
     def candidates(self, scores: torch.Tensor, coef: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +147,6 @@ class Int8Race:
         self.enabled = mode != "off" and usable(weight) and (fast_here() if mode == "auto" else available())
         self.pass_: Int8Pass | None = None
         self.sample: list[torch.Tensor] = []  # the hidden states seen before the build ([n, H] each)
-        self._seen = 0
         self.held = False  # while True (a cost measurement), no call takes the pass, builds it or times it
         self._times: dict[int, dict[bool, list[float]]] = {}  # rows -> int8 or not -> seconds
         self.chosen: dict[int, bool] = {}  # rows -> whether the int8 pass serves them
@@ -152,16 +161,18 @@ class Int8Race:
             self.held = False
 
     def offered(self, x: torch.Tensor) -> bool:
-        return self.enabled and not self.held and len(x) <= MAX_ROWS and x.dtype == torch.float32 and bool(torch.isfinite(x).all())
+        """Whether a greedy call of ``x`` [N, H] may take the pass (a non-finite row never does)."""
+        return (self.enabled and not self.held and len(x) <= MAX_ROWS and x.dtype == torch.float32
+                and bool(torch.isfinite(x).all()))
 
     def choose(self, x: torch.Tensor) -> bool:
         """Whether this call of ``x`` [N, H] takes the int8 pass (building it once calibrated)."""
         if self.pass_ is None:
             self.sample.append(x.detach().clone())
-            self._seen += len(x)
-            if self._seen < (1 if self.mode == "on" else self.CALIBRATION_ROWS):
+            if sum(map(len, self.sample)) < (1 if self.mode == "on" else self.CALIBRATION_ROWS):
                 return False
             self.pass_ = Int8Pass(self.weight, torch.cat(self.sample), self.slack)
+            self.sample = []  # its work is done
         if self.mode == "on":
             return True
         if len(x) in self.chosen:

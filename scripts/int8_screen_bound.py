@@ -28,24 +28,11 @@ import warnings
 import torch
 
 from logitspec import int8_screen
+from logitspec.int8_screen import int8_rows, to_u8
 from logitspec.bench.questions import first_turns
 from logitspec.head import ROUNDING_SLACK
 from logitspec.kernels import onednn
 from logitspec.models import load_model
-
-
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [V, K] rounded per row to int8: (values [V, K] int8, scales [V] = max|w_v| / 127)."""
-    scale = w.abs().amax(1) / 127  # [V]
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-
-
-def to_u8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` rounded to 8 bits over [lo, hi] (which hold 0; tensors broadcasting against ``x``):
-    (codes uint8, step, zero point), ``x ~ (codes - zero) * step``."""
-    step = (hi - lo) / 255
-    zero = torch.round(-lo / step)
-    return (torch.round(x / step) + zero).clamp(0, 255).to(torch.uint8), step, zero
 
 
 class FbgemmInt8:
@@ -88,7 +75,7 @@ def candidates(X: torch.Tensor, W: torch.Tensor, k: int, batch_sizes: list[int])
             xr, exact_part, exact = x[:, R].contiguous(), x[:, O] @ WO, x @ W.T  # [B, H-k], [B, V], [B, V]
             lo, hi = xr.min().double().clamp(max=0), xr.max().double().clamp(min=0)  # over the batch
             codes, step8, zero = to_u8(xr, lo, hi)
-            xt = (codes.float() - zero) * step8  # [B, H-k] uint8 values
+            xt = (codes - zero) * step8  # [B, H-k] uint8 values
             step7 = (hi - lo) / 127
             slack = 1e-4 * wn[None, :] * x.norm(dim=1)[:, None]  # [B, V]
             kinds = {
