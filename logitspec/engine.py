@@ -33,7 +33,8 @@ from .stops import eos_ids, stop_cut
 from .target import ForwardResult, TargetForward
 from .tree import DraftTree
 from .sampling import draw, tree_uniforms, walk
-from .verify import SamplingParams, decide
+from .request import SamplingParams
+from .verify import decide
 
 log = logging.getLogger("logitspec.engine")
 # while the auto budget chooses no draft nodes, drafts are built (and the choice re-made) only on

@@ -32,7 +32,8 @@ import torch
 
 from .device import to_device
 from .tree import DraftTree
-from .verify import SamplingParams, accept_path, probs_from_logits, sample_token
+from .request import SamplingParams
+from .verify import accept_path, probs_from_logits, sample_token
 
 GROW = (64, 1024, 16384)  # candidate set sizes tried before the whole vocabulary
 CHUNK = 8192  # rows of the weight gathered at once when rescoring

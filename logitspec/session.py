@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .cache import BatchKV
-from .verify import SamplingParams
+from .request import SamplingParams
 
 # prompt tokens per forward of short prompts prefilled together into an idle batch (Engine's
 # fill_chunk default): 24 Spec-Bench prompts (2,808 tokens) took 2 forwards instead of 8 at 512 tokens

@@ -13,26 +13,8 @@ from typing import Callable, Sequence
 import torch
 
 from .head import top_tokens
+from .request import SamplingParams
 from .tree import DraftTree
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def accept_path(tree: DraftTree, next_token: Callable[[int], int]) -> tuple[list[int], int]:

@@ -10,7 +10,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from logitspec.config import METHODS, SpecConfig
-from logitspec.verify import SamplingParams
+from logitspec.request import SamplingParams
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")

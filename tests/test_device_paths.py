@@ -10,7 +10,8 @@ from logitspec.kernels import onednn, rms_norm
 from logitspec import attention as attention_module
 from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
 from logitspec.tree import DraftTree, TreeBuilder
-from logitspec.verify import SamplingParams, decide, greedy_accept, inverse_cdf, sample_token
+from logitspec.request import SamplingParams
+from logitspec.verify import decide, greedy_accept, inverse_cdf, sample_token
 from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
 
 N_NEW = 20

@@ -10,7 +10,8 @@ from logitspec import Engine, SpecConfig
 from logitspec import sampling
 from logitspec.head import ScreenedArgmax
 from logitspec.index import CorpusIndex
-from logitspec.verify import SamplingParams, probs_from_logits
+from logitspec.request import SamplingParams
+from logitspec.verify import probs_from_logits
 from chi2 import chi2, chi2_limit
 from tiny_models import VOCAB, repetitive_prompts, tiny_model
 

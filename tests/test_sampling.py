@@ -6,7 +6,8 @@ import torch
 
 from logitspec.head import ScreenedArgmax
 from logitspec.sampling import exact_logits, screened_sample, top_k_support, top_p_support
-from logitspec.verify import SamplingParams, probs_from_logits
+from logitspec.request import SamplingParams
+from logitspec.verify import probs_from_logits
 from chi2 import chi2, chi2_limit
 
 pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from logitspec.tree import DraftTree
-from logitspec.verify import SamplingParams, greedy_accept, probs_from_logits, sample_token
+from logitspec.request import SamplingParams
+from logitspec.verify import greedy_accept, probs_from_logits, sample_token
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4, 5]), np.array([-1, 0, 1, 2, 2, 0]))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..verify import SamplingParams
+from ..request import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,129 @@
+"""What one prompt asks for: the public request type, from the command line to the batch.
+
+A :class:`Request` holds everything that may differ between rows of one batch: the sampling settings
+(:class:`SamplingParams`), the seed, the token limit, stop strings and the number of samples. Every
+command line declares its sampling flags through :func:`add_request_flags` and reads them back with
+:func:`request_from_args`, so a flag means the same thing everywhere. A request serialises to a plain
+dict (:meth:`Request.to_dict` / :meth:`Request.from_dict`) for job specs and Ray calls.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen: greedy (temperature 0), or sampled from the temperature-scaled
+    distribution cut to its ``top_k`` most likely tokens (0: all) and its ``top_p`` nucleus."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt's settings. ``seed``: None takes the session's seed plus the request id; sample j of
+    a request seeded s draws with ``session.sample_seed(s, j)``. ``stop``: strings that end a sample
+    (not part of its text). ``n``: samples of the prompt, sharing one prefill."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        self.sampling  # noqa: B018 -- validates temperature, top_p, top_k
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_(self, **changes: Any) -> "Request":
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (``stop`` as a list)."""
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Request":
+        """The inverse of :meth:`to_dict`; unknown keys are an error (a typo must not pass silently)."""
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown request fields: {', '.join(sorted(unknown))}")
+        return cls(**{k: tuple(v) if k == "stop" else v for k, v in d.items()})
+
+
+def add_request_flags(parser: argparse.ArgumentParser, *, max_new_tokens: int = 128, seed: int = 0,
+                      samples: bool = True, stop: bool = True) -> None:
+    """The sampling flags every command line shares: ``--max-new-tokens``, ``--temperature``,
+    ``--top-p``, ``--top-k``, ``--seed`` and (unless switched off) ``--num-samples`` and ``--stop``."""
+    g = parser.add_argument_group("decoding (per request)")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help="new tokens per sample at most (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 decodes greedily (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the most likely tokens holding this probability mass; "
+                        "needs --temperature > 0 (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k most likely tokens; 0 keeps all; needs --temperature > 0 "
+                        "(default: %(default)s)")
+    g.add_argument("--seed", type=int, default=seed,
+                   help="base seed: prompt i is seeded seed + i, so a row's samples do not depend on "
+                        "its batch (default: %(default)s)")
+    if samples:
+        g.add_argument("--num-samples", type=int, default=1,
+                       help="samples per prompt, sharing one prefill; needs --temperature > 0 "
+                            "(default: %(default)s)")
+    if stop:
+        g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="a string that ends a sample (repeatable; not part of the text)")
+
+
+def request_from_args(args: argparse.Namespace) -> Request:
+    """The :class:`Request` of flags declared by :func:`add_request_flags`; ValueError for bad values,
+    including settings that only make sense when sampling (top-p, top-k, several samples) without a
+    temperature."""
+    n = getattr(args, "num_samples", 1)
+    req = Request(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, stop=tuple(getattr(args, "stop", None) or ()), n=n)
+    if req.greedy and (req.top_p < 1 or req.top_k or req.n > 1):
+        raise ValueError("--top-p, --top-k and --num-samples > 1 need --temperature > 0 "
+                         "(greedy decoding gives every sample the same tokens)")
+    return req
