@@ -1,4 +1,5 @@
-"""LongBench-style evaluation: the data format, prompts, metrics and a local data generator (no Ray)."""
+"""LongBench-style evaluation: the data format, prompts, metrics and a local data generator (no Ray);
+LongBench v1 (with LongBench-E) and LongBench v2 (multiple choice)."""
 
 from .longbench import (
     Example,
@@ -8,6 +9,7 @@ from .longbench import (
     read_directory,
     write_dataset,
 )
+from .longbench_v2 import ExampleV2, extract_answer, read_v2, score_v2
 from .prompts import (
     DatasetSpec,
     UnknownDatasetError,
@@ -32,6 +34,10 @@ __all__ = [
     "read_dataset",
     "read_directory",
     "write_dataset",
+    "ExampleV2",
+    "extract_answer",
+    "read_v2",
+    "score_v2",
     "DatasetSpec",
     "UnknownDatasetError",
     "build_prompt",

@@ -15,6 +15,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from .longbench_v2 import is_v2_name, read_v2
 from .prompts import resolve_name
 
 __all__ = [
@@ -67,16 +68,28 @@ def _directory(directory: str | os.PathLike) -> pathlib.Path:
 
 
 def list_datasets(directory: str | os.PathLike) -> list[str]:
-    """Sorted dataset names of the ``*.jsonl`` files in ``directory`` whose names are known."""
+    """Sorted dataset names of the ``*.jsonl`` files in ``directory`` whose names are known, and of
+    LongBench v2 files (``longbench_v2*.json`` or ``.jsonl``, :mod:`.longbench_v2`)."""
     path = _directory(directory)
-    names = []
+    names = set()
     for f in sorted(path.glob("*.jsonl")):
         try:
             resolve_name(f.stem)
         except ValueError:
-            continue
-        names.append(f.stem)
-    return names
+            if not is_v2_name(f.stem):
+                continue
+        names.add(f.stem)
+    names.update(f.stem for f in path.glob("*.json") if is_v2_name(f.stem))
+    return sorted(names)
+
+
+def _v2_file(path: pathlib.Path, name: str) -> pathlib.Path:
+    files = [f for f in (path / f"{name}.jsonl", path / f"{name}.json") if f.is_file()]
+    if not files:
+        raise LongBenchFormatError(f"no file {str(path / name)!r}.jsonl or .json for dataset {name!r}")
+    if len(files) > 1:
+        raise LongBenchFormatError(f"both {files[0].name} and {files[1].name} in {str(path)!r}: keep one")
+    return files[0]
 
 
 def _str_tuple(value: Any, key: str) -> tuple[str, ...]:
@@ -117,7 +130,15 @@ def example_from_json(obj: Any, name: str) -> Example:
 
 
 def read_dataset(directory: str | os.PathLike, name: str) -> list[Example]:
-    """All rows of ``<directory>/<name>.jsonl`` (blank lines skipped), in file order."""
+    """All rows of ``<directory>/<name>.jsonl`` (blank lines skipped), in file order; for a LongBench
+    v2 name the :class:`~.longbench_v2.ExampleV2` rows of its ``.jsonl`` or ``.json`` file."""
+    if is_v2_name(name):
+        try:
+            return read_v2(_v2_file(_directory(directory), name), name)
+        except LongBenchFormatError:
+            raise
+        except ValueError as e:  # read_v2's messages name the file and line
+            raise LongBenchFormatError(str(e)) from e
     resolve_name(name)  # UnknownDatasetError (a ValueError) for a name no config knows
     path = _directory(directory) / f"{name}.jsonl"
     if not path.is_file():
@@ -140,7 +161,8 @@ def read_directory(
     """``{name: rows}`` for ``names`` (default: every known dataset file in ``directory``)."""
     chosen = list_datasets(directory) if names is None else list(names)
     if not chosen:
-        raise LongBenchFormatError(f"no LongBench dataset files (<dataset>.jsonl) in {str(directory)!r}")
+        raise LongBenchFormatError(f"no LongBench dataset files (<dataset>.jsonl, longbench_v2.json) in "
+                                   f"{str(directory)!r}")
     return {name: read_dataset(directory, name) for name in chosen}
 
 

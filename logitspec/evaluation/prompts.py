@@ -41,7 +41,8 @@ class DatasetSpec:
     ``chat``: LongBench's ``pred.py`` wraps the prompt in a chat model's template (False for trec,
     triviaqa, samsum, lsht, lcc, repobench-p, whose prompts are few-shot or code continuations).
     ``first_line``: ``eval.py`` scores only the first line of the prediction (trec, triviaqa, samsum, lsht).
-    ``stop_at_newline``: ``pred.py`` stops generation at a newline (samsum).
+    ``stop_at_newline``: ``pred.py`` stops generation at the newline token, after the first new token
+    (samsum; an evaluation sweep gives no stop string, see :func:`.sweep_rows.stop_strings`).
     ``origin``: ``"longbench"``, or ``"logitspec"`` for this project's local datasets.
     """
 

@@ -69,7 +69,13 @@ def _row_scores(name, predictions, answers, classes_per_row) -> list[float]:
 
 
 def _percent(scores: list[float]) -> float:
-    return round(100 * sum(scores) / len(scores), 2)
+    # eval.py's scorer adds the row scores one by one (``total_score += score``). Not ``sum()``: from
+    # Python 3.12 ``sum`` of floats is compensated and can round the last digit the other way
+    # ([0.2, 0.125, 0.4, 0.3]: 25.63 by the loop, 25.62 by 3.12's sum).
+    total = 0.0
+    for score in scores:
+        total += score
+    return round(100 * total / len(scores), 2)
 
 
 def _bucket_percent(scores: list[float]) -> float:

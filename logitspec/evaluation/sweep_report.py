@@ -1,5 +1,7 @@
 """An evaluation sweep's report: per dataset and configuration the score, speeds, MAT, speed-ups against
 the configuration's ``ar`` baseline, peak memory, and whether lossless methods gave ``ar``'s text.
+A LongBench-E file's cells also score each length bucket (``length_scores``), a LongBench v2 file's
+cells their accuracy by difficulty and length (``v2``).
 
 Input rows are the sweep's output rows (dicts with ``key``, ``dataset``, ``config``, ``generation``,
 ``token_ids``, ``n_prompt_tokens``, ``n_new_tokens``, ``steps``, ``prefill_s``, ``run_share_s``,
@@ -11,10 +13,13 @@ difference.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 from .longbench import Example
-from .scoring import score_examples
+from .longbench_v2 import ExampleV2, score_v2
+from .prompts import resolve_name
+from .scoring import LENGTH_BUCKETS, length_bucket, score_examples, score_examples_by_length
 
 __all__ = ["build_report", "report_markdown", "MAX_MISMATCHES"]
 
@@ -31,6 +36,7 @@ def _figures(rows: list[dict], examples: Sequence[Example]) -> dict:
     scored = [e for e in examples if f"{e.name}/{e.id}" in by_key]
     ok = [r for r in rows if r["error"] is None]
     preds = [by_key[f"{e.name}/{e.id}"]["generation"] or "" for e in scored]  # an error row scores as ""
+    extra = _dataset_scores(scored, preds, [by_key[f"{e.name}/{e.id}"] for e in scored])
     tokens = sum(r["n_new_tokens"] for r in ok)
     e2e_s = sum(r["run_share_s"] for r in ok)
     prefill_s = sum(r["prefill_s"] for r in ok)
@@ -40,7 +46,8 @@ def _figures(rows: list[dict], examples: Sequence[Example]) -> dict:
     gaps = [r["max_step_gap_s"] for r in ok if r.get("max_step_gap_s") is not None]  # absent in old rows
     return {
         "rows": len(rows), "errors": len(rows) - len(ok),
-        "score": score_examples(scored, preds) if scored else None,
+        "score": extra.pop("score"),
+        **extra,
         "new_tokens": tokens, "prompt_tokens": sum(r["n_prompt_tokens"] for r in ok),
         "e2e_s": e2e_s, "prefill_s": prefill_s, "decode_s": decode_s,
         "tokens_per_s": _ratio(tokens, e2e_s),
@@ -52,6 +59,25 @@ def _figures(rows: list[dict], examples: Sequence[Example]) -> dict:
         "peak_rss_bytes": max(peaks) if peaks else None,
         "max_step_gap_s": max(gaps) if gaps else None,
     }
+
+
+def _dataset_scores(scored: list, preds: list[str], rows: list[dict]) -> dict:
+    """The cell's ``score`` and, by dataset kind, its breakdown: ``length_scores`` for a LongBench-E
+    file (``{"0-4k", "4-8k", "8k+"}`` as ``eval.py --e`` computes them, None for a bucket without rows,
+    where ``eval.py`` gives NaN; with ``length_counts``); ``v2`` for LongBench v2 (:func:`score_v2`:
+    accuracy overall, by difficulty and by length; ``score`` is the overall accuracy)."""
+    if not scored:
+        return {"score": None}
+    if isinstance(scored[0], ExampleV2):  # pred.py writes no row for a failed query: an error row is unanswered
+        responses = [None if r["error"] is not None else (r["generation"] or "") for r in rows]
+        v2 = score_v2(scored, responses)
+        return {"score": v2["overall"], "v2": v2}
+    out: dict = {"score": score_examples(scored, preds)}
+    if resolve_name(scored[0].name)[1]:
+        buckets = score_examples_by_length(scored, preds)
+        out["length_scores"] = {b: None if math.isnan(v) else v for b, v in buckets.items()}
+        out["length_counts"] = {b: sum(length_bucket(e.length) == b for e in scored) for b in LENGTH_BUCKETS}
+    return out
 
 
 def _compare(cell: dict, base: dict, rows: list[dict], base_rows: list[dict], mismatches: list) -> None:
@@ -116,6 +142,34 @@ def _fmt(v, digits=2, scale=1.0, suffix=""):
     return "-" if v is None else f"{v * scale:.{digits}f}{suffix}"
 
 
+def _breakdown(cells: dict) -> str:
+    """A LongBench-E dataset's scores by length bucket, or a LongBench v2 file's accuracies, per
+    configuration ("" for other datasets)."""
+    first = next((c for c in cells.values() if "length_scores" in c or "v2" in c), {})
+    if "length_scores" in first:
+        counts = first["length_counts"]
+        head = ("\nLongBench-E score by length (`eval.py --e`; rows per bucket: "
+                + ", ".join(f"{b} {n}" for b, n in counts.items()) + ")\n\n"
+                "| configuration | " + " | ".join(LENGTH_BUCKETS) + " |\n" + "|---" * (1 + len(LENGTH_BUCKETS)) + "|\n")
+        lines = [f"| {n} | " + " | ".join(_fmt(c.get("length_scores", {}).get(b)) for b in LENGTH_BUCKETS) + " |"
+                 for n, c in cells.items()]
+        return head + "\n".join(lines) + "\n"
+    if "v2" in first:
+        groups = ("overall", "easy", "hard", "short", "medium", "long")
+        counts = first["v2"]["counts"]
+        head = ("\nLongBench v2 accuracy (`result.py`; rows: "
+                + ", ".join(f"{g} {counts[g]}" for g in groups[1:]) + ")\n\n"
+                "| configuration | " + " | ".join(groups) + " | unanswered | no choice found |\n"
+                + "|---" * (3 + len(groups)) + "|\n")
+        lines = []
+        for n, c in cells.items():
+            v2 = c.get("v2") or {}
+            lines.append(f"| {n} | " + " | ".join(_fmt(v2.get(g), 1) for g in groups)
+                         + f" | {v2.get('unanswered', '-')} | {v2.get('no_choice', '-')} |")
+        return head + "\n".join(lines) + "\n"
+    return ""
+
+
 def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
     """The report as markdown: one table per dataset and one overall, then the lossless check."""
     head = ("| configuration | score | rows (errors) | tok/s | decode tok/s | prefill tok/s | prefill share "
@@ -139,7 +193,7 @@ def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
 
     parts = [f"# {title}\n"]
     for ds, cells in report["datasets"].items():
-        parts.append(f"## {ds}\n\n{table(cells)}")
+        parts.append(f"## {ds}\n\n{table(cells)}{_breakdown(cells)}")
     parts.append(f"## All datasets (score: mean of the datasets' scores)\n\n{table(report['overall'])}")
     check = report["lossless"]
     verdict = ("every lossless configuration gave its `ar` baseline's tokens on every row and the same scores"
