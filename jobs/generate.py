@@ -11,7 +11,7 @@ import sys
 # Runs from a plain checkout too (e.g. a `ray job submit --working-dir .` upload): the repo root is importable.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from pipeline.cli import main  # noqa: E402
+from pipeline.job.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

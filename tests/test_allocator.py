@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 from logitspec import allocator
-from pipeline import faults
-from pipeline.actor_env import actor_runtime_env
+from pipeline.replica import faults
+from pipeline.replica.actor_env import actor_runtime_env
 
 PROBE = ("import os; from logitspec import allocator; allocator.reexec_with_tcmalloc(); "
          "print(allocator.loaded(), os.environ.get('LOGITSPEC_TCMALLOC'))")

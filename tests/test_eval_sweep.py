@@ -10,8 +10,8 @@ import pytest
 
 from logitspec.evaluation import Example, score_examples, write_dataset
 from logitspec.evaluation.sweep_report import build_report
-from pipeline.config import ConfigError
-from pipeline.eval_config import EvalConfig, expand_grid, parse_grid
+from pipeline.errors import ConfigError
+from pipeline.sweep.config import EvalConfig, expand_grid, parse_grid
 from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def ray_session():
 
 
 def _sweep(tiny, data, out, methods, **kw):
-    from pipeline.eval_job import run_sweep
+    from pipeline.sweep.run import run_sweep
 
     # fixed budget: the tiny model's cost curve would make the auto budget skip drafting
     cfg = EvalConfig(data=str(data), output=str(out), model=tiny, methods=methods, grid=("budget=fixed",),

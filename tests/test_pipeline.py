@@ -23,11 +23,12 @@ import pytest
 from logitspec import allocator
 from logitspec.kernels import skinny
 from logitspec.models.paths import default_cache_dir
-from pipeline.config import ConfigError, GenerationSpec, JobConfig
-from pipeline.inputs import open_input, read_columns, row_problem
-from pipeline.rows import scan_ids
-from pipeline.output import OutputStore, read_generations
-from pipeline.worker import row_seed
+from pipeline.errors import ConfigError
+from pipeline.job.config import GenerationSpec, JobConfig
+from pipeline.io.inputs import open_input, read_columns, row_problem
+from pipeline.job.pending import scan_ids
+from pipeline.io.output import OutputStore, read_generations
+from pipeline.replica.worker import row_seed
 from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -136,11 +137,11 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
 
 
 def test_json_lines_arrow_cannot_type_are_read_row_by_row(tmp_path):
-    """A number among text prompts past Arrow's first JSON block: the scan switches to pipeline.json_rows
+    """A number among text prompts past Arrow's first JSON block: the scan switches to pipeline.io.json_rows
     (the rows already read are not repeated) and the odd row is a problem, not a failed job."""
     import numpy as np
 
-    from pipeline.rows import stream_chunks
+    from pipeline.job.pending import stream_chunks
 
     rows = [{"id": i, "prompt": f"prompt number {i}"} for i in range(60_000)] + [{"id": 60_000, "prompt": 7}]
     cfg = JobConfig(input=str(_write_jsonl(tmp_path / "in.jsonl", rows)), output="unused")
@@ -249,7 +250,7 @@ def test_disk_full_while_writing_a_part_leaves_no_partial_file(tmp_path):
     script = f"""
 import resource, signal, pyarrow as pa, sys
 sys.path.insert(0, {str(REPO)!r})
-from pipeline.output import OutputStore
+from pipeline.io.output import OutputStore
 row = {_out_row(0, generation="y" * 500)!r}
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 store = OutputStore({str(tmp_path / "out")!r}, pa.int64())
@@ -315,7 +316,7 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
 
 def test_second_job_on_one_output_refuses_naming_the_first(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
-                               f"from pipeline.lock import OutputLock; l = OutputLock(__import__('pathlib').Path("
+                               f"from pipeline.io.lock import OutputLock; l = OutputLock(__import__('pathlib').Path("
                                f"{str(tmp_path)!r})); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -331,7 +332,7 @@ def test_second_job_on_one_output_refuses_naming_the_first(tmp_path):
 
 
 def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
-    from pipeline.cli import main
+    from pipeline.job.cli import main
 
     inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hello"}, {"id": 2, "prompt": "world"}])
     dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}])
@@ -369,7 +370,7 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
     spec = GenerationSpec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
@@ -389,7 +390,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
     rows = [{"id": i, "prompt": "Hello there, said the", "corpus": None} for i in range(2)]
@@ -408,7 +409,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
 
 
 def test_shared_history_keeps_the_newest_answers_and_sends_each_replica_the_others():
-    from pipeline.shared_history import SharedHistory
+    from pipeline.replica.history import SharedHistory
 
     h = SharedHistory(max_tokens=10)
     assert h.for_replica("a") is None
@@ -435,8 +436,8 @@ def test_scheduler_carries_answers_between_replicas(ray_session):
     sent to another replica carries them (fake replicas; results are real Ray objects)."""
     import ray
 
-    from pipeline.scheduler import Batch, Scheduler
-    from pipeline.shared_history import SharedHistory
+    from pipeline.replica.scheduler import Batch, Scheduler
+    from pipeline.replica.history import SharedHistory
 
     sent = []
 
@@ -478,8 +479,8 @@ def test_shared_answers_feed_another_generators_history(tiny):
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.streaming import StreamingRows
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.streaming import StreamingRows
+    from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
     spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
@@ -504,8 +505,8 @@ def test_memory_figures_say_where_bytes_live(tmp_path):
     the copies of a model and of an index counted from those (a private copy counts, a mapping once)."""
     import numpy as np
 
-    from pipeline.resources import array_spans, process_memory, where_bytes_live
-    from pipeline.summary import memory_section
+    from pipeline.replica.resources import array_spans, process_memory, where_bytes_live
+    from pipeline.job.summary import memory_section
 
     own = np.ones(1 << 18)  # 2 MiB: malloc maps it anonymously
     path = tmp_path / "a.bin"
@@ -543,7 +544,7 @@ def test_memory_figures_say_where_bytes_live(tmp_path):
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory, tiny, ray_session):
     """The main end-to-end run: 20 mixed rows, 2 actors, 3 rows per task, sampling."""
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     d = tmp_path_factory.mktemp("mixed")
     inp = _write_jsonl(d / "in.jsonl", _mixed_rows())
@@ -600,7 +601,7 @@ def test_exactly_once_with_error_rows(mixed_run):
 
 
 def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_session, mixed_run):
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     inp, _, first = mixed_run
     out = tmp_path / "out"
@@ -632,7 +633,7 @@ def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_se
 def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_session):
     import psutil
 
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox jumps over the lazy dog"} for i in range(24)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
@@ -661,8 +662,8 @@ def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, 
     and the dead replica is listed as not measured."""
     import functools
 
-    import pipeline.job as job
-    from pipeline.cli import main
+    import pipeline.job.run as job
+    from pipeline.job.cli import main
 
     rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(6)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
@@ -693,7 +694,7 @@ def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, 
 def _reference_job(tmp_path, tiny):
     """Rows whose continuations live in a shared corpus: the corpus holds the model's own greedy
     output for each prompt, so retrieval from the index must find it."""
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     prompts = [f"Note {i}: " + s for i, s in enumerate(["the cat sat on the mat", "four score and seven years",
                                                          "permission is hereby granted", "beautiful is better",
@@ -707,7 +708,7 @@ def _reference_job(tmp_path, tiny):
 
 
 def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_session):
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     inp, corpus, base, gens = _reference_job(tmp_path, tiny)
     with_ref = run_job(_cfg(tiny, inp, tmp_path / "ref", max_new_tokens=24, corpus_column="corpus", actors=2,
@@ -731,7 +732,7 @@ def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_se
     # the same index prebuilt to disk by jobs/build_index.py: the job loads the same arrays
     import numpy as np
 
-    from pipeline.reference import prepare_reference, split_meta
+    from pipeline.io.reference import prepare_reference, split_meta
     from transformers import AutoTokenizer
 
     sys.path.insert(0, str(BUILD_INDEX.parent))
@@ -863,14 +864,14 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
 
 
 def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, monkeypatch):
-    import pipeline.job
-    from pipeline.cli import build_parser, config_from_args, main
-    from pipeline.plan import job_record
+    import pipeline.job.run
+    from pipeline.job.cli import build_parser, config_from_args, main
+    from pipeline.job.plan import job_record
 
     def no_ray(cfg):
         raise AssertionError("--dry-run must not start or join Ray")
 
-    monkeypatch.setattr(pipeline.job, "connect_ray", no_ray)
+    monkeypatch.setattr(pipeline.job.run, "connect_ray", no_ray)
 
     inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""} for i in range(10)])
     out = tmp_path / "out"
@@ -890,7 +891,7 @@ def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, mo
 def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
     import shutil
 
-    from pipeline.plan import check_model
+    from pipeline.io.model import check_model
 
     model = tmp_path / "custom"
     shutil.copytree(tiny, model)
@@ -905,7 +906,7 @@ def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
 @pytest.mark.slow
 def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     """The README quick start, on 3 sample rows and 8 new tokens: the embedded default model."""
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"), output=str(tmp_path / "out"),
                                 gen=GenerationSpec(max_new_tokens=8), limit=3))
@@ -917,9 +918,9 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
 
 # ---------------------------------------------------------------------------------------------- fault matrix
 def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_rows: int, *flags: str):
-    """``jobs/generate.py``'s main on ``n_rows`` rows with ``LOGITSPEC_FAULT`` (pipeline.faults) set:
+    """``jobs/generate.py``'s main on ``n_rows`` rows with ``LOGITSPEC_FAULT`` (pipeline.replica.faults) set:
     (exit code, summary, output table)."""
-    from pipeline.cli import main
+    from pipeline.job.cli import main
 
     monkeypatch.setenv("LOGITSPEC_FAULT", fault)
     rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(n_rows)]
@@ -970,7 +971,7 @@ def test_samples_have_their_own_stable_seeds(tiny):
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.worker import RowGenerator
 
     assert row_seed(0, 7, 0) == row_seed(0, 7) and len({row_seed(0, 7, s) for s in range(4)}) == 4
     model, tok = load_model(tiny)
@@ -992,7 +993,7 @@ def test_samples_have_their_own_stable_seeds(tiny):
 def test_pending_keys_per_sample():
     """Which (id, sample) pairs a resume still has to do: whole rows, and the missing samples of rows
     partly written; keys of other ids or samples beyond --num-samples do not count."""
-    from pipeline.rows import InputIndex, pending
+    from pipeline.job.pending import InputIndex, pending
 
     index = InputIndex(None, pa.array([10, 11, 12]), pa.int64(), False)
     written = pa.table({"id": pa.array([10, 10, 11, 99, 12, 12], pa.int64()),
@@ -1007,7 +1008,7 @@ def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray
     """``--num-samples``: a first run (2 rows x 2 samples), then a resume with 3 samples per row over 4
     rows: it adds sample 2 to the first rows and all samples to the others; each (id, sample) once, the
     first run's samples untouched, the samples of a row distinct under sampling."""
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i}: the quick brown fox"} for i in range(4)])
     out = tmp_path / "out"
@@ -1047,7 +1048,7 @@ def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tin
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     rows = _mixed_length_rows(tiny)
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
@@ -1070,13 +1071,13 @@ def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tin
 
 def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_session):
     """``--num-samples 3 --temperature 0.8``: the streaming replica's samples are the per-task path's
-    (:class:`pipeline.worker.RowGenerator` on the same rows) for every (id, sample), each once."""
+    (:class:`pipeline.replica.worker.RowGenerator` on the same rows) for every (id, sample), each once."""
     from logitspec import Engine
     from logitspec.models import load_model
 
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.worker import RowGenerator
 
-    from pipeline.job import run_job
+    from pipeline.job.run import run_job
 
     rows = _mixed_length_rows(tiny, 9)
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
@@ -1101,7 +1102,7 @@ def test_deaths_on_a_concurrent_replica_count_for_every_batch_and_suspects_run_a
     flight and nothing joins it; a sequential replica keeps the old rule (the oldest batch only)."""
     import itertools
 
-    from pipeline.scheduler import Batch, Scheduler
+    from pipeline.replica.scheduler import Batch, Scheduler
 
     class Fake:
         def __init__(self, name, concurrent):

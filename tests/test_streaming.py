@@ -1,4 +1,4 @@
-"""pipeline.streaming.StreamingRows: tasks of rows through one engine session, without Ray.
+"""pipeline.replica.streaming.StreamingRows: tasks of rows through one engine session, without Ray.
 
 The tiny text model has a 128-token context, so a long prompt leaves room for only a few new tokens
 while a short one runs to ``max_new_tokens``: rows of very different lengths, as in a real job.
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from pipeline.config import GenerationSpec
+from pipeline.job.config import GenerationSpec
 from tiny_models import save_tiny_text_model
 
 SHORT = ["Hello there", "Lorem ipsum", "The quick brown fox", "Name a colour", "Once upon a time"]
@@ -35,8 +35,8 @@ def _long(tok, words: int) -> str:
 def _generators(tiny, **kw):
     from logitspec import Engine
 
-    from pipeline.streaming import StreamingRows
-    from pipeline.worker import RowGenerator
+    from pipeline.replica.streaming import StreamingRows
+    from pipeline.replica.worker import RowGenerator
 
     path, model, tok = tiny
     spec = GenerationSpec(model=path, max_new_tokens=40, max_batch_size=3, budget="fixed", warmup=False, **kw)

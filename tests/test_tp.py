@@ -252,11 +252,11 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
 
 
 def _job(address: str, model: str, inp, out, *extra: str) -> dict:
-    """Run the job through jobs/generate.py's entry point (``pipeline.cli.main``) in this process,
+    """Run the job through jobs/generate.py's entry point (``pipeline.job.cli.main``) in this process,
     joined to the module's Ray; returns the summary."""
     import json
 
-    from pipeline.cli import main
+    from pipeline.job.cli import main
 
     argv = ["--input", str(inp), "--output", str(out), "--model", model, "--address", address,
             "--max-batch-size", "3", "--batch-rows", "3", "--threads-per-actor", "1", "--cpus-per-actor", "1",
@@ -266,7 +266,7 @@ def _job(address: str, model: str, inp, out, *extra: str) -> dict:
 
 
 def _generations(out) -> dict:
-    from pipeline.output import read_generations
+    from pipeline.io.output import read_generations
 
     t = read_generations(out).to_pylist()
     ids = [r["id"] for r in t]
@@ -310,8 +310,8 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
     replaced, its batches are redone, and every row is written exactly once."""
     import json
 
-    from pipeline.config import GenerationSpec, JobConfig
-    from pipeline.job import run_job
+    from pipeline.job.config import GenerationSpec, JobConfig
+    from pipeline.job.run import run_job
 
     rows = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}"} for i in range(12)]
     inp = tmp_path / "in.jsonl"
@@ -347,8 +347,8 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
 
 
 def test_check_fits_says_why_before_starting():
-    from pipeline.config import ConfigError
-    from pipeline.tp import check_fits
+    from pipeline.errors import ConfigError
+    from pipeline.replica.tp import check_fits
 
     nodes = [{"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
              {"Alive": True, "Resources": {"CPU": 96.0, "GPU": 8.0}},
@@ -380,8 +380,8 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     would double this test's time.)"""
     import json
 
-    from pipeline.config import GenerationSpec
-    from pipeline.worker import RowGenerator
+    from pipeline.job.config import GenerationSpec
+    from pipeline.replica.worker import RowGenerator
 
     rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()[:3]]
     inp = tmp_path / "in.jsonl"

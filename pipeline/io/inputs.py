@@ -5,20 +5,21 @@ such files (read in sorted path order); or a ``datasets`` dataset saved with ``s
 read with ``pyarrow.dataset`` scanners (Arrow IPC streams with Arrow's stream reader, saved datasets
 through ``datasets``' memory-mapped table), only the columns asked for, batch by batch. A JSON file
 Arrow cannot type (a column holding both strings and numbers, a top-level ``[...]`` array) is read by
-:mod:`pipeline.json_rows` instead, which marks the values of the wrong type as row problems.
+:mod:`pipeline.io.json_rows` instead, which marks the values of the wrong type as row problems.
 
 Schema problems (missing column, unusable column type) raise :class:`ConfigError` here; ids are checked
-in :mod:`pipeline.rows`, problems of single rows become error rows (:func:`row_problem`).
+in :mod:`pipeline.job.pending`, problems of single rows become error rows (:func:`row_problem`).
 """
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import pyarrow as pa
 
-from .config import ConfigError, JobConfig
+from ..errors import ConfigError
+from ..job.config import JobConfig
 from .json_rows import PROBLEM, json_names, read_json_rows
 from .row_checks import row_problem, row_prompt  # noqa: F401 - the input's row checks, named here too
 
@@ -37,7 +38,7 @@ class InputFile:
     """One input file (or a saved dataset): its format, column names and (typed formats) column types."""
 
     path: pathlib.Path
-    fmt: str  # parquet, arrow, arrow-stream, json, json-rows (pipeline.json_rows), csv, datasets
+    fmt: str  # parquet, arrow, arrow-stream, json, json-rows (pipeline.io.json_rows), csv, datasets
     names: list[str]
     types: dict[str, pa.DataType] = field(default_factory=dict)
     split: str | None = None
@@ -74,7 +75,7 @@ class InputFile:
 
 
     def _read_json(self, present: list[str], strict: tuple) -> Iterator[pa.Table]:
-        """Arrow's JSON reader; from the first block it cannot type on, :mod:`pipeline.json_rows`."""
+        """Arrow's JSON reader; from the first block it cannot type on, :mod:`pipeline.io.json_rows`."""
         done = 0
         try:
             for b in _dataset(self.path, "json").to_batches(columns=present, batch_size=SCAN_ROWS):

@@ -1,18 +1,18 @@
 """JSON that Arrow's reader cannot type: a column holding values of several kinds (a number among text
 prompts), or a top-level ``[...]`` array. Read with ``json`` here instead (JSON lines one line at a time,
 an array whole), into the same Arrow batches the other formats give. A value Arrow cannot hold in its
-column (by :func:`pipeline.inputs.row_problem`'s rules) becomes null, with the reason in a
+column (by :func:`pipeline.io.inputs.row_problem`'s rules) becomes null, with the reason in a
 ``__problem__`` column, so the row becomes an error row rather than failing the job.
 """
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow as pa
 
-from .config import ConfigError
+from ..errors import ConfigError
 from .row_checks import row_problem
 
 PROBLEM = "__problem__"  # the column of a batch read here that says why a value could not be typed

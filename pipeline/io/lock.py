@@ -13,7 +13,7 @@ import pathlib
 import socket
 import time
 
-from .config import ConfigError
+from ..errors import ConfigError
 
 LOCK_FILE = "_job.lock"
 

@@ -23,7 +23,8 @@ import os
 import pathlib
 import tempfile
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,10 +32,10 @@ import pyarrow.parquet as pq
 
 from logitspec.stats import ORIGINS
 
-from .config import ConfigError
+from ..errors import ConfigError
 from .lock import OutputLock
 
-log = logging.getLogger("pipeline.output")
+log = logging.getLogger("pipeline.io.output")
 
 JOB_FILE = "_job.json"
 SUMMARY_FILE = "_summary.json"

@@ -27,11 +27,11 @@ import numpy as np
 
 from logitspec.index import CorpusIndex
 
-from .config import ConfigError
+from ..errors import ConfigError
 from .inputs import TABLE_SUFFIXES, is_saved_dataset, open_file
 from .output import new_file_mode
 
-log = logging.getLogger("pipeline.reference")
+log = logging.getLogger("pipeline.io.reference")
 
 INDEX_SUFFIX = ".npz"
 META_KEY = "__meta__"

@@ -1,7 +1,7 @@
 """Cost of the pipeline itself: the job with one actor vs the bare engine on the same rows.
 
-    python -m pipeline.bench --input data/sample_prompts.jsonl --limit 12 --max-new-tokens 32 --repeats 2
-    python -m pipeline.bench --input data/synthetic/prompts.jsonl --messages-column messages \
+    python -m pipeline.job.bench --input data/sample_prompts.jsonl --limit 12 --max-new-tokens 32 --repeats 2
+    python -m pipeline.job.bench --input data/synthetic/prompts.jsonl --messages-column messages \
         --temperature 0.8 --top-p 0.95 --num-samples 4 --max-new-tokens 64 --max-batch-size 8
 
 Side by side in one session, alternating (bare, job, bare, job, ...), same rows, same engine settings,
@@ -25,11 +25,11 @@ import statistics
 import tempfile
 import time
 
+from ..io.inputs import open_input, read_columns, row_prompt
 from .config import GenerationSpec, JobConfig
-from .inputs import open_input, read_columns, row_prompt
-from .rows import scan_ids
+from .pending import scan_ids
 
-log = logging.getLogger("pipeline.bench")
+log = logging.getLogger("pipeline.job.bench")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
 
     gen = GenerationSpec(model=args.model, method=args.method, max_new_tokens=args.max_new_tokens,
                          max_batch_size=args.max_batch_size, temperature=args.temperature, top_p=args.top_p)
-    base = dict(input=args.input, gen=gen, limit=args.limit, threads_per_actor=args.threads, actors=1,
-                batch_rows=args.batch_rows, log_interval=60.0, messages_column=args.messages_column,
-                num_samples=args.num_samples, stream=not args.no_stream)
+    base = {"input": args.input, "gen": gen, "limit": args.limit, "threads_per_actor": args.threads, "actors": 1,
+                "batch_rows": args.batch_rows, "log_interval": 60.0, "messages_column": args.messages_column,
+                "num_samples": args.num_samples, "stream": not args.no_stream}
     cfg0 = JobConfig(output="unused", **base)
     # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
     ids = scan_ids(open_input(cfg0)).ids.to_pylist()
@@ -111,7 +111,7 @@ class BareRuns:
                  num_samples: int = 1):
         """``prompts``: text or chat messages (encoded as the job encodes them); ``num_samples`` per row,
         seeded as the job seeds them (one prefill per row, ``n=``)."""
-        from .worker import row_seed
+        from ..replica.worker import row_seed
 
         self.model, self.tokenizer, self.gen = model, tokenizer, gen
         self.ids = ids
@@ -119,8 +119,8 @@ class BareRuns:
         self.encoded = [encoder.encode(x, apply_chat_template=gen.chat) for x in prompts]
         self.seeds = [row_seed(gen.seed, i) for i in ids]
         self.batch_rows = batch_rows
-        self.kw = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p,
-                       top_k=gen.top_k, n=num_samples)
+        self.kw = {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
+                       "top_k": gen.top_k, "n": num_samples}
         self.keys = [(i, s) for i in ids for s in range(num_samples)]  # the results' order
 
     def fresh_engine(self):
@@ -150,8 +150,8 @@ class BareRuns:
 
 def measure_repeat(bare: BareRuns, base: dict, job_output: str) -> dict:
     """One repeat: bare (all rows), bare (the job's batches), then the job with one actor."""
-    from .job import run_job
-    from .output import read_generations
+    from ..io.output import read_generations
+    from .run import run_job
 
     bare_all, res = bare.all_rows()
     bare_text = {k: r.text for k, r in zip(bare.keys, res)}

@@ -13,9 +13,10 @@ import sys
 
 from logitspec.config import METHODS
 
-from .config import DTYPES, ConfigError, GenerationSpec, JobConfig, parse_reference
+from ..errors import ConfigError
+from .config import DTYPES, GenerationSpec, JobConfig, parse_reference
 
-log = logging.getLogger("pipeline.cli")
+log = logging.getLogger("pipeline.job.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,8 +133,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    from .job import run_job
-    from .scheduler import JobFailed
+    from ..replica.scheduler import JobFailed
+    from .run import run_job
 
     def on_sigterm(signum, frame):  # before generation starts; while it runs, run_job handles signals
         raise KeyboardInterrupt

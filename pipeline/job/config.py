@@ -9,15 +9,13 @@ import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from logitspec.config import METHODS, SpecConfig
+from logitspec.config import SpecConfig
 from logitspec.request import SamplingParams
+
+from ..errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-class ConfigError(ValueError):
-    """The job cannot start: a bad flag, input, model or reference (message names the problem)."""
 
 
 @dataclass(frozen=True)

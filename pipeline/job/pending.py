@@ -8,16 +8,17 @@ finds each row's problem (an error row) with Arrow compute where the column's ty
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .config import ConfigError, JobConfig
-from .inputs import PROBLEM, InputSource, is_token_list_type
-from .row_checks import row_problem, row_prompt
+from ..errors import ConfigError
+from ..io.inputs import PROBLEM, InputSource, is_token_list_type
+from ..io.row_checks import row_problem, row_prompt
+from .config import JobConfig
 
 
 @dataclass
@@ -124,7 +125,7 @@ def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
             blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
         null_msg = "prompt and messages are both null" if use_messages else "prompt is null"
         problems = pc.if_else(pc.is_null(prompt), null_msg, pc.if_else(blank, "empty prompt", None)).to_pylist()
-    else:  # a column pipeline.json_rows could not type more closely (e.g. lists of floats)
+    else:  # a column pipeline.io.json_rows could not type more closely (e.g. lists of floats)
         problems = [row_problem(p) for p in prompt.to_pylist()]
     if use_messages:
         for i, m in enumerate(t.column(cfg.messages_column).to_pylist()):

@@ -3,7 +3,7 @@ reference indexes, open the output, and find which (id, sample) pairs the output
 
 Everything that can be wrong with the flags, the input's schema and ids, the model or the references is
 found here, so a bad job fails in seconds with a message naming the problem (:class:`ConfigError`).
-The prompts are not read here: :mod:`pipeline.rows` streams them while the job runs.
+The prompts are not read here: :mod:`pipeline.job.pending` streams them while the job runs.
 """
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError, JobConfig
-from .inputs import open_input
-from .output import OutputStore
-from .rows import InputIndex, Pending, count_problems, pending, scan_ids
+from ..errors import ConfigError
+from ..io.inputs import open_input
+from ..io.model import check_model
+from ..io.output import OutputStore
+from .config import JobConfig
+from .pending import InputIndex, Pending, count_problems, pending, scan_ids
 
-log = logging.getLogger("pipeline.plan")
+log = logging.getLogger("pipeline.job.plan")
 
 
 @dataclass
@@ -31,37 +33,6 @@ class JobPlan:
     todo: Pending
     default_corpus: str | None = None  # the corpus of rows without a corpus column (the one --reference)
     timing: dict = field(default_factory=dict)  # validate_s, reference_build_s
-
-
-def check_model(spec: str, trust_remote_code: bool = False) -> pathlib.Path:
-    """Local dir of the model (converting/caching it if needed); ConfigError if missing or unreadable."""
-    from logitspec.models import ModelNotFoundError, resolve_model_path
-
-    try:
-        path = pathlib.Path(resolve_model_path(spec))
-    except ModelNotFoundError as e:
-        raise ConfigError(str(e)) from None
-    except (OSError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"cannot prepare model {spec!r}: {type(e).__name__}: {e}") from None
-    try:
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-        raise ConfigError(f"model {spec!r}: cannot read {path / 'config.json'}: {e}") from None
-    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin"))
-    if not weights:
-        raise ConfigError(f"model {spec!r}: no weights (*.safetensors, *.bin) in {path}")
-    for w in weights:
-        if w.suffix == ".safetensors":
-            try:
-                from safetensors import safe_open
-
-                with safe_open(str(w), framework="pt") as fh:
-                    fh.keys()
-            except Exception as e:  # noqa: BLE001
-                raise ConfigError(f"model {spec!r}: unreadable weights {w}: {e}") from None
-    return path
 
 
 def job_record(cfg: JobConfig) -> dict:
@@ -97,7 +68,7 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
         return {}
     from transformers import AutoTokenizer
 
-    from .reference import prepare_reference
+    from ..io.reference import prepare_reference
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,

@@ -6,7 +6,7 @@ import math
 import time
 from collections import defaultdict
 
-log = logging.getLogger("pipeline.job")  # progress lines are the job's log lines
+log = logging.getLogger("pipeline.job.run")  # progress lines are the job's log lines
 
 
 class Progress:

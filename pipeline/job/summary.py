@@ -6,36 +6,16 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
+from ..replica.pool import RunRecord
 from .progress import Progress
 
-# summary name -> key of a process's ``memory`` (pipeline.resources.process_memory)
+# summary name -> key of a process's ``memory`` (pipeline.replica.resources.process_memory)
 MEMORY_FIELDS = (("rss_bytes", "VmRSS"), ("pss_bytes", "Pss"), ("private_bytes", "private_bytes"),
                  ("shared_bytes", "shared_bytes"), ("rss_anon_bytes", "RssAnon"), ("rss_file_bytes", "RssFile"),
                  ("rss_shmem_bytes", "RssShmem"))
-# a process's model bytes by where they live (pipeline.replica_setup.model_memory)
+# a process's model bytes by where they live (pipeline.replica.startup.model_memory)
 MODEL_FIELDS = ("model_bytes", "model_private_bytes", "model_device_bytes", "model_shared_bytes", "model_file_bytes")
-
-
-@dataclass
-class RunRecord:
-    """What running the replicas leaves for the summary."""
-
-    ray_info: dict | None = None
-    stats: Any = None  # pipeline.scheduler.SchedulerStats, once the scheduler exists
-    # each replica alive at the end: its info then ({"name", "missing": why} if it did not answer)
-    final: list = field(default_factory=list)
-    batch_steps: int = 0  # the replicas' decoding forwards, summed over the tasks they returned
-    active_sum: float = 0.0  # ... and the rows those forwards decoded
-    shared_history: dict | None = None  # SharedHistory.stats with --share-history (answers in and out)
-
-    def add_engine(self, engine: dict) -> None:
-        """Count a task's engine stats (``batch_steps``, ``mean_active``)."""
-        steps = engine.get("batch_steps") or 0
-        self.batch_steps += steps
-        self.active_sum += engine.get("active_sum", steps * (engine.get("mean_active") or 0.0))
 
 
 def _total(values) -> int | None:
@@ -174,7 +154,7 @@ def _engine(cfg, record: RunRecord) -> dict:
 
 
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
-    """The summary of a run (``plan``: :class:`pipeline.plan.JobPlan`); written to ``_summary.json``."""
+    """The summary of a run (``plan``: :class:`pipeline.job.plan.JobPlan`); written to ``_summary.json``."""
     data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
     out = output_counts(store, data, cfg.num_samples)
     total_ids = len(data) * cfg.num_samples  # (id, sample) keys

@@ -2,25 +2,26 @@
 
 An :class:`ActorReplica` is one Ray actor holding one model copy and one :class:`logitspec.Engine`: a
 :class:`StreamingEngineWorker` (the job's default: a threaded actor whose concurrent tasks share one engine
-session, :mod:`pipeline.streaming`) or an :class:`EngineWorker` (one task at a time, each decoded to
-its end). With ``--tp N`` a replica is instead a :class:`pipeline.tp.TPReplica`: N
-actors that together hold one model. Both offer the calls of :class:`pipeline.resources.Replica`, so
+session, :mod:`pipeline.replica.streaming`) or an :class:`EngineWorker` (one task at a time, each decoded to
+its end). With ``--tp N`` a replica is instead a :class:`pipeline.replica.tp.TPReplica`: N
+actors that together hold one model. Both offer the calls of :class:`pipeline.replica.resources.Replica`, so
 the scheduler, the writer and the fault handling do not depend on which one runs.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 
 import ray
 
+from ..job.config import GenerationSpec
 from . import faults
 from .actor_env import actor_runtime_env
-from .config import GenerationSpec
 from .resources import Replica, ReplicaResources, process_memory
 
-log = logging.getLogger("pipeline.replica")
+log = logging.getLogger("pipeline.replica.actor")
 
 
 class EngineWorker:
@@ -33,13 +34,13 @@ class EngineWorker:
         from logitspec import Engine
         from logitspec.models import load_model
 
-        from .replica_setup import set_up
+        from .startup import set_up
 
         torch.set_num_threads(threads)
         t_import = time.perf_counter()
         device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
         def load(dtype):
-            faults.at_load()  # test-only: a process killed while loading (pipeline.faults)
+            faults.at_load()  # test-only: a process killed while loading (pipeline.replica.faults)
             return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
 
         self.generator, info = set_up(spec, device, reference_refs, load=load,
@@ -53,7 +54,7 @@ class EngineWorker:
     def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
         """``history``: other replicas' answers (``--share-history``); a generator that takes none (the
         evaluation sweep's) is called without it."""
-        faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.faults)
+        faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.replica.faults)
         out, stats = self.generator(rows) if history is None else self.generator(rows, history)
         stats["pid"] = os.getpid()
         return out, stats
@@ -61,9 +62,9 @@ class EngineWorker:
 
 class StreamingEngineWorker(EngineWorker):
     """The actor with its tasks run concurrently (a threaded actor) through one engine session, so
-    rows of the next task take the slots the current one frees (:class:`pipeline.streaming.StreamingRows`)."""
+    rows of the next task take the slots the current one frees (:class:`pipeline.replica.streaming.StreamingRows`)."""
 
-    concurrent = True  # tasks in flight run together: a death is every one's (pipeline.scheduler)
+    concurrent = True  # tasks in flight run together: a death is every one's (pipeline.replica.scheduler)
 
     def __init__(self, spec: GenerationSpec, threads: int, use_gpu: bool, reference_refs: dict):
         from concurrent.futures import ThreadPoolExecutor
@@ -91,7 +92,7 @@ class ActorReplica:
     def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict,
                  worker: type = EngineWorker):
         """``worker``: the actor class, built as ``worker(spec, threads, use_gpu, reference_refs)`` with
-        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.eval_replica.EvalWorker`);
+        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.sweep.replica.EvalWorker`);
         one whose ``concurrent`` is true runs as a threaded actor."""
         self.name = name
         self.concurrent = getattr(worker, "concurrent", False)
@@ -105,21 +106,19 @@ class ActorReplica:
                                 {k: (v,) for k, v in reference_refs.items()})
         self._ready = self.actor.info.remote()
 
-    def ready(self) -> "ray.ObjectRef":
+    def ready(self) -> ray.ObjectRef:
         return self._ready
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":
+    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:
         """``history``: other replicas' answers for this one's history (``--share-history``)."""
         return self.actor.generate.remote(rows, history)
 
-    def info(self) -> "ray.ObjectRef":
+    def info(self) -> ray.ObjectRef:
         return self.actor.info.remote()
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
 
 def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int = 1,

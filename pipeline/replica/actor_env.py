@@ -7,7 +7,7 @@ from . import faults
 
 
 def actor_runtime_env() -> dict | None:
-    """The driver's ``LOGITSPEC_FAULT`` when set (:mod:`pipeline.faults`), and tcmalloc preloaded
+    """The driver's ``LOGITSPEC_FAULT`` when set (:mod:`pipeline.replica.faults`), and tcmalloc preloaded
     where the machine has it (:mod:`logitspec.allocator`); None when neither."""
     env_vars = {**faults.fault_vars(), **allocator.preload_env()}
     return {"env_vars": env_vars} if env_vars else None

@@ -2,7 +2,7 @@
 chosen point, as the OOM killer or a lost node would. Nothing happens when the variable is unset.
 
 The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
-:func:`pipeline.actor_env.actor_runtime_env`); forms:
+:func:`pipeline.replica.actor_env.actor_runtime_env`); forms:
 
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time

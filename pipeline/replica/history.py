@@ -2,7 +2,7 @@
 
 Each replica drafts from a :class:`~logitspec.history.HistorySource` of answers. With a shared history,
 a replica's finished batch reports its answers' token ids (``stats["answers"]``, see
-:meth:`pipeline.worker.RowGenerator.answers`); the driver keeps the newest ``max_tokens`` tokens of
+:meth:`pipeline.replica.worker.RowGenerator.answers`); the driver keeps the newest ``max_tokens`` tokens of
 them, and every batch it sends a replica carries the answers the *other* replicas produced since
 that replica's previous batch (a new or replacement replica gets all that is kept). The driver
 already talks to every replica once per batch, so this needs no extra actor, and a tensor-parallel

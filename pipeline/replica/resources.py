@@ -1,7 +1,7 @@
 """What a replica is to the rest of the job, and what it can say about its own memory.
 
 :class:`Replica` is the interface the scheduler and the job use (one actor,
-:class:`pipeline.replica.ActorReplica`, or a tensor-parallel group, :class:`pipeline.tp.TPReplica`);
+:class:`pipeline.replica.actor.ActorReplica`, or a tensor-parallel group, :class:`pipeline.replica.tp.TPReplica`);
 :class:`ReplicaResources` is what each of its actors asks Ray for. The memory readers run inside a
 replica's process (Linux ``/proc/self``): :func:`process_memory` splits its resident memory into private
 and shared pages, :func:`where_bytes_live` says which kind of mapping holds given arrays (a private
@@ -10,8 +10,9 @@ anonymous copy, a shared mapping such as the Ray object store, a file mapping, o
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
 # keys read from /proc/self/status and /proc/self/smaps_rollup (sizes in kB there, bytes here)
 _STATUS_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
@@ -31,14 +32,14 @@ class Replica(Protocol):
     name: str
     concurrent: bool  # its tasks in flight run together (a death may be any one's), not one after another
 
-    def ready(self) -> "ray.ObjectRef":  # noqa: F821
+    def ready(self) -> ray.ObjectRef:  # noqa: F821
         """Resolves to an info dict (pids, load times, memory) once the replica can take rows; fails if it dies."""
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":  # noqa: F821
+    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:  # noqa: F821
         """Resolves to ``(output rows, batch stats)``; raises ``RayActorError`` if the replica dies.
         ``history``: other replicas' answers to add to its draft history first (``--share-history``)."""
 
-    def info(self) -> "ray.ObjectRef":  # noqa: F821
+    def info(self) -> ray.ObjectRef:  # noqa: F821
         """Resolves to the info dict with the replica's memory now; fails if it died."""
 
     def kill(self) -> None:

@@ -10,7 +10,7 @@ running when its replica died twice is split into single rows; a single row that
 ``max_row_attempts`` times becomes an error row.
 
 Which batches were running: in a replica whose tasks run one after another, the oldest in flight;
-in a ``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.streaming`), every
+in a ``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.replica.streaming`), every
 batch in flight, since any of them may hold the row that killed it. There, a batch that has seen a
 death and the single rows split off a batch run alone (nothing else in flight on that replica), so
 a later death is theirs only: an innocent row is never made an error row, a crashing one still is. So every row ends up in the output exactly once,
@@ -21,16 +21,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
+from .history import SharedHistory
 from .resources import Replica
-from .shared_history import SharedHistory
 
-log = logging.getLogger("pipeline.scheduler")
+log = logging.getLogger("pipeline.replica.scheduler")
 
 
 class JobFailed(RuntimeError):

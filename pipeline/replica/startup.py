@@ -1,17 +1,17 @@
 """Setting up one replica process: dtype, model, the shared reference indexes, engine, warm-up.
 
-Both kinds of replica use :func:`set_up`: an :class:`pipeline.replica.EngineWorker` (one process holds
-the model) and a :class:`pipeline.tp.TPRank` (one rank of a tensor-parallel group holds its shard).
+Both kinds of replica use :func:`set_up`: an :class:`pipeline.replica.actor.EngineWorker` (one process holds
+the model) and a :class:`pipeline.replica.tp.TPRank` (one rank of a tensor-parallel group holds its shard).
 They differ only in how the model is loaded and how the engine is made, which they pass in.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from logitspec import allocator
 
-from .config import GenerationSpec
+from ..job.config import GenerationSpec
 from .resources import array_spans, peak_rss, tensor_spans, where_bytes_live
 
 
@@ -46,7 +46,7 @@ def attach_references(reference_refs: dict) -> tuple[dict, dict]:
 
     from logitspec.index import CorpusIndex
 
-    from .reference import split_meta
+    from ..io.reference import split_meta
 
     indexes, held = {}, {}
     for name, (ref,) in reference_refs.items():

@@ -1,6 +1,6 @@
 """Tasks of rows -> output rows through ONE engine session, so a replica's slots stay full across tasks.
 
-:class:`StreamingRows` is called like a :class:`~pipeline.worker.RowGenerator` (``rows -> (output
+:class:`StreamingRows` is called like a :class:`~pipeline.replica.worker.RowGenerator` (``rows -> (output
 rows, stats)``) but from several threads at once (a Ray threaded actor's concurrent ``generate``
 calls). Every call puts its task in an inbox and waits; one of the waiting callers at a time drives
 the engine: it encodes new tasks, submits their prompts to a long-lived
@@ -24,7 +24,7 @@ from collections import deque
 
 from .worker import Request, RowGenerator
 
-log = logging.getLogger("pipeline.streaming")
+log = logging.getLogger("pipeline.replica.streaming")
 
 COUNTERS = ("batch_steps", "active_sum", "prefills", "prefill_chunks")
 

@@ -4,9 +4,9 @@ A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement gr
 ``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and
 running the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`).
 The driver sends every batch to every rank; only rank 0's answer is returned. It offers the calls of
-:class:`pipeline.resources.Replica`, as :class:`pipeline.replica.ActorReplica` does, so the scheduler,
+:class:`pipeline.replica.resources.Replica`, as :class:`pipeline.replica.actor.ActorReplica` does, so the scheduler,
 the writer and the fault handling (requeue, replace, exactly-once) are unchanged. Each rank sets itself
-up with :func:`pipeline.replica_setup.set_up`, as a one-actor replica does.
+up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
 
 Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
 :class:`~logitspec.distributed.PeerWatchdog`; otherwise they would spin forever in the shm all-reduce),
@@ -17,6 +17,7 @@ collective, so a rank whose engine raises exits too; ranks whose outputs differ 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,11 +27,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..errors import ConfigError
+from ..job.config import GenerationSpec
 from .actor_env import actor_runtime_env
-from .config import ConfigError, GenerationSpec
 from .resources import ReplicaResources, process_memory
 
-log = logging.getLogger("pipeline.tp")
+log = logging.getLogger("pipeline.replica.tp")
 
 
 class TPRank:
@@ -86,7 +88,7 @@ class TPRank:
 
         from logitspec.distributed import init_rank, load_tp_model, make_engine
 
-        from .replica_setup import set_up
+        from .startup import set_up
 
         t_import = time.perf_counter()
         init_rank(rank, world, hellos[0]["port"], device=device, backend=backend, threads=threads)
@@ -196,27 +198,23 @@ class TPReplica:
                   for i, a in enumerate(self.ranks)]
         self._ready = _group_ready.remote(setups)
 
-    def ready(self) -> "ray.ObjectRef":
+    def ready(self) -> ray.ObjectRef:
         return self._ready
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> "ray.ObjectRef":
+    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:
         refs = [a.generate.remote(rows, history) for a in self.ranks]
         return refs[0]  # a peer's death ends rank 0 too (watchdog), so this ref fails with it
 
-    def info(self) -> "ray.ObjectRef":
+    def info(self) -> ray.ObjectRef:
         """Rank 0's info (``memory``: its own) with ``ranks``: every rank's, memory included."""
         return _group_info.remote([a.info.remote() for a in self.ranks])
 
     def kill(self) -> None:
         for a in self.ranks:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        try:
+        with contextlib.suppress(Exception):
             remove_placement_group(self.pg)
-        except Exception:  # noqa: BLE001
-            pass
 
 
 def check_fits(replicas: int, tp: int, cpus_per_rank: float, gpus_per_rank: float = 0.0,
@@ -244,7 +242,7 @@ def check_fits(replicas: int, tp: int, cpus_per_rank: float, gpus_per_rank: floa
 
 
 def make_tp_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int):
-    """``factory(name) -> TPReplica`` (for :class:`pipeline.scheduler.Scheduler`)."""
+    """``factory(name) -> TPReplica`` (for :class:`pipeline.replica.scheduler.Scheduler`)."""
 
     def factory(name: str) -> TPReplica:
         return TPReplica(name, spec, resources, reference_refs, tp)

@@ -5,7 +5,7 @@ A row is ``{"id", "prompt", "corpus", "samples"}`` (``prompt``: text, chat messa
 Each row is encoded first; a row the engine refuses (too long for the context, no chat template, ...)
 becomes error rows and the others go on. If ``Engine.run`` raises on the batch, its prompts (a row, or
 one sample of it) are retried one by one so only the failing ones become error rows. The parts
-(:meth:`RowGenerator.prepare`, ``run``, ``assemble``) are also used by :mod:`pipeline.streaming`.
+(:meth:`RowGenerator.prepare`, ``run``, ``assemble``) are also used by :mod:`pipeline.replica.streaming`.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from typing import Any
 
 from logitspec.session import sample_seed
 
-from .config import GenerationSpec
+from ..job.config import GenerationSpec
 
-log = logging.getLogger("pipeline.worker")
+log = logging.getLogger("pipeline.replica.worker")
 
 
 def row_seed(base: int, row_id: Any, sample: int = 0) -> int:

@@ -12,8 +12,9 @@ import sys
 
 from logitspec.config import METHODS
 
-from .config import DTYPES, ConfigError
-from .eval_config import GRID_KEYS, EvalConfig
+from ..errors import ConfigError
+from ..job.config import DTYPES
+from .config import GRID_KEYS, EvalConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())  # noqa: E731
+    split = lambda text: tuple(s.strip() for s in text.split(",") if s.strip())
     return EvalConfig(
         data=args.data, output=args.output, model=args.model, methods=split(args.methods), grid=tuple(args.grid),
         datasets=split(args.datasets), limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -74,8 +75,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
-    from .eval_job import run_sweep
-    from .scheduler import JobFailed
+    from ..replica.scheduler import JobFailed
+    from .run import run_sweep
 
     try:
         report = run_sweep(config_from_args(args))

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 from logitspec.config import METHODS, SpecConfig
 
-from .config import DTYPES, ConfigError, JobConfig
+from ..errors import ConfigError
+from ..job.config import DTYPES, JobConfig
 
 # setting -> (type, the methods it applies to)
 GRID_KEYS: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -37,7 +38,7 @@ class SweepConfig:
         return self.method + "".join(f"@{k}={v}" for k, v in self.settings)
 
     @property
-    def baseline(self) -> "SweepConfig":
+    def baseline(self) -> SweepConfig:
         """The ``ar`` configuration with the same settings that apply to ``ar`` (its speed-up reference)."""
         return SweepConfig(BASELINE, tuple((k, v) for k, v in self.settings if BASELINE in GRID_KEYS[k][1]))
 

@@ -11,10 +11,10 @@ import time
 
 import pyarrow as pa
 
-from .eval_config import SweepConfig
-from .resources import peak_rss
+from ..replica.resources import peak_rss
+from .config import SweepConfig
 
-log = logging.getLogger("pipeline.eval_worker")
+log = logging.getLogger("pipeline.sweep.generator")
 
 
 def row_id(key: str, config: str) -> str:

@@ -10,10 +10,10 @@ import time
 
 import ray
 
-from .eval_config import EvalConfig
-from .eval_worker import SweepGenerator
-from .replica import ActorReplica, EngineWorker
-from .resources import ReplicaResources
+from ..replica.actor import ActorReplica, EngineWorker
+from ..replica.resources import ReplicaResources
+from .config import EvalConfig
+from .generator import SweepGenerator
 
 
 def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
@@ -42,7 +42,7 @@ class EvalWorker(EngineWorker):
 
         from logitspec.models import load_model
 
-        from .replica_setup import model_memory, torch_dtype, warm_up
+        from ..replica.startup import model_memory, torch_dtype, warm_up
 
         torch.set_num_threads(threads)
         device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"

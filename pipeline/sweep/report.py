@@ -9,12 +9,12 @@ import pathlib
 from logitspec.evaluation.sweep_plot import plot_report
 from logitspec.evaluation.sweep_report import build_report, report_markdown
 
-from .eval_config import EvalConfig
-from .eval_worker import sweep_schema
-from .output import atomic_write_bytes, atomic_write_json
-from .summary import RunRecord
+from ..io.output import atomic_write_bytes, atomic_write_json
+from ..replica.pool import RunRecord
+from .config import EvalConfig
+from .generator import sweep_schema
 
-log = logging.getLogger("pipeline.eval_output")
+log = logging.getLogger("pipeline.sweep.report")
 
 
 def machine_load() -> list[float] | None:

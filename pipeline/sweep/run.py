@@ -1,7 +1,7 @@
 """Running an evaluation sweep: plan it (no Ray), generate every (row, configuration) through the
 batch job's scheduler and replicas, then score and write the report.
 
-Layout of ``--output``: ``rows/`` (a Parquet dataset of :func:`pipeline.eval_worker.sweep_schema`, one
+Layout of ``--output``: ``rows/`` (a Parquet dataset of :func:`pipeline.sweep.generator.sweep_schema`, one
 row per example and configuration; resumed like a batch job's output), ``report.json``, ``report.md``,
 ``report.png``. A rerun generates only the (row, configuration) pairs missing from ``rows/``.
 """
@@ -10,24 +10,23 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pyarrow as pa
 
 from logitspec.evaluation import LongBenchFormatError, read_directory
 from logitspec.evaluation.sweep_rows import sweep_rows
 
-from .config import ConfigError
-from .eval_config import EvalConfig
-from .eval_worker import row_id, sweep_error_row, sweep_schema
-from .job import connect_ray, drive_replicas, replica_resources
-from .output import OutputStore
-from .plan import check_model
-from .progress import Progress
-from .summary import RunRecord
+from ..errors import ConfigError
+from ..io.model import check_model
+from ..io.output import OutputStore
+from ..job.progress import Progress
+from ..replica.pool import RunRecord, connect_ray, drive_replicas, replica_resources
+from .config import EvalConfig
+from .generator import row_id, sweep_error_row, sweep_schema
 
-log = logging.getLogger("pipeline.eval_job")
+log = logging.getLogger("pipeline.sweep.run")
 ROWS_DIR = "rows"
 
 
@@ -108,8 +107,8 @@ class _Sink:
 
 def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Callable | None = None) -> None:
     """Ray, the replicas and the scheduler over ``plan.todo`` (batches never mix datasets)."""
-    from .eval_replica import make_eval_replica_factory
-    from .scheduler import Batch
+    from ..replica.scheduler import Batch
+    from .replica import make_eval_replica_factory
 
     job = cfg.job_config(str(plan.store.root))
     t = time.perf_counter()
@@ -136,7 +135,7 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
 
 def run_sweep(cfg: EvalConfig, on_event: Callable | None = None) -> dict:
     """The whole sweep; returns the report (also written to ``--output``)."""
-    from .eval_output import write_report
+    from .report import write_report
 
     t0 = time.perf_counter()
     plan = plan_sweep(cfg)
