@@ -119,17 +119,14 @@ def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
 
 @torch.inference_mode()
 def measure(target: TargetForward, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
-            batch_rows=None, batch_tokens=None, batch_chains: str = CHAINS) -> CostCurve:
+            batch_rows=None, batch_tokens=None) -> CostCurve:
     """Fastest time over ``reps`` (machine noise only adds time: a median of few reps took one
     slow forward for the cost of its size) of one target forward (decoder + greedy output layer
     for every node, the device's work included) adding n tokens to a ``context``-token cache, for
     each n in ``tokens``; then, for each b in ``batch_rows``, b rows (caches of different lengths
     from ``context`` on) adding n tokens each, for n in ``batch_tokens``. Caches are rolled back
-    after each forward. Arguments
-    left None come from the device's :func:`grid_for`. ``batch_chains``: what the batch curves
-    verify, ``"own"`` (the model's continuation) or ``"arbitrary"`` (until 2026-12-02; for A/B runs)."""
-    if batch_chains not in ("own", "arbitrary"):
-        raise ValueError(f"batch_chains must be 'own' or 'arbitrary', got {batch_chains!r}")
+    after each forward; every forward verifies chains of the model's own continuation
+    (:func:`own_continuations`). Arguments left None come from the device's :func:`grid_for`."""
     g = grid_for(target.device)
     tokens = g.tokens if tokens is None else tokens
     context = g.context if context is None else context
@@ -140,20 +137,20 @@ def measure(target: TargetForward, tokens=None, context: int | None = None, reps
         for n in {*tokens, *(b * n for b in batch_rows for n in batch_tokens), *HEAD_NODES}:
             screen.settle(n, target.device)
     with screen.int8.holding() if screen is not None else contextlib.nullcontext():  # (see Int8Race)
-        return _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, batch_chains, g)
+        return _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, g)
 
 
-def _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, batch_chains, g) -> CostCurve:
+def _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, g) -> CostCurve:
     """:func:`measure`'s timings, its arguments resolved (``g``: the device's grid)."""
     batches = {}
     # every curve verifies chains of the model's own continuation (a drafted chain that reads like
     # text): on arbitrary chains the screen's rescoring made drafted steps look far dearer than the
-    # engine's (docs/performance.md, 2026-12-02 (later)); what the curve still gets wrong, the
+    # engine's (see own_continuations); what the curve still gets wrong, the
     # engine corrects from the steps it times (logitspec.feedback)
     one = measure_rows(target, 1, tokens, context, reps, warmup, own_chains=True)
     for b in batch_rows:
-        batches[b] = measure_rows(target, b, [n for n in batch_tokens if b * n <= g.max_tokens], context, reps, warmup,
-                                  own_chains=batch_chains == "own")
+        sizes = [n for n in batch_tokens if b * n <= g.max_tokens]
+        batches[b] = measure_rows(target, b, sizes, context, reps, warmup, own_chains=True)
     head = None
     if batch_rows and target.head.fast:  # the output layer's own cost, for per-row node counts
         head = measure_head(target, [n for n in HEAD_NODES if n <= g.max_tokens], reps, warmup)

@@ -18,15 +18,16 @@ speculation slower than plain decoding, which it must never be.
 Each is an exponentially weighted mean (``decay`` per step) that starts at 1 with the weight of
 ``prior`` steps, and is kept within ``[1 / LIMIT, LIMIT]``; they are kept apart per batch-size class
 (2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). One row gets
-none: its curve is measured on the kind of step it takes, and there the corrections only added
-noise (`scripts/feedback_ab.py --batch-size 1`: MAT 1.85-2.45 with them, 2.39-2.43 without;
-docs/performance.md). Steps that verified no drafts update the plain side; nothing else does, so a
+none (below ``MIN_ROWS``): its curve is measured on the kind of step it takes, and there the
+corrections only added noise (MAT 1.85-2.45 with them, 2.39-2.43 without, in an A/B run since
+removed: git history of scripts/feedback_ab.py). Steps that verified no drafts update the plain side; nothing else does, so a
 budget that stops drafting keeps its last corrections until its exploring steps
 (:meth:`~logitspec.engine.Engine._prune`) bring new ones.
 """
 from __future__ import annotations
 
 LIMIT = 4.0  # the corrections stay within [1 / LIMIT, LIMIT]
+MIN_ROWS = 2  # steps of fewer rows get no corrections
 
 
 class _Mean:
@@ -48,15 +49,15 @@ class Realised:
     """Corrections for the budget's token and cost estimates from the steps so far, per batch-size
     class (see the module): ``of(rows)`` gives the class's :class:`Corrections`."""
 
-    def __init__(self, prior: float = 8.0, decay: float = 0.95, min_rows: int = 2):
-        self.prior, self.decay, self.min_rows = prior, decay, min_rows
+    def __init__(self, prior: float = 8.0, decay: float = 0.95):
+        self.prior, self.decay = prior, decay
         self._classes: dict[int, Corrections] = {}
         self._none = _Neutral()
 
     def of(self, rows: int) -> "Corrections":
         """The corrections for steps of ``rows`` rows (created at the prior on first use; neutral,
-        learning nothing, below ``min_rows``)."""
-        if rows < self.min_rows:
+        learning nothing, below ``MIN_ROWS``)."""
+        if rows < MIN_ROWS:
             return self._none
         key = int(rows).bit_length()  # 2-3 | 4-7 | 8-15 | ...
         if key not in self._classes:
