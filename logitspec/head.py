@@ -399,7 +399,7 @@ class Head:
             if not exact:
                 return self.screen(h, argmax=argmax)
         w = self.screen.weight if self.screen is not None else self.weight  # [V, H]
-        # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (shared/FINDINGS.md); elsewhere
+        # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (docs/performance.md); elsewhere
         # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
         logits = torch.mm(w, h.T).T if h.device.type == "cpu" else h @ w.T  # [N, V]
         if self.softcap:
