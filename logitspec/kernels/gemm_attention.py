@@ -3,8 +3,8 @@
 torch's CPU attention (SDPA's flash kernel, and ``matmul``) multiplies with MKL, which takes its AVX2
 path on AMD CPUs: about 210 GFLOP/s for Gemma 3's score product on this project's 2-core AVX-512
 EPYC, where oneDNN's GEMM (the one :mod:`logitspec.kernels.onednn` runs the linears with, here on
-plain unpacked operands) ran it at 440-480 GFLOP/s from 128 queries on
-(``scripts/prefill_attention_ab.py --products``). A key head's query heads are stacked as rows
+plain unpacked operands) ran it at 440-480 GFLOP/s from 128 queries on (a script since removed:
+``git show 4974864:scripts/prefill_attention_ab.py``). A key head's query heads are stacked as rows
 of one product (grouped-query attention reads each key once), and the softmax is torch's, in float32.
 
 A query row's result depends only on its block's shapes and values (the same prompt gives the same
