@@ -81,10 +81,10 @@ def fill_synthetic(out: pathlib.Path) -> int:
     sys.path.insert(0, str(REPO))
     import pyarrow as pa
 
-    from pipeline.config import JobConfig
-    from pipeline.inputs import open_input
-    from pipeline.output import OutputStore
-    from pipeline.rows import pending, scan_ids
+    from pipeline.job.config import JobConfig
+    from pipeline.io.inputs import open_input
+    from pipeline.io.output import OutputStore
+    from pipeline.job.pending import pending, scan_ids
 
     job = json.loads((out / "_job.json").read_text())
     store = OutputStore(out, pa.int64(), part_rows=10_000)

@@ -3,7 +3,7 @@
     python scripts/tp_measure.py --model default --tp 2 --rows 4 --max-new-tokens 32 --out out/tp_measure
     python scripts/tp_measure.py --model /models/llama-8b --tp 2 --gpu ...      # one GPU per rank
 
-Each run is ``jobs/generate.py``'s own path (``pipeline.cli`` arguments -> ``run_job``), in this process
+Each run is ``jobs/generate.py``'s own path (``pipeline.job.cli`` arguments -> ``run_job``), in this process
 so the replicas' start-up info (every rank's memory) can be kept. ``--max-batch-size 1`` makes
 ``wall_s / steps`` of a row its step time. Prints one JSON record (also ``<out>/result.json``).
 """
@@ -52,9 +52,9 @@ def main() -> int:
 
     import ray
 
-    from pipeline.cli import build_parser, config_from_args
-    from pipeline.job import run_job
-    from pipeline.output import read_generations
+    from pipeline.job.cli import build_parser, config_from_args
+    from pipeline.job.run import run_job
+    from pipeline.io.output import read_generations
 
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
