@@ -1,5 +1,6 @@
 """The package structure stays as docs/architecture.md describes: no import cycles, no module importing
-a private name of another, no oversized module in logitspec/ or pipeline/."""
+a private name of another, no oversized module in logitspec/ or pipeline/; the scripts in scripts/ use
+the project through its public names only, and every project name they import exists."""
 import ast
 import pathlib
 
@@ -14,6 +15,10 @@ def _modules() -> dict[str, pathlib.Path]:
         parts = list(p.relative_to(REPO).with_suffix("").parts)
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
 
 
 def _imports(name: str, path: pathlib.Path, known) -> list[tuple[str, list[str]]]:
@@ -38,7 +43,7 @@ def test_no_import_cycles_and_no_private_imports():
     for m, p in mods.items():
         for target, names in _imports(m, p, mods):
             graph[m].add(target)
-            private += [f"{m}: from {target} import {n}" for n in names if n.startswith("_") and not n.startswith("__")]
+            private += [f"{m}: from {target} import {n}" for n in names if _private(n)]
     assert not private, private
 
     def reaches(start, goal, seen):
@@ -51,3 +56,60 @@ def test_no_import_cycles_and_no_private_imports():
 def test_modules_stay_small():
     big = {m: n for m, p in _modules().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, big
+
+
+# private attributes of third-party objects a script may read: transformers' config has no public
+# getter for the attention implementation a model runs
+THIRD_PARTY_PRIVATE = {"_attn_implementation"}
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    """Names a module defines or imports at its top level (what ``from module import name`` finds)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):  # optional imports and fallbacks
+            names |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            names |= {(a.asname or a.name).split(".")[0] for n in ast.walk(node)
+                      if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return names
+
+
+def test_scripts_use_only_public_project_names():
+    """A script (what users and the device checks run) imports existing public names of the project and
+    reads no private attribute of another module's object (``engine._step``): a script that needs one
+    is asking for a public method, or is an experiment that belongs in git history."""
+    mods = _modules()
+    scripts = sorted((REPO / "scripts").glob("*.py"))
+    assert scripts
+    problems = []
+    for path in scripts:
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                root = node.module.split(".")[0]
+                if root not in ("logitspec", "pipeline"):
+                    continue
+                if node.module not in mods:
+                    problems.append(f"{where}: imports {node.module}, which does not exist")
+                    continue
+                defined = _top_level_names(mods[node.module])
+                for a in node.names:
+                    if _private(a.name):
+                        problems.append(f"{where}: from {node.module} import {a.name}")
+                    elif a.name != "*" and a.name not in defined and f"{node.module}.{a.name}" not in mods:
+                        problems.append(f"{where}: {node.module} has no {a.name}")
+            elif isinstance(node, ast.Import):
+                problems += [f"{where}: imports {a.name}, which does not exist" for a in node.names
+                             if a.name.split(".")[0] in ("logitspec", "pipeline") and a.name not in mods]
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in THIRD_PARTY_PRIVATE:
+                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                    problems.append(f"{where}:{node.lineno}: reads .{node.attr} of another object")
+    assert not problems, problems
