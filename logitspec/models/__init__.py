@@ -5,13 +5,14 @@
 names are re-exported here.
 """
 from .builtin import BUILTIN_MODELS
-from .errors import ModelConversionError, ModelNotFoundError
+from .errors import InvalidModelFileError, ModelConversionError, ModelNotFoundError
 from .gguf import MARKER_FILE
 from .loading import load_model, resolve_model_path
 from .paths import CACHE_ENV, default_cache_dir
 
 __all__ = [
     "ModelNotFoundError",
+    "InvalidModelFileError",
     "ModelConversionError",
     "BUILTIN_MODELS",
     "CACHE_ENV",
