@@ -185,6 +185,11 @@ def _times(t: pa.Table) -> np.ndarray | None:
     return pc.fill_null(col.cast(pa.float64()), math.nan).to_numpy(zero_copy_only=False)
 
 
+def _replica_names(t: pa.Table) -> pa.ChunkedArray:
+    """The rows' replica names as strings; "(none)" for rows no replica made (e.g. refused before dispatch)."""
+    return pc.fill_null(t.column(REPLICA_COLUMN).cast(pa.string()), "(none)")
+
+
 def _span(t: pa.Table) -> float | None:
     """Seconds from the first row's start (``finished_at - wall_s``) to the last row's finish."""
     times = _times(t)
@@ -315,12 +320,13 @@ def plot_throughput(data: RunData, path: pathlib.Path) -> str:
             edges = np.array([0.0, width])
         groups = {"all rows": np.ones(len(x), bool)}
         if REPLICA_COLUMN in t.column_names:
-            names = np.array(t.column(REPLICA_COLUMN).to_pylist(), dtype=object)[ok]
-            for name in sorted({str(n) for n in names}):
-                groups[name] = names.astype(str) == name
+            names = _replica_names(t).to_numpy(zero_copy_only=False)[ok]
+            for name in sorted(set(names)):
+                groups[name] = names == name
         for label, m in groups.items():
             hist, _ = np.histogram(x[m], bins=edges, weights=tokens[m])
-            ax.step(edges[:-1], hist / width, where="post", label=label)
+            style = {"color": "black", "linewidth": 2.0, "zorder": 3} if label == "all rows" else {"linewidth": 1.2}
+            ax.stairs(hist / width, edges, label=label, **style)
         ax.set_xlabel("seconds since the first row started")
         ax.set_ylabel("new tokens/s")
         ax.set_title("Throughput over time (rows by finish time)")
@@ -352,6 +358,7 @@ def plot_mat(data: RunData, path: pathlib.Path, mat: float | None) -> None:
         ax.legend(fontsize="small")
     ax.set_xlabel("MAT of the row (new tokens per target forward, `mean_accepted`)")
     ax.set_ylabel("rows")
+    ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_title(f"MAT per row ({len(values):,} rows)")
     _save(fig, path)
 
@@ -417,10 +424,10 @@ def _replica_section(data: RunData) -> tuple[list[str], list[str]]:
     and the missing fields to note."""
     t = data.table
     if REPLICA_COLUMN in t.column_names:
-        names = sorted({str(n) for n in t.column(REPLICA_COLUMN).to_pylist()})
+        col = _replica_names(t)
         rows = []
-        for name in names:
-            sub = t.filter(pc.equal(pc.cast(t.column(REPLICA_COLUMN), pa.string()), name))
+        for name in sorted(pc.unique(col).to_pylist()):
+            sub = t.filter(pc.equal(col, name))
             s = group_stats(sub)
             rows.append([name, f"{s['rows']:,}", f"{s['errors']:,}", f"{s['tokens']:,}", sig(s["tokens_per_s"]),
                          sig(s["mean_accepted"]), budget_sentence(budget_stats(data, sub))])
@@ -514,7 +521,7 @@ def render(data: RunData, captions: dict[str, str]) -> str:
     replica_lines, replica_missing = _replica_section(data)
     lines += ["## Per replica", "", *replica_lines, ""]
     missing += replica_missing
-    if len({str(c) for c in t.column("corpus").to_pylist()} if "corpus" in t.column_names else ()) > 1:
+    if "corpus" in t.column_names and len(pc.unique(t.column("corpus"))) > 1:
         rows = []
         names = pc.fill_null(t.column("corpus").cast(pa.string()), "(none)")
         for name in sorted(set(names.to_pylist())):

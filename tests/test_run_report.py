@@ -33,7 +33,7 @@ def row(i, lengths, origins=None, replica=None, finished_at=None, retrieval=0.5,
          "retrieval_success": retrieval if ok else None, "wall_s": 1.0 if ok else None, "method": "logitspec",
          "model": "default", "error": error, "corpus": None,
          "accepted_from": {**dict.fromkeys(ORIGINS, 0), **(origins or {})} if ok else None}
-    if replica is not None:
+    if finished_at is not None:
         r["replica"], r["finished_at"] = replica, finished_at
     return r
 
@@ -44,7 +44,7 @@ ROWS = [
     row(1, [1, 3, 2, 2, 2, 2, 2, 2, 2, 2], {"context": 6, "reference": 4}, "replica-0", 1002.0),
     row(2, [1] * 12, None, "replica-1", 1001.0, retrieval=0.0),
     row(3, [1] * 6, None, "replica-1", 1003.0, retrieval=0.0),
-    row(4, None, replica="replica-1", finished_at=1003.5,
+    row(4, None, replica=None, finished_at=1003.5,
         error="ValueError: prompt of 9000 tokens does not fit the model's context of 8192"),
 ]
 
@@ -94,7 +94,8 @@ def test_report_counts_mat_replicas_and_plots(tmp_path):
             "steps), at batch 2 on this CPU") in md
     assert "| context | 8 | 16.7% |" in md and "| reference | 4 | 8.33% |" in md
     assert "| one per target forward | 36 | 75% |" in md
-    assert "| replica-0 | 2 | 0 | 30 |" in md and "| replica-1 | 3 | 1 | 18 |" in md
+    assert "| replica-0 | 2 | 0 | 30 |" in md and "| replica-1 | 2 | 0 | 18 |" in md
+    assert "| (none) | 1 | 1 | 0 | - | - |" in md  # the error row no replica made
     assert "Tokens/s over time, in 1.00 s bins" in md and "no finish time" not in md
     assert "`verified_steps`" in md and "`engine.break_even`" in md  # named as missing
     for name in PLOTS.values():
