@@ -1,0 +1,222 @@
+"""The graph runner's static path on CPU (logitspec.gpu): slots, buckets, device-built masks, the
+commit, and lossless decoding against HF generate and the eager TargetForward."""
+import numpy as np
+import pytest
+import torch
+
+from logitspec import Engine, SpecConfig
+from logitspec.cache import BatchKV
+from logitspec.gpu import GraphRunner, SlotKV, bucket, greedy_chains
+from logitspec.masks import StepRow
+from logitspec.request import Request
+from logitspec.target import TargetForward
+from logitspec.tree import DraftTree
+from logitspec.verify import greedy_accept
+from tiny_models import FAMILIES, VOCAB, hf_greedy, repetitive_prompts, tiny_model
+
+N_NEW = 14
+
+
+def test_buckets():
+    assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    with pytest.raises(ValueError):
+        bucket(9, (1, 2, 4, 8))
+
+
+def _filled_slots(layers=2, slots=3, heads=2, max_len=12, dim=4):
+    kv = SlotKV(layers, slots, max_len)
+    kv.allocate(heads, dim, torch.float32)
+    # each entry holds its own (layer, slot, column): moves are easy to read
+    lay = torch.arange(layers)[:, None, None, None, None] * 1000
+    slot = torch.arange(slots)[None, :, None, None, None] * 100
+    col = torch.arange(max_len)[None, None, None, :, None]
+    kv.K.copy_((lay + slot + col).expand_as(kv.K).float())
+    kv.V.copy_(-kv.K)
+    return kv
+
+
+def test_commit_moves_the_accepted_nodes_on_all_layers():
+    kv = _filled_slots()
+    kv.lengths = [3, 5, 0]
+    kv.commit_paths([[0, 2, 5], [0], [0, 1]])  # row 0: nodes 2 and 5 move to depths 1 and 2
+    assert kv.lengths == [6, 6, 2]
+    for layer in range(2):
+        base = layer * 1000
+        assert kv.K[layer, 0, 0, :7, 0].tolist() == [base + c for c in (0, 1, 2, 3, 5, 8, 6)]
+        assert kv.K[layer, 1, 1, :6, 0].tolist() == [base + 100 + c for c in range(6)]  # nothing moved
+        assert torch.equal(kv.V, -kv.K)
+    # the engine's convention: columns = the longest row's length + node index
+    kv.lengths = [3, 5, 0]
+    kv.K.zero_()
+    kv.K[:, 0, :, 3 + 2] = 9.0  # row 0's node 2 sits at column lengths[0] + 2
+    kv.commit([[5 + 0, 5 + 2], [5], [5]])
+    assert kv.K[0, 0, 0, 4, 0].item() == 9.0 and kv.lengths == [5, 6, 1]
+
+
+def test_keep_rows_compacts_the_slots():
+    kv = _filled_slots()
+    kv.lengths = [4, 6, 5]
+    order = kv.keep_rows([2, 1])
+    assert order == [2, 1] and kv.lengths == [5, 6]
+    assert kv.K[1, 0, 0, :5, 0].tolist() == [1200 + c for c in range(5)]  # slot 2 moved to slot 0
+    assert kv.keep_rows([1]) == [1] and kv.lengths == [6]
+    assert kv.K[0, 0, 1, :6, 0].tolist() == [100 + c for c in range(6)]
+
+
+def test_add_rows_copies_prefilled_rows_into_slots():
+    model = tiny_model("llama")
+    runner = GraphRunner(model, max_rows=4, max_len=64, key_block=16)
+    with torch.inference_mode():
+        row, last = runner.prefill([5, 6, 7, 8, 9], chunk=3)
+        kv = runner.new_kv()
+        kv.add_rows([(row, 0, 2)])
+        direct = runner.prefill_slot([5, 6, 7, 8, 9], chunk=2)
+    assert kv.lengths == [5, 5, 5]
+    src = next(iter(row._layers())).keys[0, :, :5]
+    assert torch.allclose(kv.K[0, 0, :, :5], src) and torch.allclose(kv.K[0, 1, :, :5], src)
+    assert torch.allclose(kv.K[:, 2, :, :5], kv.K[:, 0, :, :5], atol=1e-5)
+    assert torch.allclose(direct.scores, last.scores, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_greedy_equals_generate(family):
+    prompts = repetitive_prompts(3, seed=2)
+    refs = [hf_greedy(tiny_model(family), p, N_NEW) for p in prompts]
+    runner = GraphRunner(tiny_model(family), max_rows=4, max_len=96, key_block=16)
+    with torch.inference_mode():
+        got = greedy_chains(runner, prompts, N_NEW, chunk=8)  # chunked prefill into the slots
+    assert got == refs
+    # 3 rows ran as the 4-row bucket; key lengths grew through 16-column buckets
+    assert {(r, t) for r, t, _ in runner.buckets} == {(4, 1)}
+    assert len(runner.buckets) > 1
+
+
+def _random_tree(rng, root: int, truth: list[int], n: int) -> DraftTree:
+    """A tree of ``n`` nodes: a chain mostly following ``truth`` (the greedy continuation) with
+    random branches between its nodes, so accepted paths skip node indices."""
+    tokens, parents, end, depth = [root], [-1], 0, 0
+    for i in range(1, n):
+        if rng.random() < 0.5 and depth < len(truth):
+            tokens.append(truth[depth] if rng.random() < 0.85 else int(rng.integers(VOCAB)))
+            parents.append(end)
+            end, depth = i, depth + 1
+        else:
+            tokens.append(int(rng.integers(VOCAB)))
+            parents.append(int(rng.integers(0, i)))
+    return DraftTree(np.array(tokens, dtype=np.int64), np.array(parents, dtype=np.int64))
+
+
+def _tree_run(family, attention="sdpa", steps_max=40, seed=0):
+    """Tree steps through the runner and through the eager TargetForward side by side: per step
+    the max node-logit difference, the accepted paths of both; the final tokens and the references."""
+    rng = np.random.default_rng(seed)
+    prompts = repetitive_prompts(3, seed=3)
+    refs = [hf_greedy(tiny_model(family), p, N_NEW + 8) for p in prompts]
+    runner = GraphRunner(tiny_model(family), max_rows=4, max_len=128, key_block=16, attention=attention,
+                         flex_block=16)
+    eager = TargetForward(tiny_model(family))
+    diffs, same_paths = [], True
+    with torch.inference_mode():
+        kv = runner.new_kv()
+        out = [[int(runner.prefill_slot(p).argmax[0])] for p in prompts]
+        ekv = BatchKV()
+        ekv.add_rows([(eager.prefill(p, 512)[0], 0, 1) for p in prompts])
+        for _ in range(steps_max):
+            if min(len(o) for o in out) >= N_NEW:
+                break
+            trees = [_random_tree(rng, o[-1], ref[len(o):], int(rng.integers(1, 12))) for o, ref in zip(out, refs)]
+            fwd = runner([StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)], kv, all_logits=True)
+            cols = ekv.columns  # before the forward appends the step's columns
+            efwd = eager([StepRow.from_tree(ekv.lengths[b], t) for b, t in enumerate(trees)], ekv, all_logits=True)
+            diffs.append((fwd.nodes.scores - efwd.nodes.scores).abs().max().item())
+            paths, epaths = [], []
+            for b, t in enumerate(trees):
+                path, bonus = greedy_accept(t, fwd.logits[b].argmax.tolist())
+                epath, ebonus = greedy_accept(t, efwd.logits[b].argmax.tolist())
+                same_paths &= (path, bonus) == (epath, ebonus)
+                out[b] += [int(t.tokens[n]) for n in path[1:]] + [bonus]
+                paths.append(path)
+                epaths.append(epath)
+            kv.commit_paths(paths)
+            ekv.commit([[cols + n for n in p] for p in epaths])
+    return [o[:N_NEW] for o in out], [r[:N_NEW] for r in refs], diffs, same_paths, runner
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_steps_match_the_eager_forward(family):
+    got, refs, diffs, same_paths, runner = _tree_run(family)
+    assert got == refs
+    assert same_paths
+    assert max(diffs) < 1e-4, diffs
+    assert any(t > 4 for _, t, _ in runner.buckets)  # trees padded to node buckets past a few nodes
+
+
+def test_flex_attention_path(family="gemma3"):
+    """flex attention (eager on CPU) with the block mask from the buffers: the same tokens and
+    logits as the eager forward (Gemma 3: its sliding layers' blocks start at the window)."""
+    got, refs, diffs, same_paths, runner = _tree_run(family, attention="flex", steps_max=6, seed=1)
+    assert same_paths
+    assert max(diffs) < 1e-4, diffs
+    assert all(k == runner.kv.max_len for _, _, k in runner.buckets)  # one key length: the blocks do the rest
+
+
+def test_flex_blocks_cover_every_visible_column():
+    """The block lists the flex path writes skip no column the mask rule shows (sliding kinds
+    start at their window's first block), and end at each row's last node."""
+    from logitspec.gpu.step import FlexMasks, StepBuffers, visible
+
+    buf = StepBuffers(3, 4, torch.device("cpu"))
+    rows = [StepRow.chain(37, [1, 2, 3]), StepRow.chain(5, [4])]
+    buf.fill(rows, [37, 5])
+    flex = FlexMasks(buf, 64, {"full_attention": None, "sliding_attention": 6}, block=8)
+    for kind, bm in flex.update().items():
+        blocks = bm.to_dense()[:, 0, 0]  # [R, 8]: the kv blocks each row reads
+        seen = visible(buf, torch.arange(3)[:, None, None], buf.node[None, :, None],
+                       torch.arange(64)[None, None, :], flex.windows[kind])  # [R, T, 64]
+        needed = seen.any(1).view(3, 8, 8).any(-1)  # [R, 8]
+        assert not (needed & ~blocks.bool()).any(), kind
+    assert blocks[0].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]  # row 0, window 6: columns 32..40
+    assert blocks[2].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]  # a pad row: its nodes' own columns
+
+
+def test_repeated_shapes_build_nothing():
+    runner = GraphRunner(tiny_model("qwen2"), max_rows=4, max_len=64, key_block=32)
+    prompts = repetitive_prompts(2, seed=4)
+    with torch.inference_mode():
+        kv = runner.new_kv()
+        roots = [int(runner.prefill_slot(p).argmax[0]) for p in prompts]
+        step = lambda n: runner([StepRow.chain(kv.lengths[b], [roots[b]] * n) for b in range(2)], kv,  # noqa: E731
+                                all_logits=True)
+        step(3)  # warm-up: bucket (2 rows, 4 nodes)
+        before, allocs = dict(runner.counters), runner.kv.allocations
+        for n in (3, 4, 2, 4):  # the same buckets (nodes 3, 4 -> 4; 2 -> 2 is new)
+            step(n)
+    assert runner.counters["graphs"] == before["graphs"] + 1  # only the 2-node bucket
+    assert runner.counters["allocations"] == before["allocations"] + 1
+    assert runner.kv.allocations == allocs == 1
+    assert runner.counters["replays"] == before["replays"] + 4
+
+
+@pytest.mark.parametrize("method", ["ar", "logitspec"])
+def test_engine_through_the_graph_runner(method):
+    """The whole engine (drafting, acceptance on the device path's `decide`, the session's
+    admissions and releases) with the graph runner as its target and the runner's slots as the
+    session's cache: the same tokens as the engine's own path. (The engine's runner seam is not
+    there yet: the test sets the two attributes it will set.)"""
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(5, seed=5)
+    config = SpecConfig(method=method, budget="fixed", max_batch_size=3)
+    lengths = [N_NEW, 9, N_NEW, 5, 11]  # rows finish at different steps: slots are released and refilled
+    requests = [Request(max_new_tokens=n) for n in lengths]
+    plain = Engine(tiny_model("gemma3"), None, config).run(prompts, requests).results
+    engine = Engine(model, None, config)
+    engine.target = GraphRunner(model, max_rows=3, max_len=128, key_block=16)
+    with torch.inference_mode():
+        session = engine.open()
+        session.kv = engine.target.new_kv()
+        for p, r in zip(prompts, requests):
+            session.submit(p, r)
+        got = sorted(session.drain(), key=lambda r: r.request_id)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    if method == "logitspec":
+        assert max(r.stats["mean_accepted"] for r in got) > 1.2
