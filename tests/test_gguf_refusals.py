@@ -70,7 +70,7 @@ def test_truncated_gguf_is_refused_before_conversion(tiny_gguf, tmp_path, cache)
     with open(tiny_gguf, "rb") as src, open(cut, "wb") as dst:
         dst.write(src.read(size - 1000))
     message = _refused(cut, cache, "truncated", f"the file has only {size - 1000} bytes",
-                       f"a complete copy is at least {size} bytes")
+                       f"its tensors need {size} bytes")
     assert "tensor '" in message  # names the first tensor that does not fit
     with pytest.raises(InvalidModelFileError, match="truncated"):
         check_gguf_file(cut)

@@ -241,13 +241,12 @@ def check_gguf_file(path: pathlib.Path) -> dict:
             tensors, data_start = _tensor_table(scan, GGML_QUANT_SIZES, GGMLQuantizationType)
         finally:
             scan.close()
-    data_end = data_start
+    data_end = max([data_start] + [data_start + offset + nbytes for _, offset, nbytes in tensors])
     for name, offset, nbytes in tensors:
         end = data_start + offset + nbytes
         if end > scan.size:
             scan.fail(f"tensor {name!r} takes bytes {data_start + offset} to {end} but the file has only "
-                      f"{scan.size} bytes: the file is truncated (a complete copy is at least {end} bytes)")
-        data_end = max(data_end, end)
+                      f"{scan.size} bytes: the file is truncated (its tensors need {data_end} bytes)")
     return {"tensors": len(tensors), "data_start": data_start, "data_end": data_end, "size": scan.size}
 
 
