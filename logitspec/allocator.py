@@ -3,7 +3,7 @@
 glibc's malloc returns a freed large block to the kernel and faults fresh pages in for the next
 one, so every step's activations (a few MB each, hundreds of tensors a step) pay page faults;
 tcmalloc keeps them. With it preloaded our float32 step at 6 rows took 25-28 ms against 28-32
-(24 rows: 43-46 against 45-50; docs/performance.md, "2026-12-03 (night)"); vLLM's CPU backend
+(24 rows: 43-46 against 45-50; docs/performance.md, "Allocator"); vLLM's CPU backend
 preloads it too. It changes no result: allocation only.
 
 A library can only be preloaded when a process starts, so: the ``logitspec`` command re-executes

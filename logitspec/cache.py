@@ -19,9 +19,9 @@ from .device import to_device
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose columns live in a buffer with spare room: a step writes its new
     columns in place instead of concatenating the whole cache (``DynamicLayer.update`` copies every
-    cached column on every step; measured in docs/performance.md). ``keys``/``values`` are views of
-    the first ``n`` columns. ``start``: the first column :meth:`update` hands to attention (set per
-    forward for sliding-window layers, :meth:`BatchKV.attend_from`; the cache itself keeps all)."""
+    cached column on every step; measured in ``git show 4974864:docs/performance.md``). ``keys``/``values``
+    are views of the first ``n`` columns. ``start``: the first column :meth:`update` hands to attention
+    (set per forward for sliding-window layers, :meth:`BatchKV.attend_from`; the cache itself keeps all)."""
 
     start = 0
     reserve = 0  # columns to make room for when the buffer grows (a prompt's known length)

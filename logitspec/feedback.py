@@ -4,7 +4,7 @@ The auto budget (:func:`~logitspec.budget.choose_sizes`) chooses nodes from esti
 rates learned per node kind and a cost curve measured once. Both can be wrong in ways the budget
 cannot see from inside: the product of per-kind rates along a path can overstate rows that are
 not copying, and a curve measured on the model's own continuations leaves out the host's drafting
-and verifying and the screen's work at rejected nodes (docs/performance.md). A wrong estimate makes
+and verifying and the screen's work at rejected nodes. A wrong estimate makes
 speculation slower than plain decoding, which it must never be.
 
 :class:`Realised` keeps two running ratios over recent steps and hands them to the budget:

@@ -6,7 +6,7 @@ may see, read from the mask. Every query's sums run over its visible columns onl
 order, so a node verified inside a draft tree gets bitwise the output it gets when decoded alone
 after its ancestors were committed, whatever its row's holes and padding (SDPA's CPU kernels sum
 over the whole padded row). It also reads a batch's cached keys and values faster than SDPA's kernel
-at one query per row (docs/performance.md).
+at one query per row (the performance journal: ``git show 4974864:docs/performance.md``).
 
 Use :func:`applies` to check, then :func:`attention`; :mod:`logitspec.attention` does both for the
 engine's decode and verification forwards.

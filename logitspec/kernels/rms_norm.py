@@ -3,9 +3,9 @@ probe shows they compute what the model's own module computes.
 
 Transformers' RMSNorm modules (Gemma's ``(1 + w)``, Llama's and Qwen2's ``w``) run about eight
 tensor operations per call; a decoding step of Gemma 3 270M calls them 109 times on a few rows each,
-4.9 ms of a 52 ms step at 6 rows and 6-9 ms at 24 (docs/performance.md). The kernel does one pass
-a row with the same two roundings of the products, the sum of squares in its own fixed order (so a
-value may differ from the module's by a unit in the last place; every method of the engine runs the
+4.9 ms of a 52 ms step at 6 rows and 6-9 ms at 24 (``git show 4974864:docs/performance.md``). The kernel
+does one pass a row with the same two roundings of the products, the sum of squares in its own fixed order
+(so a value may differ from the module's by a unit in the last place; every method of the engine runs the
 same model, so outputs stay identical across methods, and each row's result depends on that row
 alone).
 
