@@ -8,6 +8,7 @@ import sys
 
 from . import allocator
 from .config import METHODS, SpecConfig
+from .request import Request
 
 
 def _add_generate(sub) -> None:
@@ -34,9 +35,9 @@ def _generate(args) -> int:
 
     model, tok = load_model(args.model)
     engine = Engine(model, tok, config)
-    results = engine.generate(args.prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
-                              apply_chat_template=args.chat)
+    request = Request(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    results = engine.generate(args.prompts, request, apply_chat_template=args.chat)
     for r in results:
         if args.json:
             print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,

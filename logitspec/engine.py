@@ -33,7 +33,7 @@ from .stops import eos_ids, stop_cut
 from .target import ForwardResult, TargetForward
 from .tree import DraftTree
 from .sampling import draw, tree_uniforms, walk
-from .request import SamplingParams
+from .request import Request, SamplingParams, per_prompt_requests
 from .verify import decide
 
 log = logging.getLogger("logitspec.engine")
@@ -175,49 +175,52 @@ class Engine:
         return list(ids)
 
     # ------------------------------------------------------------------ api
-    def generate(self, prompts: Sequence, **kwargs) -> list[GenerationResult]:
+    def generate(self, prompts: Sequence, request: Request | Sequence[Request] | None = None,
+                 **kwargs) -> list[GenerationResult]:
         """Generate for every prompt; results in input order. Arguments as :meth:`run`."""
-        return self.run(prompts, **kwargs).results
+        return self.run(prompts, request, **kwargs).results
 
-    def open(self, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-             seed: int = 0, stop: Sequence[str] | str | None = None, apply_chat_template: bool = False) -> Session:
-        """A :class:`~logitspec.session.Session` with these settings for all its prompts: ``submit``
-        prompts at any time, ``step`` to advance the batch and collect finished results."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        params = SamplingParams(temperature, top_p, top_k)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
-        return Session(self, params, stops, max_new_tokens, seed, apply_chat_template)
+    def open(self, defaults: Request | None = None, *legacy, apply_chat_template: bool = False, seed: int = 0,
+             **old) -> Session:
+        """A :class:`~logitspec.session.Session`: ``submit`` prompts at any time (each with its own
+        :class:`~logitspec.request.Request`, ``defaults`` where it has none), ``step`` to advance the
+        batch and collect finished results. ``seed``: the session's base seed (a request without one
+        is seeded ``seed`` + its request id).
+
+        Transitional: the old settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+        ``seed``, ``stop``, positional or by keyword) are still accepted and make ``defaults``."""
+        if legacy or old or (defaults is not None and not isinstance(defaults, Request)):
+            names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "apply_chat_template")
+            given = dict(zip(names, (defaults, *legacy)), **old)
+            seed = int(given.pop("seed", seed) or 0)
+            apply_chat_template = bool(given.pop("apply_chat_template", apply_chat_template))
+            defaults = Request(**{k: v for k, v in given.items() if v is not None})
+        return Session(self, defaults or Request(), seed, apply_chat_template)
 
     @torch.inference_mode()
-    def run(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
-            top_p: float = 1.0, top_k: int = 0, seed: int | Sequence[int] = 0,
-            stop: Sequence[str] | str | None = None, apply_chat_template: bool = False,
-            reference: NgramSource | Sequence[NgramSource | None] | None = None,
-            n: int | Sequence[int] = 1) -> EngineRun:
-        """Generate ``n`` samples for every prompt (one prefill each; ``n`` may also be one count per
-        prompt): results prompt-major, and the run's throughput figures.
+    def run(self, prompts: Sequence, request: Request | Sequence[Request] | None = None, *, reference=None,
+            apply_chat_template: bool = False, **fields) -> EngineRun:
+        """Generate every prompt's samples (one prefill each): results prompt-major, and the run's
+        throughput figures.
 
-        ``seed``: an int (prompt i uses ``seed + i``) or one seed per prompt; sample j of a prompt
-        with seed s uses :func:`~logitspec.session.sample_seed` (s, j), which is s for j = 0. A
-        sequence's samples depend only on its own seed, never on which others share its batch.
+        ``request``: the settings of every prompt, or one :class:`~logitspec.request.Request` per
+        prompt; ``fields`` (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, and
+        ``seed`` and ``n``: an int or one per prompt) override them. Seeds: an int ``seed`` (also a
+        single request's) is a base, prompt i uses ``seed + i``; sample j of a prompt seeded s uses
+        :func:`~logitspec.session.sample_seed` (s, j), which is s for j = 0. A sequence's samples
+        depend only on its own seed and settings, never on which others share its batch.
         ``reference``: a shared n-gram source (e.g. a :class:`CorpusIndex`) consulted after the
         sequence's own context, or one per prompt.
         """
         t_start = time.perf_counter()
-        session = self.open(max_new_tokens, temperature, top_p, top_k, 0, stop, apply_chat_template)
         prompts = list(prompts)
-        seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+        requests, base = per_prompt_requests(len(prompts), request, fields)
         refs = reference if isinstance(reference, (list, tuple)) else [reference] * len(prompts)
-        counts = [n] * len(prompts) if isinstance(n, int) else list(n)
-        if len(seeds) != len(prompts) or len(refs) != len(prompts) or len(counts) != len(prompts):
+        if len(refs) != len(prompts):
             raise ValueError("seed, reference and n lists must have one entry per prompt")
-        for p, s, r, k in zip(prompts, seeds, refs, counts):  # all errors before any forward
-            session.submit(p, n=k, seed=s, reference=r)
+        session = self.open(requests[0] if requests else None, seed=base, apply_chat_template=apply_chat_template)
+        for p, q, r in zip(prompts, requests, refs):  # all errors before any forward
+            session.submit(p, q, reference=r)
         results = sorted(session.drain(), key=lambda r: (r.request_id, r.sample_index))
         wall = time.perf_counter() - t_start
         ntok = sum(len(r.token_ids) for r in results)
@@ -254,12 +257,12 @@ class Engine:
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         return seq
 
-    def decode_step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops,
+    def decode_step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams,
                     draining: bool = False) -> None:
         """One decoding step of every active row (``kv`` row b is ``active[b]``'s). ``draining``: no
         prompt waits for a slot, so the batch ends with its slowest row (the budget weighs rows by
         what they have left: :func:`~logitspec.budget.drain_weights`)."""
-        self._step(active, kv, params, stops, draining)
+        self._step(active, kv, params, draining)
 
     def _pick(self, logits: NodeLogits, params: SamplingParams, seq: _Sequence) -> int:
         """The next token after the one node whose output is ``logits``."""
@@ -276,7 +279,7 @@ class Engine:
         """The head's (``exact``, ``argmax``) flags for sequences sampled with ``params``."""
         return self._exact(params), params.greedy
 
-    def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams, stops,
+    def _step(self, active: list[_Sequence], kv: BatchKV, params: SamplingParams,
               draining: bool = False) -> None:
         """One decoding step of every active row: draft -> target forward -> accept -> commit -> emit."""
         clock = StepClock()
@@ -299,7 +302,7 @@ class Engine:
             self._draft_share = self.agree_on(self._host_share(clock))
         for s, tree, p, tok, g in zip(active, trees, paths, bonus, guesses):
             s.guesses = g
-            emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], stops)
+            emitted = self._emit(s, [int(tree.tokens[n]) for n in p[1:]] + [tok], s.stops)
             s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
             if len(p) > 1:
                 s.stats.count_origins([tree.origin_name(n, s.source_names) for n in p[1:emitted + 1]])  # the emitted drafts

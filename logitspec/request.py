@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,39 @@ def request_from_args(args: argparse.Namespace) -> Request:
         raise ValueError("--top-p, --top-k and --num-samples > 1 need --temperature > 0 "
                          "(greedy decoding gives every sample the same tokens)")
     return req
+
+
+PER_PROMPT = ("seed", "n")  # run()'s fields that may also be given as one value per prompt
+
+
+def per_prompt_requests(count: int, request: "Request | Sequence[Request] | None",
+                        fields: dict[str, Any]) -> tuple[list[Request], int]:
+    """The :class:`Request` of each of ``count`` prompts, and the base seed of their session, from
+    ``Engine.run``'s arguments: ``request`` (one for all, or one per prompt) with ``fields`` applied
+    on top (``seed`` and ``n`` may be one value per prompt). An int seed (a single request's, or
+    ``fields``') is a base: prompt i is seeded base + i (its request keeps seed None, which the
+    session resolves so). ValueError for unknown fields or lists of the wrong length."""
+    unknown = set(fields) - set(Request.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unexpected request fields: {', '.join(sorted(unknown))}")
+    if request is None or isinstance(request, Request):
+        one = request or Request()
+        base = one.seed if one.seed is not None else 0
+        requests = [one.with_(seed=None)] * count
+    else:
+        requests, base = list(request), 0
+        if len(requests) != count:
+            raise ValueError("one request per prompt, or one for all")
+    given = {k: v for k, v in fields.items() if not (k == "stop" and v is None)}
+    seed = given.pop("seed", None)
+    if isinstance(seed, int):
+        base, seed = seed, None
+    per = {k: given.pop(k) for k in PER_PROMPT if k in given and not isinstance(given[k], int)}
+    if seed is not None:
+        per["seed"] = seed
+    per = {k: list(v) for k, v in per.items()}
+    if any(len(v) != count for v in per.values()):
+        raise ValueError("seed, reference and n lists must have one entry per prompt")
+    if given or per:
+        requests = [q.with_(**given, **{k: v[i] for k, v in per.items()}) for i, q in enumerate(requests)]
+    return requests, base

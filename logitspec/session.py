@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .cache import BatchKV
-from .request import SamplingParams
+from .request import Request
 
 # prompt tokens per forward of short prompts prefilled together into an idle batch (Engine's
 # fill_chunk default): 24 Spec-Bench prompts (2,808 tokens) took 2 forwards instead of 8 at 512 tokens
@@ -47,7 +47,8 @@ class _Request:
 
     rid: int
     ids: list[int]
-    max_new: int
+    request: Request
+    max_new: int  # the request's, within the model's context
     seeds: list[int]  # one per sample
     ref: Any
     admitted: int = 0  # samples admitted so far
@@ -63,11 +64,9 @@ class _Request:
 class Session:
     """Rows in flight on one engine; see the module docstring. Not thread-safe."""
 
-    def __init__(self, engine, params: SamplingParams, stops: list[str], max_new_tokens: int, seed: int,
-                 apply_chat_template: bool):
+    def __init__(self, engine, defaults: Request, seed: int, apply_chat_template: bool):
         self.engine = engine
-        self.params, self.stops = params, stops
-        self.max_new_tokens, self.seed, self.apply_chat_template = max_new_tokens, seed, apply_chat_template
+        self.defaults, self.seed, self.apply_chat_template = defaults, seed, apply_chat_template
         self.kv = BatchKV(max_rows=engine.config.max_batch_size)  # rows admitted later: written in place
         self.active: list = []  # decoding sequences, one per KV row
         self.pending: deque[_Request] = deque()  # waiting for their prefill
@@ -78,22 +77,27 @@ class Session:
         self._next_id = 0
 
     # ------------------------------------------------------------------ api
-    def submit(self, prompt, *, n: int = 1, seed: int | None = None, max_new_tokens: int | None = None,
-               reference=None) -> int:
-        """Queue ``prompt`` (string, chat messages or token ids) for ``n`` samples; its request id
-        (0, 1, ... in submission order). ``seed`` defaults to the session's seed + request id; sample
-        j uses :func:`sample_seed` (seed, j). ValueError for bad input, before any forward."""
-        if n < 1:
-            raise ValueError(f"n (samples per prompt) must be >= 1, got {n}")
-        max_new = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        if max_new < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new}")
+    def submit(self, prompt, request: Request | None = None, *, reference=None, **old) -> int:
+        """Queue ``prompt`` (string, chat messages or token ids) with its settings (``request``; None:
+        the session's defaults); its request id (0, 1, ... in submission order). A request without a
+        seed is seeded with the session's seed + its request id; sample j uses :func:`sample_seed`
+        (seed, j). ``reference``: an n-gram source consulted after the sequence's own context.
+        ValueError for bad input, before any forward.
+
+        Transitional: ``n``, ``seed`` and ``max_new_tokens`` keywords override the request's."""
+        request = request or self.defaults
+        if old:
+            request = request.with_(**{k: v for k, v in old.items() if k in ("n", "seed", "max_new_tokens")})
+        if request.stop and self.engine.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        if request.sampling != self.defaults.sampling:
+            raise NotImplementedError("rows of one session share their sampling settings (for now)")
         ids = self.engine.encode(prompt, self.apply_chat_template)
         rid = self._next_id
-        base = self.seed + rid if seed is None else int(seed)
-        self.pending.append(_Request(rid, ids, min(max_new, self.engine.max_context - len(ids)),
-                                     [sample_seed(base, j) for j in range(n)], reference,
-                                     siblings=[] if n > 1 else None))
+        base = self.seed + rid if request.seed is None else int(request.seed)
+        self.pending.append(_Request(rid, ids, request, min(request.max_new_tokens, self.engine.max_context - len(ids)),
+                                     [sample_seed(base, j) for j in range(request.n)], reference,
+                                     siblings=[] if request.n > 1 else None))
         self._next_id += 1
         return rid
 
@@ -119,7 +123,7 @@ class Session:
         self._fill(finished)
         if self.active:
             draining = not (self.pending or self.ready or self.prefilling)
-            self.engine.decode_step(self.active, self.kv, self.params, self.stops, draining)
+            self.engine.decode_step(self.active, self.kv, self.defaults.sampling, draining)
             self.steps += 1
             self.active_sum += len(self.active)
             now = time.perf_counter()
@@ -231,7 +235,7 @@ class Session:
         they become ready, sharing the group's cache. The forward's time is shared evenly among
         them. Tokens run."""
         t0 = time.perf_counter()
-        exact, argmax = self.engine.output_mode(self.params)
+        exact, argmax = self.engine.output_mode(self.defaults.sampling)
         rows, lasts = self.engine.target.prefill_rows([r.ids for r in group], exact=exact, argmax=argmax)
         share = (time.perf_counter() - t0) / len(group)
         for b, (req, last) in enumerate(zip(group, lasts)):
@@ -258,7 +262,7 @@ class Session:
 
     def _output_kind(self) -> int:
         """Which kind of last-token output this session's prefills keep (the prefix cache's key)."""
-        exact, argmax = self.engine.output_mode(self.params)
+        exact, argmax = self.engine.output_mode(self.defaults.sampling)
         return 2 * exact + argmax
 
     def _prefill_chunk(self, req: _Request) -> None:
@@ -266,7 +270,7 @@ class Session:
         row in the prefix cache)."""
         t0 = time.perf_counter()
         part = req.ids[req.done_tokens:req.done_tokens + self.engine.prefill_chunk]
-        exact, argmax = self.engine.output_mode(self.params)
+        exact, argmax = self.engine.output_mode(self.defaults.sampling)
         last = self.engine.target.extend(req.row, part, exact=exact, argmax=argmax)
         req.done_tokens += len(part)
         self.prefill_chunks += 1
@@ -293,7 +297,8 @@ class Session:
             started = []
             for j in range(req.admitted, req.admitted + count):
                 seq = self.engine.start_sequence((req.rid, j), req.ids, req.max_new, req.seeds[j], req.ref,
-                                                 req.last, self.params, self.stops, req.siblings)
+                                                 req.last, req.request.sampling, list(req.request.stop),
+                                                 req.siblings)
                 seq.stats.prefill_s = req.prefill_s if j == 0 else 0.0
                 seq.stats.shared_prefill = j > 0
                 seq.stats.cached_prompt_tokens = req.cached_tokens

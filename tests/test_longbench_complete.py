@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from logitspec.evaluation import longbench, longbench_v2 as v2, scoring
+from logitspec.evaluation import longbench, longbench_v2 as v2, make_data_v2, scoring
 from logitspec.evaluation.longbench import Example, LongBenchFormatError
 from logitspec.evaluation.sweep_report import build_report, report_markdown
 from logitspec.evaluation.sweep_rows import official_stop_length, stop_strings, sweep_rows
@@ -224,7 +224,7 @@ def test_v2_sweep_rows_and_report():
     json.dumps(report, allow_nan=False)
 
 
-def test_shipped_v2_sample_reads_and_matches_its_source():
+def test_shipped_v2_sample_reads_and_matches_its_source(tmp_path):
     d = REPO / "data" / "longbench_v2_local"
     data = longbench.read_directory(d)
     assert list(data) == ["longbench_v2"]
@@ -235,4 +235,8 @@ def test_shipped_v2_sample_reads_and_matches_its_source():
     for e in rows:
         assert len(set(e.choices)) == 4
         right = e.choices["ABCD".index(e.answer)]
-        assert right == e.extra["source_answer"]
+        assert right == e.extra["source_answer"].strip()
+    # the generator gives the same file again
+    again = make_data_v2.generate(REPO / "data" / "longbench_local", tmp_path)
+    assert (tmp_path / "longbench_v2.jsonl").read_bytes() == (d / "longbench_v2.jsonl").read_bytes()
+    assert again == rows

@@ -4,6 +4,7 @@ import pytest
 
 from logitspec import Engine, SpecConfig
 from logitspec.prefix_cache import PrefixCache
+from logitspec.request import Request
 from logitspec.session import sample_seed
 from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
@@ -104,7 +105,7 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
     ref = [r.token_ids for r in Engine(llama, None, cfg).generate(prompts, max_new_tokens=N_NEW)]
     eng = Engine(llama, None, cfg)
     log = _spy(eng)
-    session = eng.open(max_new_tokens=N_NEW)
+    session = eng.open(Request(max_new_tokens=N_NEW))
     feed, results, ids = list(prompts), {}, []
     while feed or session.busy:
         while feed and session.free_slots > 0:  # a caller that tops the batch up as rows finish
@@ -130,9 +131,9 @@ def test_rows_finishing_one_by_one_are_refilled_together(llama):
         extra = {} if wait is None else {"refill_wait": wait}
         eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=B, budget="fixed", **extra))
         log = _spy(eng)
-        session = eng.open(max_new_tokens=N_NEW)
+        session = eng.open(Request(max_new_tokens=N_NEW))
         for i, p in enumerate(prompts):  # each its own length: rows finish one by one
-            session.submit(p, max_new_tokens=3 + i)
+            session.submit(p, Request(max_new_tokens=3 + i))
         outputs[wait] = {r.request_id: r.token_ids for r in session.drain()}
         groups = [i for i, (kind, _) in enumerate(log) if kind == "G"]
         forwards[wait] = len(groups)
@@ -155,12 +156,12 @@ def test_decode_steps_know_when_the_batch_is_only_draining(llama):
     eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=2))
     seen, decode = [], eng.decode_step
 
-    def spy(active, kv, params, stops, draining=False):
+    def spy(active, kv, params, draining=False):
         seen.append((len(active), draining))
-        return decode(active, kv, params, stops, draining)
+        return decode(active, kv, params, draining)
 
     eng.decode_step = spy
-    session = eng.open(max_new_tokens=6)
+    session = eng.open(Request(max_new_tokens=6))
     for p in repetitive_prompts(3, seed=2):
         session.submit(p)
     session.drain()
@@ -178,7 +179,7 @@ def test_long_prefill_is_interleaved_with_decoding():
     eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8,
                  fill_chunk=8)
     log = _spy(eng)
-    session = eng.open(max_new_tokens=40)
+    session = eng.open(Request(max_new_tokens=40))
     session.submit(short)
     done = session.step() + session.step()  # the short row is decoding when the long prompt arrives
     session.submit(long_prompt)

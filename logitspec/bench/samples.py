@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..request import SamplingParams
+from ..request import Request, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,11 @@ class Decoding:
     def seeds(self, k: int, count: int) -> list[int]:
         """Seeds of the prompts k .. k + count - 1 of a run (their sample 0's seeds)."""
         return [self.seed + self.num_samples * (k + i) for i in range(count)]
+
+    def request(self, max_new_tokens: int) -> Request:
+        """The engine request of one prompt decoded so (its seed comes from :meth:`seeds`)."""
+        return Request(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, n=self.num_samples)
 
     def describe(self) -> str:
         if self.greedy:
@@ -79,5 +84,4 @@ def run_samples(engine, prompts: list, max_new_tokens: int, decoding: Decoding, 
     of prompt i at ``i * num_samples + j``, seeded ``sample_seed(seeds[i], j)``; ``seeds`` default:
     :meth:`Decoding.seeds` from 0)."""
     seeds = decoding.seeds(0, len(prompts)) if seeds is None else seeds
-    return engine.run(prompts, max_new_tokens=max_new_tokens, temperature=decoding.temperature,
-                      top_p=decoding.top_p, top_k=decoding.top_k, seed=list(seeds), n=decoding.num_samples)
+    return engine.run(prompts, decoding.request(max_new_tokens), seed=list(seeds))
