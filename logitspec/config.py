@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-METHODS = ("ar", "pld", "logitspec")
+METHODS = ("ar", "pld", "logitspec", "rest")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,15 @@ class SpecConfig:
     rank_keep: tuple[int, ...] = (4, 3)
     rank_keep_else: int = 1
     continuations_per_key: int = 1  # distinct continuations retrieved per n-gram key
+    # --- rest (logitspec.rest; REST's defaults): the longest context suffix of rest_max_span down to
+    # rest_min_span tokens found in the datastore (the row's reference, if a rest.Datastore; else the
+    # row's own context), continuations of up to rest_continuation tokens after its first
+    # rest_max_matches occurrences, merged into a trie cut to its rest_num_draft most frequent nodes
+    rest_max_span: int = 16
+    rest_min_span: int = 2
+    rest_num_draft: int = 64
+    rest_max_matches: int = 5000
+    rest_continuation: int = 10
     # with several samples per prompt, a sample also retrieves from its siblings' answers so far
     # (after its own context, before the reference corpus)
     sibling_drafts: bool = True
@@ -63,6 +72,11 @@ class SpecConfig:
         for name in ("pld_max_tokens", "capacity", "top_k", "branch0_max_tokens", "continuations_per_key"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.rest_min_span <= self.rest_max_span:
+            raise ValueError(f"need 1 <= rest_min_span <= rest_max_span, got {self.rest_min_span}, {self.rest_max_span}")
+        for name in ("rest_num_draft", "rest_max_matches", "rest_continuation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if len(self.rank_limits) != len(self.rank_keep):
             raise ValueError("rank_limits and rank_keep must have the same length")
         if list(self.rank_limits) != sorted(self.rank_limits):

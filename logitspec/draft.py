@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
+from . import rest
 from .config import SpecConfig
 from .index import NgramSource, retrieve_with_order
 from .tree import GUESS, DraftTree, TreeBuilder
@@ -105,5 +108,31 @@ class LogitSpecDrafter(Drafter):
         return b.build()
 
 
+class RestDrafter(Drafter):
+    """REST (:mod:`logitspec.rest`): the trie of the continuations of the longest context suffix found
+    in the datastore, its most frequent nodes first. The datastore is the first of the row's sources
+    that is a :class:`~logitspec.rest.Datastore` (its reference); a row without one uses its own
+    context as the datastore (REST itself has no such mode: this keeps ``--method rest`` usable
+    without a corpus, as prompt lookup over suffixes of up to 16 tokens)."""
+
+    def base_budget(self) -> int:
+        return self.config.rest_num_draft
+
+    def draft(self, sources, context, guesses, budget):
+        c = self.config
+        store, origin = next(((s, i) for i, s in enumerate(sources) if isinstance(s, rest.Datastore)), (None, 0))
+        toks, parents, depths, span = rest.retrieve(store, context, min(budget, c.rest_num_draft), c.rest_max_span,
+                                                    c.rest_min_span, c.rest_continuation, c.rest_max_matches)
+        n = len(toks)
+        if not n:
+            return DraftTree.single(context[-1])
+        kind = lookup_kind(span, c.max_ngram)
+        return DraftTree(np.concatenate(([int(context[-1])], toks)), np.concatenate(([-1], parents + 1)),
+                         retrieved=True, kinds=np.array([0] + [kind] * n, dtype=np.int64),
+                         offsets=np.concatenate(([0], depths - 1)),
+                         origins=np.array([GUESS] + [origin] * n, dtype=np.int64))
+
+
 def make_drafter(config: SpecConfig) -> Drafter:
-    return {"ar": Drafter, "pld": PromptLookupDrafter, "logitspec": LogitSpecDrafter}[config.method](config)
+    return {"ar": Drafter, "pld": PromptLookupDrafter, "logitspec": LogitSpecDrafter,
+            "rest": RestDrafter}[config.method](config)
