@@ -7,6 +7,7 @@ subprocesses that join it with ``--address`` (and one that starts its own local 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -29,6 +30,7 @@ from pipeline.io.inputs import open_input, read_columns, row_problem
 from pipeline.job.pending import scan_ids
 from pipeline.io.output import OutputStore, read_generations
 from pipeline.replica.worker import row_seed
+from pipeline.rows import InputRow, OutputRow
 from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -205,10 +207,11 @@ def test_config_validation():
         JobConfig(input="a", output="b", references=(("x", "p"), ("y", "q")))
 
 
-def _out_row(i, **kw) -> dict:
-    return {"id": i, "sample": 0, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1, "n_new_tokens": 1,
-            "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1], "retrieval_success": 0.0, "wall_s": 0.1,
-            "method": "ar", "model": "m", "error": None, "corpus": None, **kw}
+def _out_row(i, **kw) -> OutputRow:
+    return OutputRow(**{"id": i, "sample": 0, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1,
+                        "n_new_tokens": 1, "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1],
+                        "retrieval_success": 0.0, "wall_s": 0.1, "method": "ar", "model": "m", "error": None,
+                        "corpus": None, **kw})
 
 
 def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, caplog):
@@ -251,12 +254,13 @@ def test_disk_full_while_writing_a_part_leaves_no_partial_file(tmp_path):
 import resource, signal, pyarrow as pa, sys
 sys.path.insert(0, {str(REPO)!r})
 from pipeline.io.output import OutputStore
-row = {_out_row(0, generation="y" * 500)!r}
+from pipeline.rows import OutputRow
+row = {_out_row(0, generation="y" * 500).as_dict()!r}
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 store = OutputStore({str(tmp_path / "out")!r}, pa.int64())
 store.prepare({{"model": "m"}}, overwrite=False)
 resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
-store.add([{{**row, "id": i}} for i in range(20)])
+store.add([OutputRow(**{{**row, "id": i}}) for i in range(20)])
 try:
     store.flush()
 except OSError as e:
@@ -298,7 +302,7 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     (out / "generations").mkdir(parents=True)
     old_schema = OutputStore(out, pa.int64()).schema.remove(1)  # before the sample column existed
     assert "sample" not in old_schema.names
-    pq.write_table(pa.Table.from_pylist([_out_row(1), _out_row(2)], schema=old_schema),
+    pq.write_table(pa.Table.from_pylist([_out_row(1).as_dict(), _out_row(2).as_dict()], schema=old_schema),
                    out / "generations" / "part-aaaa.parquet")
     (out / "job.json").write_text(json.dumps({"model": "m"}))
     (out / "summary.json").write_text("{}")
@@ -374,13 +378,13 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
 
     model, tok = load_model(tiny)
     spec = GenerationSpec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
-    rows = [{"id": i, "prompt": p, "corpus": None} for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
+    rows = [InputRow(i, p) for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
     out, stats = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(rows)
-    assert [r["error"] is None for r in out] == [True, True, False]  # the long prompt: refused before the run
+    assert [r.error is None for r in out] == [True, True, False]  # the long prompt: refused before the run
     engine = stats["engine"]
-    assert engine["tokens"] == out[0]["n_new_tokens"] + out[1]["n_new_tokens"] > 0
+    assert engine["tokens"] == out[0].n_new_tokens + out[1].n_new_tokens > 0
     # decode steps of the batch (a row's steps also count its prefill): both rows shared some of them
-    assert max(out[0]["steps"], out[1]["steps"]) - 1 <= engine["batch_steps"] < out[0]["steps"] + out[1]["steps"]
+    assert max(out[0].steps, out[1].steps) - 1 <= engine["batch_steps"] < out[0].steps + out[1].steps
     assert engine["wall_s"] > 0 and 1.0 <= engine["mean_active"] <= 2.0
 
 
@@ -393,7 +397,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
-    rows = [{"id": i, "prompt": "Hello there, said the", "corpus": None} for i in range(2)]
+    rows = [InputRow(i, "Hello there, said the") for i in range(2)]
     outs = {}
     for tokens in (0, 2000):
         spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
@@ -401,11 +405,11 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
         gen = RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
         outs[tokens] = [gen([r])[0][0] for r in rows]  # one row per call: the second sees the first's answer
     plain, hist = outs[0], outs[2000]
-    assert [r["generation"] for r in hist] == [r["generation"] for r in plain]
-    assert all(set(r["accepted_from"]) == {"context", "siblings", "reference", "history", "guess"} for r in hist)
-    assert hist[0]["accepted_from"]["history"] == 0 and hist[1]["accepted_from"]["history"] > 0
-    assert plain[1]["accepted_from"]["history"] == 0
-    assert hist[1]["mean_accepted"] > plain[1]["mean_accepted"]
+    assert [r.generation for r in hist] == [r.generation for r in plain]
+    assert all(set(r.accepted_from) == {"context", "siblings", "reference", "history", "guess"} for r in hist)
+    assert hist[0].accepted_from["history"] == 0 and hist[1].accepted_from["history"] > 0
+    assert plain[1].accepted_from["history"] == 0
+    assert hist[1].mean_accepted > plain[1].mean_accepted
 
 
 def test_shared_history_keeps_the_newest_answers_and_sends_each_replica_the_others():
@@ -489,13 +493,13 @@ def test_shared_answers_feed_another_generators_history(tiny):
     def replica():
         return RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
 
-    row = {"id": 0, "prompt": "Hello there, said the", "corpus": None}
+    row = InputRow(0, "Hello there, said the")
     a_rows, a_stats = replica()([row])
-    assert [len(a) for a in a_stats["answers"]] == [a_rows[0]["n_new_tokens"]]
+    assert [len(a) for a in a_stats["answers"]] == [a_rows[0].n_new_tokens]
     for b in (replica(), StreamingRows(replica())):
-        b_rows, b_stats = b([{**row, "id": 1}], a_stats["answers"])
-        assert b_rows[0]["generation"] == a_rows[0]["generation"]
-        assert b_rows[0]["accepted_from"]["history"] > 0 and a_rows[0]["accepted_from"]["history"] == 0
+        b_rows, b_stats = b([dataclasses.replace(row, id=1)], a_stats["answers"])
+        assert b_rows[0].generation == a_rows[0].generation
+        assert b_rows[0].accepted_from["history"] > 0 and a_rows[0].accepted_from["history"] == 0
         assert len(b_stats["answers"]) == 1
     assert "answers" not in RowGenerator(Engine(model, tok, spec.spec_config()), GenerationSpec(model=tiny))([row])[1]
 
@@ -978,16 +982,16 @@ def test_samples_have_their_own_stable_seeds(tiny):
     spec = GenerationSpec(model=tiny, max_new_tokens=8, max_batch_size=4, temperature=0.8, top_p=0.95, seed=3,
                           warmup=False)
     gen = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
-    row = {"id": "a", "prompt": "Hello there", "corpus": None}
-    four, stats = gen([{**row, "samples": [0, 1, 2, 3]}, {"id": "b", "prompt": "Lorem ipsum", "corpus": None}])
-    assert [(r["id"], r["sample"]) for r in four] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
+    row = InputRow("a", "Hello there")
+    four, stats = gen([dataclasses.replace(row, samples=(0, 1, 2, 3)), InputRow("b", "Lorem ipsum")])
+    assert [(r.id, r.sample) for r in four] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
     assert stats["engine"]["prefills"] == 2, "one prefill per row, shared by its samples"
-    text = {r["sample"]: r["generation"] for r in four if r["id"] == "a"}
+    text = {r.sample: r.generation for r in four if r.id == "a"}
     assert len(set(text.values())) > 1, "samples of one prompt differ under sampling"
-    one, _ = gen([row])  # no "samples": sample 0 only, as before samples existed
-    later, _ = gen([{**row, "samples": [2]}])  # a resume that only lacks sample 2
-    assert [r["sample"] for r in one] == [0] and one[0]["generation"] == text[0]
-    assert later[0]["generation"] == text[2]
+    one, _ = gen([row])  # no samples given: sample 0 only, as before samples existed
+    later, _ = gen([dataclasses.replace(row, samples=(2,))])  # a resume that only lacks sample 2
+    assert [r.sample for r in one] == [0] and one[0].generation == text[0]
+    assert later[0].generation == text[2]
 
 
 def test_pending_keys_per_sample():
@@ -1090,8 +1094,8 @@ def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_s
     assert len(got) == table.num_rows == 27
     model, tok = load_model(tiny)
     per_task, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(
-        [{**r, "samples": [0, 1, 2]} for r in rows])
-    assert got == {(r["id"], r["sample"]): r["generation"] for r in per_task}
+        [InputRow(r["id"], r["prompt"], samples=(0, 1, 2)) for r in rows])
+    assert got == {(r.id, r.sample): r.generation for r in per_task}
     assert len(set(got.values())) > 20  # samples differ
 
 

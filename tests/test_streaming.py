@@ -6,10 +6,12 @@ while a short one runs to ``max_new_tokens``: rows of very different lengths, as
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
 from pipeline.job.config import GenerationSpec
+from pipeline.rows import InputRow
 from tiny_models import save_tiny_text_model
 
 SHORT = ["Hello there", "Lorem ipsum", "The quick brown fox", "Name a colour", "Once upon a time"]
@@ -47,14 +49,14 @@ def _generators(tiny, **kw):
 
 def _tasks(tok):
     """Two tasks; the first: one long-running row and rows that stop early (long prompts), one refused."""
-    a = [{"id": "a0", "prompt": SHORT[0]}] + [{"id": f"a{i}", "prompt": _long(tok, 118 - i)} for i in (1, 2, 3)]
-    a.append({"id": "a4", "prompt": "   "})  # refused at encode: an error row, the others go on
-    b = [{"id": f"b{i}", "prompt": p} for i, p in enumerate(SHORT[1:])]
+    a = [InputRow("a0", SHORT[0])] + [InputRow(f"a{i}", _long(tok, 118 - i)) for i in (1, 2, 3)]
+    a.append(InputRow("a4", "   "))  # refused at encode: an error row, the others go on
+    b = [InputRow(f"b{i}", p) for i, p in enumerate(SHORT[1:])]
     return a, b
 
 
 def _key(rows):
-    return [(r["id"], r["sample"], r["generation"], r["finish_reason"], r["n_new_tokens"], r["error"]) for r in rows]
+    return [(r.id, r.sample, r.generation, r.finish_reason, r.n_new_tokens, r.error) for r in rows]
 
 
 def test_rows_of_the_next_task_fill_slots_freed_by_the_current_one(tiny):
@@ -71,8 +73,8 @@ def test_rows_of_the_next_task_fill_slots_freed_by_the_current_one(tiny):
     ref_a, sa = per_task(a)
     ref_b, sb = per_task(b)
     assert _key(out_a) == _key(ref_a) and _key(out_b) == _key(ref_b)
-    assert [r["id"] for r in out_a] == [r["id"] for r in a] and out_a[-1]["error"] == "empty prompt"
-    assert min(r["n_new_tokens"] for r in out_a[1:4]) < 12 < out_a[0]["n_new_tokens"] == 40  # mixed lengths
+    assert [r.id for r in out_a] == [r.id for r in a] and out_a[-1].error == "empty prompt"
+    assert min(r.n_new_tokens for r in out_a[1:4]) < 12 < out_a[0].n_new_tokens == 40  # mixed lengths
     # occupancy: the same rows in fewer decoding steps, more rows per step
     steps = stats_a["engine"]["batch_steps"] + stats_b["engine"]["batch_steps"]
     active = stats_a["engine"]["active_sum"] + stats_b["engine"]["active_sum"]
@@ -82,7 +84,7 @@ def test_rows_of_the_next_task_fill_slots_freed_by_the_current_one(tiny):
     # about the same row-steps of work (drafts depend on the batch size, so a row's steps may differ) ...
     assert active == pytest.approx(per_task_active, rel=0.1)
     assert steps < per_task_steps and active / steps > per_task_active / per_task_steps  # ... in fuller steps
-    assert stats_a["engine"]["tokens"] == sum(r["n_new_tokens"] or 0 for r in out_a)
+    assert stats_a["engine"]["tokens"] == sum(r.n_new_tokens or 0 for r in out_a)
 
 
 def test_sampled_samples_equal_the_per_task_path_from_concurrent_callers(tiny):
@@ -91,8 +93,8 @@ def test_sampled_samples_equal_the_per_task_path_from_concurrent_callers(tiny):
     exactly as the per-task path draws them for the same seeds."""
     _, per_task, stream = _generators(tiny, temperature=0.8, top_p=0.95, seed=11)
     a, b = _tasks(tiny[2])
-    a = [{**r, "samples": [0, 1, 2]} for r in a]
-    b = [{**r, "samples": [0, 1, 2]} for r in b[:3]] + [{**b[3], "samples": [1, 2]}]
+    a = [replace(r, samples=(0, 1, 2)) for r in a]
+    b = [replace(r, samples=(0, 1, 2)) for r in b[:3]] + [replace(b[3], samples=(1, 2))]
     got: dict = {}
     threads = [threading.Thread(target=lambda k, rows: got.__setitem__(k, stream(rows)), args=(k, rows))
                for k, rows in (("a", a), ("b", b))]
@@ -103,8 +105,8 @@ def test_sampled_samples_equal_the_per_task_path_from_concurrent_callers(tiny):
     for k, rows in (("a", a), ("b", b)):
         out, _ = got[k]
         assert _key(out) == _key(per_task(rows)[0])
-        assert [(r["id"], r["sample"]) for r in out] == [(r["id"], s) for r in rows for s in r["samples"]]
-    assert len({r["generation"] for r in got["b"][0] if r["id"] == "b0"}) > 1  # the samples differ
+        assert [(r.id, r.sample) for r in out] == [(r.id, s) for r in rows for s in r.samples]
+    assert len({r.generation for r in got["b"][0] if r.id == "b0"}) > 1  # the samples differ
 
 
 def test_a_failing_session_step_isolates_the_failing_prompt(tiny, monkeypatch):
@@ -124,18 +126,18 @@ def test_a_failing_session_step_isolates_the_failing_prompt(tiny, monkeypatch):
     monkeypatch.setattr(cls, "prefill_rows", prefill_rows)
     out_a, _ = stream.wait(stream.put(a))
     out_b, _ = stream(b)
-    errors = {r["id"]: r["error"] for r in out_a + out_b if r["error"]}
+    errors = {r.id: r.error for r in out_a + out_b if r.error}
     assert set(errors) == {"a2", "a4"} and "injected" in errors["a2"]
     monkeypatch.undo()
-    ref = {r["id"]: r for r in per_task(a)[0] + per_task(b)[0]}
-    assert all(_key([r]) == _key([ref[r["id"]]]) for r in out_a + out_b if r["id"] not in errors)
+    ref = {r.id: r for r in per_task(a)[0] + per_task(b)[0]}
+    assert all(_key([r]) == _key([ref[r.id]]) for r in out_a + out_b if r.id not in errors)
 
 
 def test_a_task_that_cannot_be_prepared_fails_alone(tiny):
     """A task whose rows break encoding (a row without a prompt) raises in its own caller only; a task
     queued with it still gets its rows."""
     _, per_task, stream = _generators(tiny)
-    bad, good = stream.put([{"id": "x"}]), stream.put([{"id": "g", "prompt": SHORT[0]}])
-    with pytest.raises(KeyError):
+    bad, good = stream.put([None]), stream.put([InputRow("g", SHORT[0])])
+    with pytest.raises(AttributeError):
         stream.wait(bad)
-    assert _key(stream.wait(good)[0]) == _key(per_task([{"id": "g", "prompt": SHORT[0]}])[0])
+    assert _key(stream.wait(good)[0]) == _key(per_task([InputRow("g", SHORT[0])])[0])

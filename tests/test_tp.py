@@ -382,6 +382,7 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
 
     from pipeline.job.config import GenerationSpec
     from pipeline.replica.worker import RowGenerator
+    from pipeline.rows import InputRow
 
     rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()[:3]]
     inp = tmp_path / "in.jsonl"
@@ -394,8 +395,8 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     model, tok = embedded_reference
     spec = GenerationSpec(model="default", method=method, max_batch_size=3, max_new_tokens=16)
     ref, _ = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(
-        [{"id": r["id"], "prompt": r["prompt"], "corpus": None} for r in rows])
+        [InputRow(r["id"], r["prompt"]) for r in rows])
     for r in ref:
-        assert got[r["id"]]["generation"] == r["generation"], r["id"]
-        assert got[r["id"]]["n_new_tokens"] == r["n_new_tokens"]
+        assert got[r.id]["generation"] == r.generation, r.id
+        assert got[r.id]["n_new_tokens"] == r.n_new_tokens
     print(f"\nembedded {method} --tp 2: job {time.perf_counter() - t0:.1f} s")

@@ -30,9 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from logitspec.stats import ORIGINS
-
 from ..errors import ConfigError
+from ..rows import OutputRow, to_table
 from .lock import OutputLock
 
 log = logging.getLogger("pipeline.io.output")
@@ -41,28 +40,6 @@ JOB_FILE = "_job.json"
 SUMMARY_FILE = "_summary.json"
 LEGACY_PARTS_DIR, LEGACY_JOB_FILE, LEGACY_SUMMARY_FILE = "generations", "job.json", "summary.json"
 PART_GLOB = "part-*.parquet"
-
-
-def output_schema(id_type: pa.DataType) -> pa.Schema:
-    return pa.schema([
-        ("id", id_type),
-        ("sample", pa.int32()),  # which of the row's --num-samples samples (0 when one per row)
-        ("generation", pa.string()),
-        ("finish_reason", pa.string()),
-        ("n_prompt_tokens", pa.int32()),
-        ("n_new_tokens", pa.int32()),
-        ("steps", pa.int32()),
-        ("mean_accepted", pa.float64()),
-        ("accepted_lengths", pa.list_(pa.int32())),
-        ("retrieval_success", pa.float64()),
-        ("wall_s", pa.float64()),
-        ("method", pa.string()),
-        ("model", pa.string()),
-        ("error", pa.string()),
-        ("corpus", pa.string()),
-        # accepted draft tokens by the source that supplied them (logitspec.stats.ORIGINS)
-        ("accepted_from", pa.struct([(name, pa.int32()) for name in ORIGINS])),
-    ])
 
 
 def _fsync_dir(path: pathlib.Path) -> None:
@@ -120,11 +97,11 @@ class OutputStore:
 
     def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
                  part_seconds: float = 60.0, schema: pa.Schema | None = None):
-        """``schema``: the rows' schema (default :func:`output_schema` of ``id_type``; the evaluation
-        sweep passes its own, with an ``id`` column of ``id_type``)."""
+        """``schema``: the rows' schema (default :meth:`OutputRow.schema` of ``id_type``; the evaluation
+        sweep passes :meth:`SweepOutputRow.schema`)."""
         self.root = pathlib.Path(root).expanduser()
         self.parts = self.root
-        self.schema = output_schema(id_type) if schema is None else schema
+        self.schema = OutputRow.schema(id_type) if schema is None else schema
         self.part_rows, self.part_seconds = part_rows, part_seconds
         self.existing: pa.Table | None = None  # (id, sample) of the rows on disk at the start
         self.written: set = set()  # (id, sample) written by this run
@@ -246,10 +223,11 @@ class OutputStore:
         return pa.concat_tables(tables, promote_options="default") if tables else None
 
     # ------------------------------------------------------------------ during the run
-    def add(self, rows: Iterable[dict]) -> pathlib.Path | None:
-        """Buffer the rows whose (id, sample) is neither written nor buffered; write a part if one is due."""
+    def add(self, rows: Iterable) -> pathlib.Path | None:
+        """Buffer the rows (:class:`~pipeline.rows.OutputRow` or :class:`~pipeline.rows.SweepOutputRow`)
+        whose (id, sample) is neither written nor buffered; write a part if one is due."""
         for r in rows:
-            key = (r["id"], r.get("sample", 0))  # rows of a schema without samples are sample 0
+            key = (r.id, r.sample)
             if key in self.written or key in self.pending:
                 log.warning("row %r sample %d is already in the output; not writing it again", *key)
                 continue
@@ -273,7 +251,7 @@ class OutputStore:
             return None
         keys = sorted(f"{i}\x01{s}" for i, s in self.pending)
         name = "part-" + hashlib.sha1("\x00".join(keys).encode()).hexdigest()[:16] + ".parquet"
-        table = pa.Table.from_pylist(list(self.pending.values()), schema=self.schema)
+        table = to_table(list(self.pending.values()), self.schema)
         path = self.root / name
         try:
             atomic_write(path, lambda fh: pq.write_table(table, fh))
@@ -304,7 +282,7 @@ class OutputStore:
         t = self.read_existing(columns=("id", "sample"))
         return set(zip(t.column("id").to_pylist(), t.column("sample").to_pylist())) if t is not None else set()
 
-    def write(self, rows: list[dict]) -> pathlib.Path | None:
+    def write(self, rows: list) -> pathlib.Path | None:
         """Buffer the rows and write everything buffered now."""
         self.add(rows)
         return self.flush()
@@ -319,5 +297,5 @@ def read_generations(output: str | os.PathLike) -> pa.Table:
     root = pathlib.Path(output)
     files = sorted(root.glob(PART_GLOB)) + sorted((root / LEGACY_PARTS_DIR).glob(PART_GLOB))
     if not files:
-        return output_schema(pa.int64()).empty_table()
+        return OutputRow.schema(pa.int64()).empty_table()
     return pa.concat_tables([pq.read_table(f) for f in files], promote_options="default")

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type
 from ..io.row_checks import row_problem, row_prompt
+from ..rows import InputRow
 from .config import JobConfig
 
 
@@ -180,12 +181,12 @@ def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending) -> tuple[in
 
 
 def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing: dict) -> Iterator[tuple]:
-    """``(row, problem)`` per row of a chunk; a row is ``{"id", "prompt", "corpus", "samples"}``."""
+    """``(row, problem)`` per row of a chunk (an :class:`~pipeline.rows.InputRow`; its prompt None if it has a problem)."""
     t, use_messages = chunk.table, cfg.messages_column is not None
     prompts = t.column(cfg.prompt_column).to_pylist()
     messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows
     corpora = t.column(cfg.corpus_column).to_pylist() if cfg.corpus_column else [default_corpus] * t.num_rows
-    every = list(range(cfg.num_samples))
+    every = range(cfg.num_samples)
     for rid, p, m, c, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, chunk.problems):
         prompt = None if problem else row_prompt(p, m, use_messages)
-        yield {"id": rid, "prompt": prompt, "corpus": c, "samples": missing.get(rid, every)}, problem
+        yield InputRow(rid, prompt, c, tuple(missing.get(rid, every))), problem

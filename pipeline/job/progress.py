@@ -22,19 +22,20 @@ class Progress:
         self.t_gen: float | None = None  # first batch sent
         self._last_log = 0.0
 
-    def add(self, rows: list[dict]) -> None:
+    def add(self, rows: list) -> None:
+        """Count output rows (:class:`~pipeline.rows.OutputRow` or :class:`~pipeline.rows.SweepOutputRow`)."""
         for r in rows:
-            c = self.per_corpus[r.get("corpus") or "(none)"]
+            c = self.per_corpus[getattr(r, "corpus", None) or "(none)"]
             c["rows"] += 1
-            if r["error"] is not None:
+            if r.error is not None:
                 self.failed += 1
                 c["failed"] += 1
             else:
                 self.done += 1
-                self.tokens += r["n_new_tokens"]
-                self.steps += r["steps"]
-                c["tokens"] += r["n_new_tokens"]
-                c["steps"] += r["steps"]
+                self.tokens += r.n_new_tokens
+                self.steps += r.steps
+                c["tokens"] += r.n_new_tokens
+                c["steps"] += r.steps
 
     @property
     def mat(self) -> float | None:

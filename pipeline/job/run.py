@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 from ..replica.pool import RunRecord, connect_ray, drive_replicas, replica_resources
 from ..replica.worker import error_rows
+from ..rows import InputRow, OutputRow
 from .config import JobConfig
 from .pending import chunk_rows, stream_chunks
 from .plan import JobPlan, make_plan
@@ -77,7 +78,8 @@ def flush_rows(plan: JobPlan, failure: BaseException | None) -> BaseException | 
     return failure
 
 
-def row_batches(cfg: JobConfig, plan: JobPlan, on_rejected: Callable[[list[dict]], None]) -> Iterator[list[dict]]:
+def row_batches(cfg: JobConfig, plan: JobPlan, on_rejected: Callable[[list[OutputRow]], None]
+                ) -> Iterator[list[InputRow]]:
     """The rows still to do, ``cfg.rows_per_batch`` at a time, streamed from the input; the rows found
     unusable on the way (null, empty, wrongly typed prompt ...) go to ``on_rejected`` as error rows."""
     size, batch = cfg.rows_per_batch, []
@@ -103,21 +105,21 @@ class _Sink:
     def __init__(self, cfg: JobConfig, plan: JobPlan, progress: Progress, record: RunRecord):
         self.cfg, self.store, self.progress, self.record = cfg, plan.store, progress, record
 
-    def result(self, batch, rows: list[dict], stats: dict) -> None:
+    def result(self, batch, rows: list[OutputRow], stats: dict) -> None:
         self.add(rows)
         self.progress.by_replicas += len(rows)
         self.record.add_engine(stats.get("engine") or {})
 
-    def failed(self, rows: list[dict], reason: str) -> None:
+    def failed(self, rows: list[InputRow], reason: str) -> None:
         self.add([e for r in rows for e in error_rows(r, reason, self.cfg.gen)])
-        self.progress.by_replicas += sum(len(r.get("samples", (0,))) for r in rows)
+        self.progress.by_replicas += sum(len(r.samples) for r in rows)
 
     def tick(self) -> None:
         self._note_start()
         self.store.tick()
         self.progress.tick()
 
-    def add(self, rows: list[dict]) -> None:
+    def add(self, rows: list[OutputRow]) -> None:
         self.store.add(rows)
         self.progress.add(rows)
         self._note_start()
@@ -128,7 +130,7 @@ class _Sink:
             self.progress.t_gen = stats.first_dispatch
 
 
-def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list[dict]],
+def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list[InputRow]],
                  on_event: Callable[..., None] | None, t0: float) -> None:
     """Ray, the shared indexes, the replicas: generate ``rows`` (batches); fills the record and timing."""
     import ray

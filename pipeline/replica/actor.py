@@ -13,6 +13,8 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -21,41 +23,52 @@ from . import faults
 from .actor_env import actor_runtime_env
 from .resources import Replica, ReplicaResources, process_memory
 
+if TYPE_CHECKING:
+    from .worker import RowGenerator
+
 log = logging.getLogger("pipeline.replica.actor")
 
 
-class EngineWorker:
-    """The actor: loads the model once, attaches the shared reference indexes, generates batches."""
+def set_up_job(spec: GenerationSpec, device: str, reference_refs: dict) -> tuple[RowGenerator, dict]:
+    """The job's generator in this process: the whole model, the shared reference indexes, one engine."""
+    from logitspec import Engine
+    from logitspec.models import load_model
 
-    def __init__(self, spec: GenerationSpec, threads: int, use_gpu: bool, reference_refs: dict):
+    from .startup import set_up
+
+    def load(dtype):
+        return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
+
+    return set_up(spec, device, reference_refs, load=load,
+                  make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history))
+
+
+class EngineWorker:
+    """The actor: sets up one generator in its process, then turns batches of rows into output rows
+    with it. What it generates with is its ``setup`` (the job's by default; the evaluation sweep passes
+    :func:`pipeline.sweep.replica.set_up_sweep`), so every replica is this actor."""
+
+    def __init__(self, spec, threads: int, use_gpu: bool, reference_refs: dict, setup: Callable = set_up_job):
+        """``setup(spec, device, reference_refs) -> (generator, info)``; ``generator(rows, history)``
+        returns ``(output rows, batch stats)``."""
         t0 = time.perf_counter()
         import torch
-
-        from logitspec import Engine
-        from logitspec.models import load_model
-
-        from .startup import set_up
 
         torch.set_num_threads(threads)
         t_import = time.perf_counter()
         device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-        def load(dtype):
-            faults.at_load()  # test-only: a process killed while loading (pipeline.replica.faults)
-            return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
-
-        self.generator, info = set_up(spec, device, reference_refs, load=load,
-                                      make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history))
+        faults.at_load()  # test-only: a process killed while loading (pipeline.replica.faults)
+        self.generator, info = setup(spec, device, reference_refs)
         self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                       "import_s": t_import - t0, **info, "init_s": time.perf_counter() - t0}
 
     def info(self) -> dict:
         return {**self._info, "memory": process_memory()}
 
-    def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
-        """``history``: other replicas' answers (``--share-history``); a generator that takes none (the
-        evaluation sweep's) is called without it."""
+    def generate(self, rows: list, history: list[list[int]] | None = None) -> tuple[list, dict]:
+        """``history``: other replicas' answers (``--share-history``), for the generator's history."""
         faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.replica.faults)
-        out, stats = self.generator(rows) if history is None else self.generator(rows, history)
+        out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
         return out, stats
 
@@ -66,7 +79,7 @@ class StreamingEngineWorker(EngineWorker):
 
     concurrent = True  # tasks in flight run together: a death is every one's (pipeline.replica.scheduler)
 
-    def __init__(self, spec: GenerationSpec, threads: int, use_gpu: bool, reference_refs: dict):
+    def __init__(self, spec, threads: int, use_gpu: bool, reference_refs: dict, setup: Callable = set_up_job):
         from concurrent.futures import ThreadPoolExecutor
 
         from .streaming import StreamingRows
@@ -75,7 +88,7 @@ class StreamingEngineWorker(EngineWorker):
         # actor's calls on several threads, and torch's OpenMP pools of several threads compete for
         # the cores (pipeline/streaming.py)
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._on_engine_thread(super().__init__, spec, threads, use_gpu, reference_refs)
+        self._on_engine_thread(super().__init__, spec, threads, use_gpu, reference_refs, setup)
         self.generator = StreamingRows(self.generator, run=self._on_engine_thread)
 
     def _on_engine_thread(self, fn, *args):
@@ -89,11 +102,11 @@ STREAM_CONCURRENCY = 4
 class ActorReplica:
     """A replica made of one actor (:class:`StreamingEngineWorker` or :class:`EngineWorker`)."""
 
-    def __init__(self, name: str, spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict,
-                 worker: type = EngineWorker):
-        """``worker``: the actor class, built as ``worker(spec, threads, use_gpu, reference_refs)`` with
-        ``info()`` and ``generate(rows)`` (the evaluation sweep's :class:`pipeline.sweep.replica.EvalWorker`);
-        one whose ``concurrent`` is true runs as a threaded actor."""
+    def __init__(self, name: str, spec, resources: ReplicaResources, reference_refs: dict,
+                 worker: type = EngineWorker, setup: Callable | None = None):
+        """``worker``: the actor class (:class:`EngineWorker` or :class:`StreamingEngineWorker`; one whose
+        ``concurrent`` is true runs as a threaded actor); ``setup``: what it generates with (None: the
+        job's :func:`set_up_job`; the sweep's :func:`pipeline.sweep.replica.set_up_sweep`)."""
         self.name = name
         self.concurrent = getattr(worker, "concurrent", False)
         cls = ray.remote(worker).options(
@@ -103,13 +116,13 @@ class ActorReplica:
             runtime_env=actor_runtime_env(),
         )
         self.actor = cls.remote(spec, resources.threads, resources.num_gpus > 0,
-                                {k: (v,) for k, v in reference_refs.items()})
+                                {k: (v,) for k, v in reference_refs.items()}, **({"setup": setup} if setup else {}))
         self._ready = self.actor.info.remote()
 
     def ready(self) -> ray.ObjectRef:
         return self._ready
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:
+    def submit(self, rows: list, history: list[list[int]] | None = None) -> ray.ObjectRef:
         """``history``: other replicas' answers for this one's history (``--share-history``)."""
         return self.actor.generate.remote(rows, history)
 

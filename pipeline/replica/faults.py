@@ -40,8 +40,8 @@ def at_load() -> None:
         _die()
 
 
-def at_batch(rows: list[dict]) -> None:
+def at_batch(rows: list) -> None:
     """Called by a replica process before it generates ``rows``."""
     kind, _, row_id = os.environ.get(ENV, "").partition(":")
-    if kind == "row" and any(str(r["id"]) == row_id for r in rows):
+    if kind == "row" and any(str(r.id) == row_id for r in rows):
         _die()

@@ -35,7 +35,7 @@ class Replica(Protocol):
     def ready(self) -> ray.ObjectRef:  # noqa: F821
         """Resolves to an info dict (pids, load times, memory) once the replica can take rows; fails if it dies."""
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:  # noqa: F821
+    def submit(self, rows: list, history: list[list[int]] | None = None) -> ray.ObjectRef:  # noqa: F821
         """Resolves to ``(output rows, batch stats)``; raises ``RayActorError`` if the replica dies.
         ``history``: other replicas' answers to add to its draft history first (``--share-history``)."""
 

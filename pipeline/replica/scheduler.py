@@ -40,7 +40,7 @@ class JobFailed(RuntimeError):
 @dataclass
 class Batch:
     key: int
-    rows: list[dict]
+    rows: list
     deaths: int = 0  # replicas that died while running this batch
     split: bool = False  # a single row split off a batch that died or raised
 
@@ -74,8 +74,8 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, factory: Callable[[str], Replica], n_replicas: int, batches: Iterable[Batch],
-                 on_result: Callable[[Batch, list[dict], dict], None],
-                 on_failed_rows: Callable[[list[dict], str], None],
+                 on_result: Callable[[Batch, list, dict], None],
+                 on_failed_rows: Callable[[list, str], None],
                  on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
                  depth: int = 2, max_replacements: int = 5, max_row_attempts: int = 2,
                  tick_s: float = 1.0, history: SharedHistory | None = None):

@@ -22,7 +22,8 @@ import threading
 import time
 from collections import deque
 
-from .worker import Request, RowGenerator
+from ..rows import InputRow, OutputRow
+from .worker import Prompt, RowGenerator
 
 log = logging.getLogger("pipeline.replica.streaming")
 
@@ -32,16 +33,16 @@ COUNTERS = ("batch_steps", "active_sum", "prefills", "prefill_chunks")
 class _Task:
     """One call's rows, their engine prompts and the results gathered so far."""
 
-    def __init__(self, rows: list[dict], history: list[list[int]] | None = None):
+    def __init__(self, rows: list[InputRow], history: list[list[int]] | None = None):
         self.rows = rows
         self.history = history  # other replicas' answers, added to the engine's history when taken
         self.t0 = time.perf_counter()
-        self.out: list[list[dict]] = []  # per row: its error rows if refused at encode
-        self.reqs: list[Request] = []
+        self.out: list[list[OutputRow]] = []  # per row: its error rows if refused at encode
+        self.reqs: list[Prompt] = []
         self.results: list[list] = []  # per request: per sample its GenerationResult or error message
         self.submitted = 0  # requests handed to the session so far (in order)
         self.missing = 0  # samples not finished yet
-        self.output: tuple[list[dict], dict] | None = None  # set once done
+        self.output: tuple[list[OutputRow], dict] | None = None  # set once done
         self.error: BaseException | None = None  # set (with an empty output) if the task itself failed
 
 
@@ -65,20 +66,21 @@ class StreamingRows:
         self._totals = dict.fromkeys(COUNTERS, 0)  # of the sessions dropped so far
         self._reported = dict.fromkeys(COUNTERS, 0)  # counters at the last finished task
 
-    def __call__(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
+    def __call__(self, rows: list[InputRow], history: list[list[int]] | None = None
+                 ) -> tuple[list[OutputRow], dict]:
         """(output rows in input order, each row's samples in order; the task's stats: ``wall_s``,
         ``rows``, ``engine``: the engine's counters since the previous task finished). ``history``:
         as for :meth:`RowGenerator.__call__`, added when the task is taken."""
         return self.wait(self.put(rows, history))
 
-    def put(self, rows: list[dict], history: list[list[int]] | None = None) -> _Task:
+    def put(self, rows: list[InputRow], history: list[list[int]] | None = None) -> _Task:
         """Queue a task of ``rows``; its output comes from :meth:`wait`."""
         task = _Task(rows, history)
         with self._cond:
             self._inbox.append(task)
         return task
 
-    def wait(self, task: _Task) -> tuple[list[dict], dict]:
+    def wait(self, task: _Task) -> tuple[list[OutputRow], dict]:
         """``task``'s output; the caller drives the engine meanwhile unless another caller does."""
         with self._cond:
             while task.output is None and self._driving:
@@ -203,7 +205,7 @@ class StreamingRows:
                 t.output = output
             self._cond.notify_all()
 
-    def _engine_stats(self, rows: list[dict]) -> dict:
+    def _engine_stats(self, rows: list[OutputRow]) -> dict:
         """The engine's counters since the previous finished task (their sum over tasks is the
         replica's total), ``mean_active`` over those steps, and the task's own new tokens."""
         now = self._counters()
@@ -211,4 +213,4 @@ class StreamingRows:
         self._reported = now
         steps = delta["batch_steps"]
         return {**delta, "mean_active": delta["active_sum"] / steps if steps else 0.0,
-                "tokens": sum(r["n_new_tokens"] or 0 for r in rows)}
+                "tokens": sum(r.n_new_tokens or 0 for r in rows)}

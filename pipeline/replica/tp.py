@@ -106,14 +106,14 @@ class TPRank:
         return {**infos[0], "tp": world, "pids": [i["pid"] for i in infos], "ranks": infos,
                 "model_load_s": max(i["model_load_s"] for i in infos)}
 
-    def generate(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict] | None, dict]:
+    def generate(self, rows: list, history: list[list[int]] | None = None) -> tuple[list | None, dict]:
         """Every rank decodes the batch (after adding ``history``, the same on every rank); rank 0
         returns the rows, the others only their digest."""
         from logitspec.distributed import check_agreement, decisions_digest
 
         out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
-        stats["digests"] = check_agreement(decisions_digest(out))  # raises on every rank alike
+        stats["digests"] = check_agreement(decisions_digest(r.as_dict() for r in out))  # raises on every rank alike
         return (out, stats) if self.rank == 0 else (None, stats)
 
     def info(self) -> dict:
@@ -201,7 +201,7 @@ class TPReplica:
     def ready(self) -> ray.ObjectRef:
         return self._ready
 
-    def submit(self, rows: list[dict], history: list[list[int]] | None = None) -> ray.ObjectRef:
+    def submit(self, rows: list, history: list[list[int]] | None = None) -> ray.ObjectRef:
         refs = [a.generate.remote(rows, history) for a in self.ranks]
         return refs[0]  # a peer's death ends rank 0 too (watchdog), so this ref fails with it
 

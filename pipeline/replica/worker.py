@@ -1,7 +1,6 @@
 """Rows -> output rows with one engine. No Ray here: replicas wrap this, tests call it directly.
 
-A row is ``{"id", "prompt", "corpus", "samples"}`` (``prompt``: text, chat messages or token ids;
-``samples``: the sample indexes to generate, ``[0]`` by default); it gives one output row per sample.
+An :class:`~pipeline.rows.InputRow` gives one :class:`~pipeline.rows.OutputRow` per sample it asks for.
 Each row is encoded first; a row the engine refuses (too long for the context, no chat template, ...)
 becomes error rows and the others go on. If ``Engine.run`` raises on the batch, its prompts (a row, or
 one sample of it) are retried one by one so only the failing ones become error rows. The parts
@@ -18,6 +17,7 @@ from typing import Any
 from logitspec.session import sample_seed
 
 from ..job.config import GenerationSpec
+from ..rows import InputRow, OutputRow
 
 log = logging.getLogger("pipeline.replica.worker")
 
@@ -36,34 +36,29 @@ def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
 
 
 def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None = None,
-              n_prompt_tokens: int | None = None, sample: int = 0) -> dict:
-    return {"id": row_id, "sample": sample, "generation": None, "finish_reason": None,
-            "n_prompt_tokens": n_prompt_tokens, "n_new_tokens": None, "steps": None, "mean_accepted": None,
-            "accepted_lengths": None, "retrieval_success": None, "wall_s": None, "method": spec.method,
-            "model": spec.model, "error": error, "corpus": corpus, "accepted_from": None}
+              n_prompt_tokens: int | None = None, sample: int = 0) -> OutputRow:
+    return OutputRow(id=row_id, sample=sample, n_prompt_tokens=n_prompt_tokens, method=spec.method,
+                     model=spec.model, error=error, corpus=corpus)
 
 
-def error_rows(row: dict, error: str, spec: GenerationSpec, n_prompt_tokens: int | None = None) -> list[dict]:
+def error_rows(row: InputRow, error: str, spec: GenerationSpec, n_prompt_tokens: int | None = None) -> list[OutputRow]:
     """One error row per sample of ``row``."""
-    return [error_row(row["id"], error, spec, row.get("corpus"), n_prompt_tokens, s) for s in samples_of(row)]
+    return [error_row(row.id, error, spec, row.corpus, n_prompt_tokens, s) for s in row.samples]
 
 
-def samples_of(row: dict) -> list[int]:
-    return list(row.get("samples", (0,)))
-
-
-def _ok_row(row: dict, sample: int, res, spec: GenerationSpec) -> dict:
+def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
+    """The output row of one sample's :class:`~logitspec.engine.GenerationResult`."""
     s = res.stats
-    return {"id": row["id"], "sample": sample, "generation": res.text, "finish_reason": res.finish_reason,
-            "n_prompt_tokens": len(res.prompt_token_ids), "n_new_tokens": len(res.token_ids),
-            "steps": s["steps"], "mean_accepted": s["mean_accepted"],
-            "accepted_lengths": list(s["accepted_lengths"]), "retrieval_success": s["retrieval_success"],
-            "wall_s": s["wall_s"], "method": spec.method, "model": spec.model, "error": None,
-            "corpus": row.get("corpus"), "accepted_from": s["accepted_from"]}
+    return OutputRow(id=row.id, sample=sample, generation=res.text, finish_reason=res.finish_reason,
+                     n_prompt_tokens=len(res.prompt_token_ids), n_new_tokens=len(res.token_ids),
+                     steps=s["steps"], mean_accepted=s["mean_accepted"],
+                     accepted_lengths=list(s["accepted_lengths"]), retrieval_success=s["retrieval_success"],
+                     wall_s=s["wall_s"], method=spec.method, model=spec.model, corpus=row.corpus,
+                     accepted_from=s["accepted_from"])
 
 
 @dataclass
-class Request:
+class Prompt:
     """One engine prompt of a task: samples ``samples`` of the task's row ``pos`` (``ids``: its prompt
     tokens, ``seed``: the seed of its first sample, ``ref``: its reference source or None)."""
 
@@ -82,7 +77,7 @@ class RowGenerator:
         self.spec = spec
         self.references = references or {}
 
-    def __call__(self, rows: list[dict], history: list[list[int]] | None = None) -> tuple[list[dict], dict]:
+    def __call__(self, rows: list[InputRow], history: list[list[int]] | None = None) -> tuple[list[OutputRow], dict]:
         """(output rows: per input row in input order, its samples in order; batch stats). ``history``:
         other replicas' answers to add to this engine's history first (:meth:`absorb`)."""
         t0 = time.perf_counter()
@@ -120,30 +115,30 @@ class RowGenerator:
             room -= len(out[-1])
         return {"answers": out[::-1]}
 
-    def prepare(self, rows: list[dict]) -> tuple[list[list[dict]], list[Request]]:
+    def prepare(self, rows: list[InputRow]) -> tuple[list[list[OutputRow]], list[Prompt]]:
         """Encode ``rows``: per row its error rows if the engine refuses it (else empty, to be filled by
         :meth:`assemble`), and the engine prompts of the others, in row order. A row asking for
         samples 0..N-1 is one prompt with ``n=N`` (one prefill shared by its samples); a row asking
         for other samples (a resume that lacks some) is one prompt per sample, each with its own seed
         (:func:`row_seed`): the same draws either way."""
         spec = self.spec
-        out: list[list[dict]] = [[] for _ in rows]
-        reqs: list[Request] = []
+        out: list[list[OutputRow]] = [[] for _ in rows]
+        reqs: list[Prompt] = []
         for i, r in enumerate(rows):
             try:
-                ids = self.engine.encode(r["prompt"], apply_chat_template=spec.chat)
+                ids = self.engine.encode(r.prompt, apply_chat_template=spec.chat)
             except ValueError as e:
                 out[i] = error_rows(r, str(e), spec)
                 continue
-            ref = self.references.get(r.get("corpus")) if r.get("corpus") is not None else None
-            samples = samples_of(r)
+            ref = self.references.get(r.corpus) if r.corpus is not None else None
+            samples = list(r.samples)
             if samples == list(range(len(samples))):
-                reqs.append(Request(i, ids, row_seed(spec.seed, r["id"], 0), ref, samples))
+                reqs.append(Prompt(i, ids, row_seed(spec.seed, r.id, 0), ref, samples))
             else:
-                reqs += [Request(i, ids, row_seed(spec.seed, r["id"], s), ref, [s]) for s in samples]
+                reqs += [Prompt(i, ids, row_seed(spec.seed, r.id, s), ref, [s]) for s in samples]
         return out, reqs
 
-    def run(self, reqs: list[Request]):
+    def run(self, reqs: list[Prompt]):
         """One ``Engine.run`` over ``reqs``: its results (request by request, samples in order) and stats."""
         spec = self.spec
         return self.engine.run(
@@ -151,7 +146,7 @@ class RowGenerator:
             top_p=spec.top_p, top_k=spec.top_k, seed=[q.seed for q in reqs], stop=list(spec.stop) or None,
             reference=[q.ref for q in reqs], n=[len(q.samples) for q in reqs])
 
-    def run_alone(self, req: Request) -> list:
+    def run_alone(self, req: Prompt) -> list:
         """The results of one request run on its own; on an error, the error message per sample."""
         try:
             return self.run([req]).results
@@ -159,18 +154,18 @@ class RowGenerator:
             return [f"{type(e).__name__}: {e}"] * len(req.samples)
 
     @staticmethod
-    def split(reqs: list[Request], results: list) -> list[list]:
+    def split(reqs: list[Prompt], results: list) -> list[list]:
         """Prompt-major ``results`` cut into one list per request."""
         it = iter(results)
         return [[next(it) for _ in q.samples] for q in reqs]
 
-    def assemble(self, rows: list[dict], out: list[list[dict]], reqs: list[Request], results: list[list]) -> list[dict]:
+    def assemble(self, rows: list[InputRow], out: list[list[OutputRow]], reqs: list[Prompt], results: list[list]) -> list[OutputRow]:
         """The output rows: ``out`` (from :meth:`prepare`) with each request's results (a
         ``GenerationResult``, or an error message, per sample) as rows, flattened in input order."""
         spec = self.spec
         for q, res in zip(reqs, results):
             r = rows[q.pos]
             for s, x in zip(q.samples, res):
-                out[q.pos].append(error_row(r["id"], x, spec, r.get("corpus"), len(q.ids), s)
-                                  if isinstance(x, str) else _ok_row(r, s, x, spec))
+                out[q.pos].append(error_row(r.id, x, spec, r.corpus, len(q.ids), s)
+                                  if isinstance(x, str) else ok_row(r, s, x, spec))
         return [r for rs in out for r in rs]

@@ -1,16 +1,13 @@
-"""The sweep's actor: one model, one engine per configuration of the grid.
+"""The sweep's replicas: the job's actor holding one model and one engine per configuration of the grid.
 
 :func:`make_engines` is the one place that builds the engines of a replica; they share one prefix
 cache (``--prefix-cache-gb``), so each row is prefilled once for all configurations.
 """
 from __future__ import annotations
 
-import os
 import time
 
-import ray
-
-from ..replica.actor import ActorReplica, EngineWorker
+from ..replica.actor import ActorReplica
 from ..replica.resources import ReplicaResources
 from .config import EvalConfig
 from .generator import SweepGenerator
@@ -31,39 +28,33 @@ def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
     return engines
 
 
-class EvalWorker(EngineWorker):
-    """The actor: loads the model once, builds the engines, warms each up, generates batches of rows
-    (``info`` and ``generate`` as the batch job's actor)."""
+def set_up_sweep(cfg: EvalConfig, device: str, reference_refs: dict) -> tuple[SweepGenerator, dict]:
+    """The sweep's generator in a replica's process (the ``setup`` of the job's
+    :class:`~pipeline.replica.actor.EngineWorker`): the model loaded once, an engine per configuration
+    of the grid, each warmed up. The sweep uses no reference indexes (``reference_refs`` is empty)."""
+    import torch
 
-    def __init__(self, cfg: EvalConfig, threads: int, use_gpu: bool, reference_refs: dict):
-        # EngineWorker's own __init__ builds one engine from a GenerationSpec; this one builds the grid's
-        t0 = time.perf_counter()
-        import torch
+    from logitspec.models import load_model
 
-        from logitspec.models import load_model
+    from ..replica.startup import model_memory, torch_dtype, warm_up
 
-        from ..replica.startup import model_memory, torch_dtype, warm_up
-
-        torch.set_num_threads(threads)
-        device = "cuda" if use_gpu and torch.cuda.is_available() else "cpu"
-        dtype = torch_dtype(cfg.dtype, device)
-        model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
-        t_load = time.perf_counter()
-        engines = make_engines(model, tokenizer, cfg)
-        if cfg.warmup:
-            for engine in engines.values():
-                warm_up(engine, tokenizer)
-        self.generator = SweepGenerator(engines, {c.name: c for c in cfg.configs})
-        self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "device": device,
-                      "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
-                      "model_load_s": t_load - t0, "warmup_s": time.perf_counter() - t_load,
-                      **model_memory(model), "init_s": time.perf_counter() - t0}
+    t0 = time.perf_counter()
+    dtype = torch_dtype(cfg.dtype, device)
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    t_load = time.perf_counter()
+    engines = make_engines(model, tokenizer, cfg)
+    if cfg.warmup:
+        for engine in engines.values():
+            warm_up(engine, tokenizer)
+    info = {"device": device, "dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "model_load_s": t_load - t0, "warmup_s": time.perf_counter() - t_load, **model_memory(model)}
+    return SweepGenerator(engines, {c.name: c for c in cfg.configs}), info
 
 
 def make_eval_replica_factory(cfg: EvalConfig, resources: ReplicaResources):
-    """``factory(name) -> Replica`` for the scheduler: one :class:`EvalWorker` actor per replica."""
+    """``factory(name) -> Replica`` for the scheduler: the job's one-actor replica, set up by :func:`set_up_sweep`."""
 
     def factory(name: str) -> ActorReplica:
-        return ActorReplica(name, cfg, resources, {}, worker=EvalWorker)
+        return ActorReplica(name, cfg, resources, {}, setup=set_up_sweep)
 
     return factory

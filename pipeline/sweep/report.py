@@ -11,8 +11,8 @@ from logitspec.evaluation.sweep_report import build_report, report_markdown
 
 from ..io.output import atomic_write_bytes, atomic_write_json
 from ..replica.pool import RunRecord
+from ..rows import SweepOutputRow
 from .config import EvalConfig
-from .generator import sweep_schema
 
 log = logging.getLogger("pipeline.sweep.report")
 
@@ -27,7 +27,7 @@ def machine_load() -> list[float] | None:
 
 def sweep_rows_on_disk(plan) -> list[dict]:
     """Every row the output holds (this run's and earlier runs')."""
-    table = plan.store.read_existing(columns=sweep_schema().names)
+    table = plan.store.read_existing(columns=SweepOutputRow.names())
     return table.to_pylist() if table is not None else []
 
 
@@ -42,7 +42,7 @@ def write_report(cfg: EvalConfig, plan, record: RunRecord) -> dict:
         "data": cfg.data, "model": cfg.model, "settings": cfg.record(), "max_batch_size": cfg.max_batch_size,
         "rows_per_task": cfg.rows_per_batch, "actors": cfg.actors,
         "truncated_rows": sum(r.truncated for r in plan.rows),
-        "pairs_generated_now": sum(len(r["configs"]) for r in plan.todo), "pairs_already_done": plan.done_pairs,
+        "pairs_generated_now": sum(len(r.configs) for r in plan.todo), "pairs_already_done": plan.done_pairs,
         "timing": plan.timing, "load_average": machine_load(),
         "replicas": list(stats.replica_info) if stats is not None else [],
         "replicas_at_end": record.final, "deaths": stats.deaths if stats is not None else 0,

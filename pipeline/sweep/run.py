@@ -1,7 +1,7 @@
 """Running an evaluation sweep: plan it (no Ray), generate every (row, configuration) through the
 batch job's scheduler and replicas, then score and write the report.
 
-Layout of ``--output``: ``rows/`` (a Parquet dataset of :func:`pipeline.sweep.generator.sweep_schema`, one
+Layout of ``--output``: ``rows/`` (a Parquet dataset of :class:`pipeline.rows.SweepOutputRow`, one
 row per example and configuration; resumed like a batch job's output), ``report.json``, ``report.md``,
 ``report.png``. A rerun generates only the (row, configuration) pairs missing from ``rows/``.
 """
@@ -23,8 +23,9 @@ from ..io.model import check_model
 from ..io.output import OutputStore
 from ..job.progress import Progress
 from ..replica.pool import RunRecord, connect_ray, drive_replicas, replica_resources
+from ..rows import SweepInputRow, SweepOutputRow
 from .config import EvalConfig
-from .generator import row_id, sweep_error_row, sweep_schema
+from .generator import row_id, sweep_error_row
 
 log = logging.getLogger("pipeline.sweep.run")
 ROWS_DIR = "rows"
@@ -37,7 +38,7 @@ class SweepPlan:
     data: dict  # {dataset: [Example]}
     rows: list  # [SweepRow]
     store: OutputStore
-    todo: list[dict] = field(default_factory=list)  # row dicts with "configs": the names still to generate
+    todo: list[SweepInputRow] = field(default_factory=list)  # rows with configurations still to generate
     done_pairs: int = 0
     timing: dict = field(default_factory=dict)
 
@@ -72,15 +73,15 @@ def plan_sweep(cfg: EvalConfig) -> SweepPlan:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     store = OutputStore(pathlib.Path(cfg.output) / ROWS_DIR, pa.string(), part_rows=1000, part_seconds=30.0,
-                        schema=sweep_schema())
+                        schema=SweepOutputRow.schema())
     store.prepare(cfg.record(), cfg.overwrite)
     plan = SweepPlan(data, rows, store, timing={"plan_s": time.perf_counter() - t0})
     done = store.keys()  # (id, sample): the sweep writes one sample (0) per row and configuration
     for r in rows:
         missing = [c.name for c in cfg.configs if (row_id(r.key, c.name), 0) not in done]
         plan.done_pairs += len(cfg.configs) - len(missing)
-        if missing:  # "id": the row as the scheduler and the fault hooks name it
-            plan.todo.append({**r.as_dict(), "id": r.key, "configs": missing})
+        if missing:
+            plan.todo.append(SweepInputRow(r, tuple(missing)))
     return plan
 
 
@@ -91,12 +92,12 @@ class _Sink:
         self.configs = {c.name: c for c in cfg.configs}
         self.store, self.progress, self.record = plan.store, progress, record
 
-    def result(self, batch, rows: list[dict], stats: dict) -> None:
+    def result(self, batch, rows: list[SweepOutputRow], stats: dict) -> None:
         self.store.add(rows)
         self.progress.add(rows)
 
-    def failed(self, rows: list[dict], reason: str) -> None:
-        self.result(None, [sweep_error_row(r, self.configs[c], reason) for r in rows for c in r["configs"]], {})
+    def failed(self, rows: list[SweepInputRow], reason: str) -> None:
+        self.result(None, [sweep_error_row(r, self.configs[c], reason) for r in rows for c in r.configs], {})
 
     def tick(self) -> None:
         if self.progress.t_gen is None and self.record.stats is not None:
@@ -118,9 +119,9 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
     factory = make_eval_replica_factory(cfg, resources)
     size, batches = cfg.rows_per_batch, []
     for name in plan.data:
-        rows = [r for r in plan.todo if r["dataset"] == name]
+        rows = [r for r in plan.todo if r.example.dataset == name]
         batches += [Batch(len(batches) + k, rows[s:s + size]) for k, s in enumerate(range(0, len(rows), size))]
-    pairs = sum(len(r["configs"]) for r in plan.todo)
+    pairs = sum(len(r.configs) for r in plan.todo)
     progress = Progress(pairs + plan.done_pairs, plan.done_pairs, pairs, cfg.log_interval)
     sink = _Sink(cfg, plan, progress, record)
     log.info("%d replica(s), %s CPU and %d thread(s) each; %d batches of <= %d rows x %d configurations",
