@@ -83,7 +83,8 @@ def machine_fingerprint(device) -> str:
         pass
     dev = str(device)
     if dev.startswith("cuda") and torch.cuda.is_available():
-        dev = f"{torch.cuda.get_device_name(torch.device(dev))} | CUDA {torch.version.cuda} | torch {torch.__version__}"
+        name = torch.cuda.get_device_name(torch.device(dev))
+        dev = f"{name} | CUDA {torch.version.cuda} | torch {torch.__version__}"
     alloc = "tcmalloc" if allocator.loaded() else "system malloc"
     return f"{cpu} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {dev} | {alloc}"
 
@@ -97,7 +98,8 @@ def kernel_fingerprint(model, head=None) -> str:
     norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
     screen = getattr(head, "screen", None)
     int8 = "+int8-held" if screen is not None and screen.int8.enabled else ""  # not in the measured forwards
-    screen = f"{screen.kind}:{'+'.join(screen.passes)}{int8}:scores=pass-dtype" if screen is not None else None
+    if screen is not None:
+        screen = f"{screen.kind}:{'+'.join(screen.passes)}{int8}:scores=pass-dtype"
     return (f"attn={attn}|linears={','.join(linears)}|norms={','.join(norms)}|screen={screen}"
             f"|cache={GrowingLayer.__name__}|chains={CHAINS}|kernels={skinny.sources_digest()}")
 
@@ -226,8 +228,8 @@ def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
     chains = [[(1 + r) % target.vocab_size] for r in range(kv.rows)]
     for _ in range(n - 1):
         cols = kv.columns  # where the step's one new column per row lands
-        out = target([StepRow.chain(kv.lengths[r], c[-1:]) for r, c in enumerate(chains)], kv, all_logits=True,
-                     exact=False)
+        step = [StepRow.chain(kv.lengths[r], c[-1:]) for r, c in enumerate(chains)]
+        out = target(step, kv, all_logits=True, exact=False)
         kv.commit([[cols]] * kv.rows)
         for c, t in zip(chains, out.nodes.argmax.tolist()):
             c.append(int(t))
@@ -249,7 +251,8 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    curve = measure(target, tokens=grid.tokens, reps=3 if quick else 5, batch_rows=rows, batch_tokens=grid.per_row)
+    curve = measure(target, tokens=grid.tokens, reps=3 if quick else 5, batch_rows=rows,
+                    batch_tokens=grid.per_row)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
         save(curve, path, target)
@@ -258,16 +261,19 @@ def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool 
 
 def curve_from_doc(doc: dict) -> CostCurve:
     """The curve of a stored calibration document (:func:`save`'s)."""
-    return CostCurve(doc["tokens"], doc["seconds"], doc.get("batches"), doc.get("head"), doc.get("context")).monotone()
+    curve = CostCurve(doc["tokens"], doc["seconds"], doc.get("batches"), doc.get("head"), doc.get("context"))
+    return curve.monotone()
 
 
 def _covers(doc: dict, grid: Grid, rows) -> bool:
     """Whether a stored curve has every batch size in ``rows`` with the grid's tokens per row, and
     the cost per cached column (None where it could not be measured)."""
     batches = doc.get("batches") or {}
-    return "context" in doc and all(
-        str(b) in batches and {n for n in grid.per_row if b * n <= grid.max_tokens} <= set(batches[str(b)]["tokens"])
-        for b in rows)
+    def has(b: int) -> bool:
+        want = {n for n in grid.per_row if b * n <= grid.max_tokens}
+        return str(b) in batches and want <= set(batches[str(b)]["tokens"])
+
+    return "context" in doc and all(has(b) for b in rows)
 
 
 def save(curve: CostCurve, path: pathlib.Path, target: TargetForward) -> None:

@@ -20,9 +20,9 @@ Each is an exponentially weighted mean (``decay`` per step) that starts at 1 wit
 (2-3, 4-7, 8-15, ... rows: what a node costs against a step differs with the rows). One row gets
 none (below ``MIN_ROWS``): its curve is measured on the kind of step it takes, and there the
 corrections only added noise (MAT 1.85-2.45 with them, 2.39-2.43 without, in an A/B run since
-removed: git history of scripts/feedback_ab.py). Steps that verified no drafts update the plain side; nothing else does, so a
-budget that stops drafting keeps its last corrections until its exploring steps
-(:meth:`~logitspec.engine.Engine._prune`) bring new ones.
+removed: ``git show 4974864:scripts/feedback_ab.py``). Steps that verified no drafts update the
+plain side; nothing else does, so a budget that stops drafting keeps its last corrections until its
+exploring steps (:mod:`logitspec.policy`, ``EXPLORE_AFTER``) bring new ones.
 """
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ class Corrections:
     def __init__(self, prior: float, decay: float):
         self._tokens_real = _Mean(prior, decay)  # per drafting step: drafted tokens accepted
         self._tokens_expected = _Mean(prior, decay)  # ... and expected
-        self._draft_time = _Mean(prior, decay)  # per drafting step: (measured / curve seconds) / plain steps' mean
+        # per drafting step: (measured / curve seconds) / plain steps' mean
+        self._draft_time = _Mean(prior, decay)
         self._plain_time = _Mean(prior, decay)  # per plain step: measured / curve seconds
 
     def update(self, expected_tokens: float, accepted_tokens: int, curve_s: float, measured_s: float) -> None:

@@ -3,7 +3,7 @@ tokens; reports rows/s, the driver's peak RSS, part files, and the time of a rer
 
     python scripts/scale_check.py --rows 100000 --work /tmp/scale            # run, then rerun
     python scripts/scale_check.py --rows 10000000 --work /tmp/scale --dry-run  # plan only (--dry-run)
-    python scripts/scale_check.py --rows 1000000 --work /tmp/scale --fill-synthetic  # resume of a finished job
+    python scripts/scale_check.py --rows 1000000 --work /tmp/scale --fill-synthetic  # a finished job's resume
 
 ``--fill-synthetic`` completes a stopped job's output with synthetic rows (``generation`` says so) for
 the keys it lacks, then reruns the job (nothing left to do): the resume's cost at N rows without
@@ -47,8 +47,8 @@ def make_input(path: pathlib.Path, rows: int, prompt_len: int = 12, vocab: int =
         for start in range(0, rows, 1_000_000):
             n = min(1_000_000, rows - start)
             tokens = rng.integers(3, vocab, size=n * prompt_len, dtype=np.int32)
-            prompts = pa.ListArray.from_arrays(pa.array(np.arange(0, n * prompt_len + 1, prompt_len, dtype=np.int32)),
-                                               pa.array(tokens))
+            offsets = pa.array(np.arange(0, n * prompt_len + 1, prompt_len, dtype=np.int32))
+            prompts = pa.ListArray.from_arrays(offsets, pa.array(tokens))
             w.write_table(pa.table({"id": pa.array(np.arange(start, start + n)), "prompt": prompts}))
     tmp.rename(path)
 
@@ -68,7 +68,8 @@ def run(cmd: list[str], log: pathlib.Path) -> dict:
             except (OSError, ValueError):
                 pass
             time.sleep(0.2)
-    record = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1), "driver_peak_rss_bytes": peak}
+    record = {"rc": proc.returncode, "wall_s": round(time.perf_counter() - t0, 1),
+              "driver_peak_rss_bytes": peak}
     try:
         record["stdout"] = json.loads(pathlib.Path(f"{log}.out").read_text())
     except ValueError:
@@ -81,20 +82,21 @@ def fill_synthetic(out: pathlib.Path) -> int:
     sys.path.insert(0, str(REPO))
     import pyarrow as pa
 
-    from pipeline.job.config import JobConfig
     from pipeline.io.inputs import open_input
     from pipeline.io.output import OutputStore
+    from pipeline.job.config import JobConfig
     from pipeline.job.pending import pending, scan_ids
 
     job = json.loads((out / "_job.json").read_text())
     store = OutputStore(out, pa.int64(), part_rows=10_000)
     store.prepare(job, overwrite=False)
-    index = scan_ids(open_input(JobConfig(input=str(out.parent / f"in-{out.name[4:]}.parquet"), output=str(out))))
+    cfg = JobConfig(input=str(out.parent / f"in-{out.name[4:]}.parquet"), output=str(out))
+    index = scan_ids(open_input(cfg))
     missing = index.ids.filter(pa.array(pending(index, store.existing, 1).todo))
-    row = {"sample": 0, "generation": "synthetic (not generated)", "finish_reason": "length", "n_prompt_tokens": 12,
-           "n_new_tokens": 4, "steps": 4, "mean_accepted": 1.0, "accepted_lengths": [1, 1, 1, 1],
-           "retrieval_success": 0.0, "wall_s": 0.0, "method": job["method"], "model": job["model"], "error": None,
-           "corpus": None}
+    row = {"sample": 0, "generation": "synthetic (not generated)", "finish_reason": "length",
+           "n_prompt_tokens": 12, "n_new_tokens": 4, "steps": 4, "mean_accepted": 1.0,
+           "accepted_lengths": [1, 1, 1, 1], "retrieval_success": 0.0, "wall_s": 0.0, "method": job["method"],
+           "model": job["model"], "error": None, "corpus": None}
     for i in missing.to_pylist():
         store.add([{**row, "id": i}])
     store.flush()
@@ -109,7 +111,8 @@ def main() -> int:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--dry-run", action="store_true", help="only plan (jobs/generate.py --dry-run)")
     p.add_argument("--fill-synthetic", action="store_true",
-                   help="complete a stopped run's output with synthetic rows, then time the rerun (nothing to do)")
+                   help="complete a stopped run's output with synthetic rows, then time the rerun "
+                        "(nothing to do)")
     p.add_argument("job_args", nargs="*", help="more jobs/generate.py flags (after --)")
     args = p.parse_args()
     work = pathlib.Path(args.work)
