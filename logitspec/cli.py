@@ -1,4 +1,9 @@
-"""``logitspec`` command line: generate, bench, calibrate, throughput."""
+"""``logitspec``: one command for everything a user runs.
+
+The engine's commands (``generate``, ``bench``, ``calibrate``, ``throughput``) and the Ray pipeline's
+(``job``, ``eval``, ``build-index``: the programs of ``jobs/*.py``, same flags). The pipeline's are
+imported only when run, so this package still imports nothing of Ray or of :mod:`pipeline`.
+"""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +17,8 @@ from .request import Request
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a continuation for one or more prompts")
+    text = "generate a continuation for one or more prompts"
+    p = sub.add_parser("generate", help=text, description=f"Generate: {text}, with the engine in this process.")
     p.add_argument("prompts", nargs="+", help="prompt text(s)")
     p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
     p.add_argument("--method", default="logitspec", choices=METHODS)
@@ -47,14 +53,39 @@ def _generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    """The ``logitspec`` command; ``argv`` None: this process's own arguments, after re-executing
-    itself once with tcmalloc where the machine has it (:mod:`logitspec.allocator`)."""
-    if argv is None:
-        allocator.reexec_with_tcmalloc()
-    parser = argparse.ArgumentParser(prog="logitspec", description=__doc__)
+# the pipeline's programs (Ray): their flags live with them, in pipeline/; each runs its own main(argv)
+PIPELINE_COMMANDS = {
+    "job": "batch generation on Ray: a table of prompts in, Parquet generations and acceptance stats out "
+           "(as jobs/generate.py)",
+    "eval": "evaluation sweep on Ray: methods x engine settings on LongBench-format data, scored, one report "
+            "(as jobs/eval.py)",
+    "build-index": "prebuild a reference corpus's n-gram index for the job's --reference (as jobs/build_index.py)",
+}
+
+
+def _pipeline_main(command: str):
+    """The ``main(argv, prog)`` of a pipeline command, imported now."""
+    if command == "job":
+        from pipeline.job.cli import main
+    elif command == "eval":
+        from pipeline.sweep.cli import main
+    else:
+        from pipeline.io.build_index import main
+    return main
+
+
+def _add_pipeline_commands(sub) -> None:
+    for name, text in PIPELINE_COMMANDS.items():
+        # no flags here: everything after the command goes to its own parser (``logitspec job --help``)
+        p = sub.add_parser(name, help=text, add_help=False,
+                           description=f"{text[0].upper()}{text[1:]}. Its flags: logitspec {name} --help.")
+        p.set_defaults(pipeline=name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="logitspec", description=__doc__.splitlines()[0].strip("`"))
     parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     from .bench.calibrate_cli import add_calibrate_command
     from .bench.cli import add_bench_command
@@ -63,7 +94,21 @@ def main(argv=None) -> int:
     add_bench_command(sub)
     add_calibrate_command(sub)
     add_throughput_command(sub)
-    args = parser.parse_args(argv)
+    _add_pipeline_commands(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    """The ``logitspec`` command; ``argv`` None: this process's own arguments, after re-executing
+    itself once with tcmalloc where the machine has it (:mod:`logitspec.allocator`)."""
+    if argv is None:
+        allocator.reexec_with_tcmalloc()
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "pipeline", None):  # its own parser, logging and exit codes
+        return _pipeline_main(args.pipeline)(rest, prog=f"logitspec {args.pipeline}")
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -122,6 +122,9 @@ def load_run(output_dir) -> RunData:
         raise ValueError(f"{root} is not a directory (expected a generation job's --output)")
     files = _part_files(root)
     if not files:
+        if (root / JOB_FILE).exists():
+            raise ValueError(f"{root} holds no rows yet: no part files (part-*.parquet), though {JOB_FILE} says a "
+                             f"job started there")
         raise ValueError(f"{root} holds no part files (part-*.parquet): not a generation job's output")
     tables = []
     for f in files:
@@ -456,6 +459,8 @@ def render(data: RunData, captions: dict[str, str]) -> str:
     gen_s, total_s = timing.get("generation_s"), timing.get("total_s")
     if gen_s is not None:
         wall = f"{_seconds(gen_s)} generating" + (f", {_seconds(total_s)} in all" if total_s is not None else "")
+    elif total_s is not None and s["span_s"] is None:
+        wall = f"{_seconds(total_s)} in all (no generation time recorded)"
     elif s["span_s"] is not None:
         wall = f"{_seconds(s['span_s'])} (first row started to last row finished)"
     else:

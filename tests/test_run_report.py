@@ -131,6 +131,7 @@ def test_report_when_budget_decoded_plainly(tmp_path):
 
 @pytest.mark.parametrize("make, match", [
     (lambda p: p.mkdir(), "holds no part files"),
+    (lambda p: (p.mkdir(), (p / "_job.json").write_text("{}")), "holds no rows yet: no part files"),
     (lambda p: None, "is not a directory"),
     (lambda p: (p.mkdir(), pq.write_table(pa.table({"id": [1], "text": ["x"]}), p / "part-0001.parquet")),
      r"part-0001\.parquet is not a part file of a generation job: no column 'n_new_tokens'"),

@@ -9,7 +9,8 @@ from ..calibrate import TOKENS, curve_path, machine_fingerprint, measure, save
 
 
 def add_calibrate_command(sub) -> None:
-    p = sub.add_parser("calibrate", help="measure and store the forward cost curve t(n) of a model here")
+    text = "measure and store the forward cost curve t(n) of a model here"
+    p = sub.add_parser("calibrate", help=text, description=f"Calibrate: {text}.")
     p.add_argument("--model", default="default")
     p.add_argument("--context", type=int, default=None,
                    help="cached tokens before the measured forward (default: 256 on CPU, 1024 on a GPU)")

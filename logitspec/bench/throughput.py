@@ -149,7 +149,8 @@ def render(table: dict) -> str:
 
 
 def add_throughput_command(sub) -> None:
-    p = sub.add_parser("throughput", help="tokens/s of methods at several batch sizes, side by side")
+    text = "tokens/s of methods at several batch sizes, side by side"
+    p = sub.add_parser("throughput", help=text, description=f"Throughput: {text}.")
     p.add_argument("--model", default="default")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the model's dtype, ours and vLLM's (bfloat16 on CPU: lossless where oneDNN runs "

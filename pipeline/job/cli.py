@@ -1,4 +1,4 @@
-"""Command line of ``jobs/generate.py``: flags -> :class:`JobConfig` -> :func:`run_job`.
+"""Command line of ``logitspec job`` and ``jobs/generate.py``: flags -> :class:`JobConfig` -> :func:`run_job`.
 
 Exit codes: 0 done (every input row is in the output), 2 the job could not start (bad flag, input,
 model, reference or output dir; nothing ran), 1 it started but could not finish (see _summary.json).
@@ -19,10 +19,12 @@ from .config import DTYPES, GenerationSpec, JobConfig, parse_reference
 log = logging.getLogger("pipeline.job.cli")
 
 
-def build_parser() -> argparse.ArgumentParser:
+DESCRIPTION = "Batch generation with LogitSpec speculative decoding on Ray: one output row per input row."
+
+
+def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="jobs/generate.py",
-        description="Batch generation with LogitSpec speculative decoding on Ray: one output row per input row.",
+        prog=prog, description=DESCRIPTION,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
@@ -129,8 +131,9 @@ def dry_run(cfg: JobConfig) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "jobs/generate.py") -> int:
+    """``jobs/generate.py`` and ``logitspec job`` (``prog``: the name its help and errors give)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     from ..replica.scheduler import JobFailed

@@ -1,4 +1,4 @@
-"""Command line of ``jobs/eval.py``: flags -> :class:`EvalConfig` -> :func:`run_sweep` -> the report.
+"""Command line of ``logitspec eval`` and ``jobs/eval.py``: flags -> :class:`EvalConfig` -> :func:`run_sweep` -> the report.
 
 Exit codes: 0 done, 2 the sweep could not start (bad flag, data, model or output; nothing ran), 1 it
 started but could not finish (rerun to resume), 130 interrupted.
@@ -17,11 +17,13 @@ from ..job.config import DTYPES
 from .config import GRID_KEYS, EvalConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="jobs/eval.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="LongBench-format evaluation sweep: every method x engine setting on every row, on Ray; "
-                    "scores, speeds and speed-ups against ar in OUTPUT/report.{json,md,png}.")
+DESCRIPTION = ("LongBench-format evaluation sweep: every method x engine setting on every row, on Ray; "
+               "scores, speeds and speed-ups against ar in OUTPUT/report.{json,md,png}.")
+
+
+def build_parser(prog: str = "jobs/eval.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description=DESCRIPTION)
     p.add_argument("--data", required=True, help="LongBench-format directory (one <dataset>.jsonl per dataset)")
     p.add_argument("--output", required=True, help="sweep directory: rows/ (Parquet, resumable) and report.*")
     p.add_argument("--datasets", default="", help="comma-separated dataset names (default: every file in --data)")
@@ -71,8 +73,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         max_replacements=args.max_replacements)
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv=None, prog: str = "jobs/eval.py") -> int:
+    """``jobs/eval.py`` and ``logitspec eval`` (``prog``: the name its help and errors give)."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     from ..replica.scheduler import JobFailed
