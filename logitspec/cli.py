@@ -83,7 +83,8 @@ def _add_pipeline_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="logitspec", description=__doc__.splitlines()[0].strip("`"))
+    parser = argparse.ArgumentParser(prog="logitspec", description="One command for everything a user runs: the "
+                                     "engine's (generate, bench, calibrate, throughput) and the Ray pipeline's.")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
