@@ -325,9 +325,10 @@ def test_incomplete_model_dir_is_not_trusted(tmp_path, cache):
 def test_not_a_gguf_file_is_rejected(tmp_path, cache):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + b"\0" * 64)
-    with pytest.raises(models.ModelConversionError, match="GGUF"):
+    # refused before the cache is touched (tests/test_gguf_refusals.py: junk, damaged, truncated files)
+    with pytest.raises(models.InvalidModelFileError, match="does not start with b'GGUF'"):
         resolve_model_path(bad)
-    assert not any(p.name.startswith(".") for p in (cache / "models").glob("*"))
+    assert not (cache / "models").exists()
 
 
 def test_builtin_gguf_assembly_is_atomic(tmp_path, cache, monkeypatch):
