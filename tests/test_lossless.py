@@ -16,7 +16,7 @@ def family_case(request):
     return request.param, model, prompts, refs
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest"])
 def test_greedy_equals_hf_generate_batch1(family_case, method):
     family, model, prompts, refs = family_case
     res = Engine(model, None, SpecConfig(method=method, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
@@ -30,7 +30,7 @@ def test_greedy_equals_hf_generate_batch1(family_case, method):
         assert max(r.stats["mean_accepted"] for r in res) > 1.2
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "logitspec"])
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest"])
 def test_continuous_batching_equals_batch1(family_case, method):
     family, model, prompts, refs = family_case
     res = Engine(model, None, SpecConfig(method=method, max_batch_size=4, budget="fixed")).generate(
@@ -89,20 +89,20 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
 def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, share, skips):
     """While the budget chooses plain decoding and drafting is a noticeable share of a step's time
     (here: any share, or none ever), drafts are built only on every RECHECK_EVERY-th step; lossless."""
-    from logitspec import engine as engine_module
+    from logitspec import policy as policy_module
     from logitspec.budget import CostCurve
 
-    monkeypatch.setattr(engine_module, "SKIP_DRAFT_SHARE", share)
+    monkeypatch.setattr(policy_module, "SKIP_DRAFT_SHARE", share)
     family, model, prompts, refs = family_case
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2),
                     cost_curve=CostCurve([1, 64], [1.0, 631.0]))
-    calls, draft = [], engine.drafter.draft
-    engine.drafter.draft = lambda *a: calls.append(1) or draft(*a)
+    calls, draft = [], engine.policy.drafter.draft
+    engine.policy.drafter.draft = lambda *a: calls.append(1) or draft(*a)
     res = engine.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
     row_steps = sum(r.stats["steps"] - 1 for r in res)  # decoding steps (the prefill emits the first token)
     if skips:
-        assert 0 < len(calls) <= row_steps / engine_module.RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
+        assert 0 < len(calls) <= row_steps / policy_module.RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
     else:
         assert len(calls) >= row_steps - len(res), (len(calls), row_steps)  # every step drafts (less final steps)
 

@@ -160,3 +160,82 @@ def test_config_validates_rest_fields():
         SpecConfig(method="rest", rest_min_span=3, rest_max_span=2)
     with pytest.raises(ValueError):
         SpecConfig(method="rest", rest_num_draft=0)
+
+
+# ------------------------------------------------------------------------------ through the engine
+from tiny_models import FAMILIES, VOCAB, hf_greedy, repetitive_prompts, tiny_model  # noqa: E402
+
+N_NEW = 24
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rest_with_a_datastore_is_lossless_and_drafts_from_it(family):
+    """A datastore holding the greedy answers of other prompts and of these (so long matches occur,
+    and continuations that part from the answer too): greedy output == plain greedy, batched too."""
+    from logitspec import Engine
+
+    model = tiny_model(family)
+    prompts = repetitive_prompts(6, seed=4)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+    rng = np.random.default_rng(0)
+    docs = [p + r for p, r in zip(prompts, refs)] + [rng.integers(0, VOCAB, 40).tolist() for _ in range(20)]
+    docs += [p + r[:8] + rng.integers(0, VOCAB, 8).tolist() for p, r in zip(prompts, refs)]  # wrong branches
+    store = Datastore.build(docs)
+    for batch in (1, 3):
+        eng = Engine(model, None, SpecConfig(method="rest", max_batch_size=batch, budget="fixed"))
+        res = eng.generate(prompts, max_new_tokens=N_NEW, reference=store)
+        assert [r.token_ids for r in res] == refs
+    assert max(r.stats["mean_accepted"] for r in res) > 3  # the answers are in the datastore
+    assert any(r.stats["accepted_from"].get("reference", 0) > 0 for r in res)
+
+
+def test_rest_sampling_emits_the_target_distribution():
+    """Chi-square of the first three sampled tokens against the exact distribution, with a datastore
+    that drafts the target's likely next tokens (so the walk follows drafts)."""
+    import torch
+
+    from chi2 import chi2, chi2_limit
+    from logitspec import Engine
+    from logitspec.head import ScreenedArgmax
+    from logitspec.request import SamplingParams
+    from logitspec.verify import probs_from_logits
+
+    if not ScreenedArgmax.supported(torch.zeros(1, 1)):
+        pytest.skip("no float16 kernels")
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    prompt = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:12].tolist()
+    params = SamplingParams(0.8, top_p=0.95)
+    with torch.no_grad():
+        nxt = model(torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1].argmax(-1)
+    store = Datastore.build([prompt[-2:] + [t, int(nxt[t])] for t in range(VOCAB)])
+    cells, rest_mass = {(): 1.0}, 0.0  # exact probabilities of the first 3 tokens (cells >= 1e-4)
+    for _ in range(3):
+        seqs = list(cells)
+        with torch.no_grad():
+            probs = probs_from_logits(model(torch.tensor([prompt + list(s) for s in seqs])).logits[:, -1],
+                                      params).double()
+        grown = {}
+        for s, row in zip(seqs, probs):
+            joint = cells[s] * row
+            keep = joint >= 1e-4
+            rest_mass += float(joint[~keep].sum())
+            grown.update({s + (int(t),): float(joint[t]) for t in torch.nonzero(keep).squeeze(1)})
+        cells = grown
+    cells[()] = rest_mass
+    n = 800
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = Engine(model, None, SpecConfig(method="rest", max_batch_size=16, budget="fixed"))
+        res = engine.generate([prompt] * n, max_new_tokens=3, temperature=params.temperature, top_p=params.top_p,
+                              seed=list(range(1000, 1000 + n)), reference=store)
+    finally:
+        torch.set_num_threads(before)
+    keys = list(cells)
+    index = {k: i for i, k in enumerate(keys)}
+    counts = np.bincount([index.get(tuple(r.token_ids), index[()]) for r in res], minlength=len(keys))
+    stat, df = chi2(counts, np.array([cells[k] for k in keys]), n)
+    assert stat < chi2_limit(df), (stat, df)
+    assert sum(r.stats["accepted_lengths"][1] > 1 for r in res) > n // 10  # the walk followed drafts
