@@ -338,7 +338,8 @@ def plot_throughput(data: RunData, path: pathlib.Path) -> str:
         caption = f"tokens/s over time, in {sig(width)} s bins of the rows' `{TIME_COLUMN}`"
     else:
         tokens = _col(t, "n_new_tokens")
-        ax.plot(np.arange(1, t.num_rows + 1), np.cumsum(tokens))
+        ax.plot(np.arange(0, t.num_rows + 1), np.concatenate([[0.0], np.cumsum(tokens)]))
+        ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("row (part files oldest first, rows in file order)")
         ax.set_ylabel("cumulative new tokens")
         ax.set_title("Cumulative new tokens by row order (rows carry no finish time)")

@@ -1,6 +1,7 @@
 """The run report of a generation job's output directory (pipeline/run_report.py), on hand-made output."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pyarrow as pa
@@ -188,3 +189,24 @@ def test_numbers_are_rounded():
     assert [sig(x) for x in (1.007, 0.08123, 12345.6, 70.0, 9.996, 0, None)] == \
         ["1.01", "0.0812", "12,300", "70.0", "10.0", "0", "-"]
     assert [pct(x) for x in (0.7, 0.125, 0.0812, 1 / 3)] == ["70%", "12.5%", "8.12%", "33.3%"]
+
+
+def test_rows_in_the_jobs_own_schema(tmp_path):
+    """The job's current row schema (wherever the pipeline keeps it) holds every column the report needs."""
+    for module, name in (("pipeline.rows", "OutputRow.schema"), ("pipeline.io.output", "output_schema")):
+        try:
+            output_schema = importlib.import_module(module)
+            for part in name.split("."):
+                output_schema = getattr(output_schema, part)
+            break
+        except (ImportError, AttributeError):
+            continue
+    else:
+        pytest.skip("no pipeline module exports the output rows' schema")
+    s = output_schema(pa.string())
+    rows = [{**{k: v for k, v in r.items() if k in s.names}, "id": f"row-{r['id']}"} for r in ROWS]
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows, schema=s), out / "part-0.parquet")
+    md = write_report(out).read_text()
+    assert "| rows | 5 (4 generated, 1 error rows) |" in md and "| MAT | 1.33 new tokens per target forward |" in md
