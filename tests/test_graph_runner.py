@@ -199,24 +199,23 @@ def test_repeated_shapes_build_nothing():
 
 @pytest.mark.parametrize("method", ["ar", "logitspec"])
 def test_engine_through_the_graph_runner(method):
-    """The whole engine (drafting, acceptance on the device path's `decide`, the session's
-    admissions and releases) with the graph runner as its target and the runner's slots as the
-    session's cache: the same tokens as the engine's own path. (The engine's runner seam is not
-    there yet: the test sets the two attributes it will set.)"""
+    """The whole engine (drafting, acceptance by `decide`, the session's admissions and releases)
+    with the graph runner as its model runner: the same tokens as with the eager runner."""
     model = tiny_model("gemma3")
     prompts = repetitive_prompts(5, seed=5)
     config = SpecConfig(method=method, budget="fixed", max_batch_size=3)
     lengths = [N_NEW, 9, N_NEW, 5, 11]  # rows finish at different steps: slots are released and refilled
     requests = [Request(max_new_tokens=n) for n in lengths]
     plain = Engine(tiny_model("gemma3"), None, config).run(prompts, requests).results
-    engine = Engine(model, None, config)
-    engine.target = GraphRunner(model, max_rows=3, max_len=128, key_block=16)
-    with torch.inference_mode():
-        session = engine.open()
-        session.kv = engine.target.new_kv()
-        for p, r in zip(prompts, requests):
-            session.submit(p, r)
-        got = sorted(session.drain(), key=lambda r: r.request_id)
+    runner = GraphRunner(model, max_rows=3, max_len=128, key_block=16)
+    got = Engine(model, None, config, runner=runner).run(prompts, requests).results
     assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    assert runner.counters["replays"] > 0 and len(runner.buckets) > 1
     if method == "logitspec":
         assert max(r.stats["mean_accepted"] for r in got) > 1.2
+
+
+def test_default_runner_is_eager_off_cuda():
+    from logitspec.gpu import default_runner
+
+    assert isinstance(default_runner(tiny_model("llama"), max_rows=2), TargetForward)

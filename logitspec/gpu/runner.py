@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..device import to_device
-from ..head import NodeLogits
+from ..head import NodeLogits, OutputMode
 from ..masks import PackedStep, StepRow, pack
 from ..target import ForwardResult, TargetForward
 from .slots import SlotKV
@@ -33,10 +33,12 @@ ATTENTIONS = ("sdpa", "flex")
 
 
 class GraphRunner:
-    """The target model over static slots; ``__call__``, ``prefill``, ``prefill_rows``, ``extend``,
-    ``read_columns``, ``device``, ``max_context`` as :class:`~logitspec.target.TargetForward`
-    (a :class:`~logitspec.cache.BatchKV` argument goes to the eager path; a :class:`SlotKV` from
-    :meth:`new_kv` to the static one)."""
+    """A :class:`~logitspec.runner.ModelRunner` over static slots: ``new_batch`` gives the runner's
+    :class:`SlotKV`, whose steps take the bucketed static path; prompts prefill through the eager
+    :class:`~logitspec.target.TargetForward` (``new_row``, ``prefill_rows``, ``extend``) into
+    :class:`~logitspec.cache.BatchKV` rows that the session adds to the batch (copied into slots).
+    A ``BatchKV`` handed to :meth:`step` or :meth:`__call__` goes to the eager path (the cost
+    calibration's forwards)."""
 
     def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
                  capture: bool | None = None, row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS,
@@ -72,33 +74,45 @@ class GraphRunner:
         self._pool = None
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0}
 
-    # ------------------------------------------------------------------ the seam
-    def new_kv(self, max_rows: int = 0) -> SlotKV:
+    # ------------------------------------------------------------------ the seam (runner.ModelRunner)
+    def new_batch(self, max_rows: int = 0) -> SlotKV:
         """The runner's slot storage, emptied (one per runner: its graphs hold its addresses)."""
         if max_rows > self.kv.slots:
             raise ValueError(f"{max_rows} rows exceed the runner's {self.kv.slots} slots")
         self.kv.reset()
         return self.kv
 
+    new_kv = new_batch
+
+    def new_row(self, reserve: int = 0):
+        return self.eager.new_row(reserve)
+
     def read_columns(self, cached: float) -> float:
         return self.eager.read_columns(cached)
 
-    def prefill(self, tokens, chunk: int, exact: bool = True, argmax: bool = True):
-        return self.eager.prefill(tokens, chunk, exact, argmax)
+    def prefill(self, tokens, chunk: int, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.prefill(tokens, chunk, mode)
 
-    def prefill_rows(self, prompts, exact: bool = True, argmax: bool = True):
-        return self.eager.prefill_rows(prompts, exact, argmax)
+    def prefill_rows(self, prompts, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.prefill_rows(prompts, mode)
 
-    def extend(self, row, tokens, exact: bool = True, argmax: bool = True):
-        return self.eager.extend(row, tokens, exact, argmax)
+    def extend(self, row, tokens, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.extend(row, tokens, mode)
 
-    def __call__(self, rows: list[StepRow], kv, all_logits: bool, exact: bool = True, argmax: bool = True,
-                 pick: list[np.ndarray] | None = None, segments=None, prefill: bool = False) -> ForwardResult:
+    def step(self, rows: list[StepRow], kv, mode: OutputMode) -> ForwardResult:
+        """One decoding step: every node of every row, output-layer results (``mode``) for all."""
+        return self(rows, kv, True, mode)
+
+    def __call__(self, rows: list[StepRow], kv, all_logits: bool, mode: OutputMode = OutputMode.EXACT,
+                 pick: list[np.ndarray] | None = None, segments=None, prefill: bool = False, *,
+                 exact: bool | None = None, argmax: bool = True) -> ForwardResult:
         """One step over ``rows`` (row b against ``kv`` row b's committed columns); arguments and
         result as :meth:`TargetForward.__call__`. ``kv`` a :class:`SlotKV`: the bucketed static
         path (``pick``, ``segments``, ``prefill`` are the eager path's); else the eager path."""
+        if exact is not None:
+            mode = OutputMode.of(exact, argmax)
         if not isinstance(kv, SlotKV):
-            return self.eager(rows, kv, all_logits, exact, argmax, pick, segments, prefill)
+            return self.eager(rows, kv, all_logits, mode, pick, segments, prefill)
         if kv is not self.kv:
             raise ValueError("a SlotKV of another runner")
         if pick is not None or segments or prefill:
@@ -123,7 +137,7 @@ class GraphRunner:
         pack_s = time.perf_counter() - t0
         self._step_for(buf, key_len)()
         self.counters["replays"] += 1
-        nodes = self.head.output(buf.hidden.index_select(0, select_d), exact, argmax)
+        nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
         B = len(rows)
         packed = PackedStep(buf.ids[:B], buf.pos[:B], buf.depths[:B], buf.parents[:B], buf.anc[:B], None,
                             sizes, {})
@@ -131,7 +145,7 @@ class GraphRunner:
         return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
 
     # ------------------------------------------------------------------ prefill into a slot
-    def prefill_slot(self, tokens, chunk: int = 512, exact: bool = True, argmax: bool = True) -> NodeLogits:
+    def prefill_slot(self, tokens, chunk: int = 512, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
         """Prefill ``tokens`` into the next free slot (a new last row of :attr:`kv`) in causal chunks
         of ``chunk`` tokens, outside the graphs; the output layer's result for the last token [1, V]."""
         kv = self.kv
@@ -150,7 +164,7 @@ class GraphRunner:
         except Exception:
             kv.lengths.pop()
             raise
-        return self.head.output(out.last_hidden_state[0, -1:], exact, argmax)
+        return self.head.output(out.last_hidden_state[0, -1:], mode)
 
     # ------------------------------------------------------------------ buckets and graphs
     def _buffers_for(self, R: int, T: int) -> StepBuffers:
@@ -223,13 +237,13 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
     from ..tree import DraftTree
     from ..verify import greedy_accept
 
-    kv = runner.new_kv()
+    kv = runner.new_batch()
     out = [[int(runner.prefill_slot(p, chunk).argmax[0])] for p in prompts]
     step = 0
     while min(len(o) for o in out) < new_tokens:
         trees = [tree(b, o[-1], step) if tree else DraftTree.single(o[-1]) for b, o in enumerate(out)]
         rows = [StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)]
-        fwd = runner(rows, kv, all_logits=True)
+        fwd = runner.step(rows, kv, OutputMode.EXACT)
         paths = []
         for b, (t, lg) in enumerate(zip(trees, fwd.logits)):
             path, bonus = greedy_accept(t, lg.argmax.tolist())
@@ -238,3 +252,17 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
         kv.commit_paths(paths)
         step += 1
     return [o[:new_tokens] for o in out]
+
+
+def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True, **kw):
+    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA (``max_rows``
+    slots of ``max_len`` columns: default the model's context, capped at 8192), the eager
+    :class:`~logitspec.target.TargetForward` elsewhere."""
+    first = next(model.parameters())
+    if first.device.type != "cuda" or not fast_head:
+        return TargetForward(model, fast_head=fast_head)
+    cfg = model.config.get_text_config(decoder=True)
+    if max_len is None:
+        max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
+        max_len = -(-max_len // 128) * 128  # flex attention's block
+    return GraphRunner(model, max_rows=max_rows, max_len=max_len, **kw)
