@@ -5,7 +5,8 @@
 
     _report.md                 header (model, method, rows, samples, wall time, tokens/s, MAT, retrieval
                                success, errors), what the budget did, error messages, plots, tables
-    _report/throughput.png     tokens/s over time (rows with ``finished_at``), else cumulative tokens by row order
+    _report/throughput.png     tokens/s over time (rows with ``finished_at``), else cumulative tokens
+                               by row order
     _report/mat_hist.png       MAT (``mean_accepted``) per row
     _report/accepted_from.png  accepted draft tokens by source (``accepted_from``)
 
@@ -58,7 +59,7 @@ def sig(x, digits: int = 3) -> str:
         return "0"
     decimals = digits - 1 - math.floor(math.log10(abs(x)))
     r = round(x, decimals)
-    if r != 0 and math.floor(math.log10(abs(r))) != math.floor(math.log10(abs(x))):  # 9.996 -> 10.0: one digit less
+    if r != 0 and math.floor(math.log10(abs(r))) != math.floor(math.log10(abs(x))):  # 9.996 -> 10.0
         decimals -= 1
         r = round(x, decimals)
     return f"{int(round(r)):,}" if decimals <= 0 else f"{r:.{decimals}f}"
@@ -123,19 +124,20 @@ def load_run(output_dir) -> RunData:
     files = _part_files(root)
     if not files:
         if (root / JOB_FILE).exists():
-            raise ValueError(f"{root} holds no rows yet: no part files (part-*.parquet), though {JOB_FILE} says a "
-                             f"job started there")
+            raise ValueError(f"{root} holds no rows yet: no part files (part-*.parquet), though {JOB_FILE} "
+                             f"says a job started there")
         raise ValueError(f"{root} holds no part files (part-*.parquet): not a generation job's output")
     tables = []
     for f in files:
         try:
             names = pq.read_schema(f).names
         except (OSError, pa.ArrowException) as e:
-            raise ValueError(f"{f} is not a readable Parquet file ({e}): not a generation job's output") from None
+            raise ValueError(f"{f} is not a readable Parquet file ({e}): not a generation job's "
+                             f"output") from None
         missing = [c for c in REQUIRED if c not in names]
         if missing:
-            raise ValueError(f"{f} is not a part file of a generation job: no column {', '.join(map(repr, missing))} "
-                             f"(in {root})")
+            names = ", ".join(map(repr, missing))
+            raise ValueError(f"{f} is not a part file of a generation job: no column {names} (in {root})")
         tables.append(pq.read_table(f, columns=[c for c in (*REQUIRED, *OPTIONAL) if c in names]))
     table = pa.concat_tables(tables, promote_options="permissive")
     return RunData(root, table, files, _read_json(root / JOB_FILE), _read_json(root / SUMMARY_FILE))
@@ -189,7 +191,7 @@ def _times(t: pa.Table) -> np.ndarray | None:
 
 
 def _replica_names(t: pa.Table) -> pa.ChunkedArray:
-    """The rows' replica names as strings; "(none)" for rows no replica made (e.g. refused before dispatch)."""
+    """The rows' replica names as strings; "(none)" for rows no replica made (refused before dispatch)."""
     return pc.fill_null(t.column(REPLICA_COLUMN).cast(pa.string()), "(none)")
 
 
@@ -282,13 +284,15 @@ def budget_sentence(stats: dict) -> str:
     else:
         head = f"MAT {sig(mat)}{found}"
     batch, be, device = stats.get("batch"), stats.get("break_even"), stats.get("device")
-    where = "on this " + ("GPU" if device and str(device).startswith("cuda") else "CPU" if device else "machine")
+    kind = "GPU" if device and str(device).startswith("cuda") else "CPU" if device else "machine"
+    where = f"on this {kind}"
     if batch:
         where = f"at batch {int(batch) if float(batch).is_integer() else sig(batch)} {where}"
     if be is None or (isinstance(be, float) and not math.isfinite(be)):
         return f"{head}, {where}" if batch or device else head
     if be >= 1:
-        return f"{head}: {where} no acceptance rate pays for a draft token (a 2-token forward costs {sig(1 + be)}x a 1-token one)"
+        return (f"{head}: {where} no acceptance rate pays for a draft token (a 2-token forward costs "
+                f"{sig(1 + be)}x a 1-token one)")
     return f"{head}: {where} a draft token must be accepted {pct(be)} of the time to pay"
 
 
@@ -328,7 +332,7 @@ def plot_throughput(data: RunData, path: pathlib.Path) -> str:
                 groups[name] = names == name
         for label, m in groups.items():
             hist, _ = np.histogram(x[m], bins=edges, weights=tokens[m])
-            style = {"color": "black", "linewidth": 2.0, "zorder": 3} if label == "all rows" else {"linewidth": 1.2}
+            style = {"color": "black", "linewidth": 2.0, "zorder": 3} if label == "all rows" else {}
             ax.stairs(hist / width, edges, label=label, **style)
         ax.set_xlabel("seconds since the first row started")
         ax.set_ylabel("new tokens/s")
@@ -433,12 +437,14 @@ def _replica_section(data: RunData) -> tuple[list[str], list[str]]:
         for name in sorted(pc.unique(col).to_pylist()):
             sub = t.filter(pc.equal(col, name))
             s = group_stats(sub)
-            rows.append([name, f"{s['rows']:,}", f"{s['errors']:,}", f"{s['tokens']:,}", sig(s["tokens_per_s"]),
-                         sig(s["mean_accepted"]), budget_sentence(budget_stats(data, sub))])
-        return _table(["replica", "rows", "errors", "new tokens", "tokens/s", "MAT", "what the budget did"], rows), []
+            rows.append([name, f"{s['rows']:,}", f"{s['errors']:,}", f"{s['tokens']:,}",
+                         sig(s["tokens_per_s"]), sig(s["mean_accepted"]),
+                         budget_sentence(budget_stats(data, sub))])
+        header = ["replica", "rows", "errors", "new tokens", "tokens/s", "MAT", "what the budget did"]
+        return _table(header, rows), []
     startup = (data.summary.get("replicas") or {}).get("startup") or []
-    lines = [f"The rows do not name the replica that generated them (no `{REPLICA_COLUMN}` column), so rows, tokens, "
-             f"tokens/s and MAT cannot be split by replica."]
+    lines = [f"The rows do not name the replica that generated them (no `{REPLICA_COLUMN}` column), so rows, "
+             f"tokens, tokens/s and MAT cannot be split by replica."]
     if startup:
         lines += ["", "Replicas the run started (from `_summary.json`):", ""]
         lines += _table(["replica", "device", "threads", "ready after"],
@@ -459,7 +465,9 @@ def render(data: RunData, captions: dict[str, str]) -> str:
 
     gen_s, total_s = timing.get("generation_s"), timing.get("total_s")
     if gen_s is not None:
-        wall = f"{_seconds(gen_s)} generating" + (f", {_seconds(total_s)} in all" if total_s is not None else "")
+        wall = f"{_seconds(gen_s)} generating"
+        if total_s is not None:
+            wall += f", {_seconds(total_s)} in all"
     elif total_s is not None and s["span_s"] is None:
         wall = f"{_seconds(total_s)} in all (no generation time recorded)"
     elif s["span_s"] is not None:
@@ -475,7 +483,8 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         method += f" (budget {gen['budget']}, batch up to {gen.get('max_batch_size', '-')})"
     rows = f"{s['rows']:,} ({s['rows'] - s['errors']:,} generated, {s['errors']:,} error rows)"
     if rows_info.get("total") is not None:
-        rows += f"; {rows_info['total'] - rows_info.get('missing', 0):,} of {rows_info['total']:,} input keys done"
+        total = rows_info["total"]
+        rows += f"; {total - rows_info.get('missing', 0):,} of {total:,} input keys done"
     status = "-"
     if summ:
         status = "complete" if summ.get("complete") else "incomplete"
@@ -488,39 +497,42 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         ["retrieval success", f"{pct(s['retrieval_success'])} of decoding steps found a draft"],
         ["errors", f"{s['errors']:,}"], ["run", status],
     ]
-    lines = [f"# Run report: {data.root.name}", "", f"Output directory `{data.root}`: {len(data.files)} part "
-             f"file(s){'' if summ else '; no `_summary.json` (the run is going on, or ended before writing it)'}.",
-             "", *_table(["", ""], header), "", f"**What the budget did:** {budget_sentence(budget)}", ""]
+    note = "" if summ else "; no `_summary.json` (the run is going on, or ended before writing it)"
+    lines = [f"# Run report: {data.root.name}", "",
+             f"Output directory `{data.root}`: {len(data.files)} part file(s){note}.", "",
+             *_table(["", ""], header), "", f"**What the budget did:** {budget_sentence(budget)}", ""]
     if budget["verified_steps"] is None:
         missing.append("`verified_steps` per row (decode steps whose draft tree had a node, from "
-                       "`SequenceStats.tree_sizes`): \"verified on X% of steps\" (the line says \"accepted\")")
+                       "`SequenceStats.tree_sizes`): \"verified on X% of steps\" (the line says "
+                       "\"accepted\")")
     if budget["break_even"] is None and budget["method"] not in ("ar", None):
-        missing.append("`engine.break_even` in `_summary.json` (the acceptance a draft token needs at the run's "
-                       "batch, `pipeline.run_report.break_even_acceptance(engine.cost_curve, batch)`): the "
-                       "\"must be accepted X% of the time to pay\" clause")
+        missing.append("`engine.break_even` in `_summary.json` (the acceptance a draft token needs at the "
+                       "run's batch, `pipeline.run_report.break_even_acceptance(engine.cost_curve, batch)`): "
+                       "the \"must be accepted X% of the time to pay\" clause")
     errors = _errors(t)
     if errors:
         lines += ["## Errors", "", *errors, ""]
     lines += ["## Throughput", "", f"![throughput]({PLOTS_DIR}/{PLOTS['throughput']})", "",
               captions["throughput"][:1].upper() + captions["throughput"][1:] + ".", ""]
     if TIME_COLUMN not in t.column_names:
-        missing.append(f"`{TIME_COLUMN}` per row (float64 epoch seconds, `time.time()` when the row finished): "
-                       "tokens/s over time, per-replica tokens/s")
+        missing.append(f"`{TIME_COLUMN}` per row (float64 epoch seconds, `time.time()` when the row "
+                       "finished): tokens/s over time, per-replica tokens/s")
     mats = _col(_ok(t), "mean_accepted", math.nan)
     mats = mats[np.isfinite(mats)]
     lines += ["## MAT per row", "", f"![MAT per row]({PLOTS_DIR}/{PLOTS['mat']})", ""]
     if len(mats):
         q = np.percentile(mats, [0, 50, 90, 100])
-        lines += [f"Rows' MAT: min {sig(q[0])}, median {sig(q[1])}, 90th percentile {sig(q[2])}, max {sig(q[3])}; "
-                  f"{int((mats > 1).sum()):,} of {len(mats):,} rows above 1.", ""]
+        lines += [f"Rows' MAT: min {sig(q[0])}, median {sig(q[1])}, 90th percentile {sig(q[2])}, "
+                  f"max {sig(q[3])}; {int((mats > 1).sum()):,} of {len(mats):,} rows above 1.", ""]
     split = s["accepted_from"]
     drafted = sum(split.values())
-    lines += ["## Accepted draft tokens by source", "", f"![accepted from]({PLOTS_DIR}/{PLOTS['accepted_from']})", ""]
+    lines += ["## Accepted draft tokens by source", "",
+              f"![accepted from]({PLOTS_DIR}/{PLOTS['accepted_from']})", ""]
     if split:
+        tokens = s["tokens"]
+        shares = [*split.items(), ("one per target forward", tokens - drafted)]
         lines += _table(["source", "accepted draft tokens", "share of new tokens"],
-                        [[n, f"{c:,}", pct(c / s["tokens"]) if s["tokens"] else "-"] for n, c in split.items()]
-                        + [["one per target forward", f"{s['tokens'] - drafted:,}",
-                            pct((s['tokens'] - drafted) / s['tokens']) if s['tokens'] else "-"]])
+                        [[n, f"{c:,}", pct(c / tokens) if tokens else "-"] for n, c in shares])
         lines.append("")
     else:
         missing.append("`accepted_from` (struct of accepted draft tokens by source): the accepted-from split")
@@ -532,10 +544,10 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         names = pc.fill_null(t.column("corpus").cast(pa.string()), "(none)")
         for name in sorted(set(names.to_pylist())):
             g = group_stats(t.filter(pc.equal(names, name)))
-            rows.append([name, f"{g['rows']:,}", f"{g['errors']:,}", f"{g['tokens']:,}", sig(g["mean_accepted"]),
-                         pct(g["retrieval_success"])])
-        lines += ["## Per corpus", "", *_table(["corpus", "rows", "errors", "new tokens", "MAT", "retrieval success"],
-                                               rows), ""]
+            rows.append([name, f"{g['rows']:,}", f"{g['errors']:,}", f"{g['tokens']:,}",
+                         sig(g["mean_accepted"]), pct(g["retrieval_success"])])
+        header = ["corpus", "rows", "errors", "new tokens", "MAT", "retrieval success"]
+        lines += ["## Per corpus", "", *_table(header, rows), ""]
     if missing:
         lines += ["## What the rows do not record", "", "Fields the job would need to write for the rest of "
                   "this report:", "", *(f"- {m}" for m in missing), ""]

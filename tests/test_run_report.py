@@ -9,8 +9,17 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run_report import PLOTS, PLOTS_DIR, REPORT_FILE, budget_sentence, break_even_acceptance, main, pct, \
-    sig, write_report
+from pipeline.run_report import (
+    PLOTS,
+    PLOTS_DIR,
+    REPORT_FILE,
+    break_even_acceptance,
+    budget_sentence,
+    main,
+    pct,
+    sig,
+    write_report,
+)
 
 ORIGINS = ("context", "siblings", "reference", "history", "guess")
 
@@ -18,7 +27,8 @@ ORIGINS = ("context", "siblings", "reference", "history", "guess")
 def schema(extra=()) -> pa.Schema:
     """The job's row schema (pipeline.io.output.output_schema, int ids) plus ``extra`` fields."""
     return pa.schema([
-        ("id", pa.int64()), ("sample", pa.int32()), ("generation", pa.string()), ("finish_reason", pa.string()),
+        ("id", pa.int64()), ("sample", pa.int32()), ("generation", pa.string()),
+        ("finish_reason", pa.string()),
         ("n_prompt_tokens", pa.int32()), ("n_new_tokens", pa.int32()), ("steps", pa.int32()),
         ("mean_accepted", pa.float64()), ("accepted_lengths", pa.list_(pa.int32())),
         ("retrieval_success", pa.float64()), ("wall_s", pa.float64()), ("method", pa.string()),
@@ -28,12 +38,13 @@ def schema(extra=()) -> pa.Schema:
 
 def row(i, lengths, origins=None, replica=None, finished_at=None, retrieval=0.5, error=None):
     ok = error is None
-    r = {"id": i, "sample": 0, "generation": "text" if ok else None, "finish_reason": "length" if ok else None,
-         "n_prompt_tokens": 5, "n_new_tokens": sum(lengths) if ok else None, "steps": len(lengths) if ok else None,
-         "mean_accepted": sum(lengths) / len(lengths) if ok else None, "accepted_lengths": lengths if ok else None,
-         "retrieval_success": retrieval if ok else None, "wall_s": 1.0 if ok else None, "method": "logitspec",
-         "model": "default", "error": error, "corpus": None,
-         "accepted_from": {**dict.fromkeys(ORIGINS, 0), **(origins or {})} if ok else None}
+    r = {"id": i, "sample": 0, "n_prompt_tokens": 5, "method": "logitspec", "model": "default",
+         "error": error, "corpus": None}
+    if ok:
+        r.update(generation="text", finish_reason="length", n_new_tokens=sum(lengths), steps=len(lengths),
+                 mean_accepted=sum(lengths) / len(lengths), accepted_lengths=lengths,
+                 retrieval_success=retrieval, wall_s=1.0,
+                 accepted_from={**dict.fromkeys(ORIGINS, 0), **(origins or {})})
     if finished_at is not None:
         r["replica"], r["finished_at"] = replica, finished_at
     return r
@@ -55,7 +66,8 @@ def write_output(path, rows, extra=(), summary=True):
     s = schema(extra)
     pq.write_table(pa.Table.from_pylist(rows[:2], schema=s), path / "part-aaaa.parquet")
     pq.write_table(pa.Table.from_pylist(rows[2:], schema=s), path / "part-bbbb.parquet")
-    (path / "_job.json").write_text(json.dumps({"model": "default", "method": "logitspec", "max_new_tokens": 16}))
+    job = {"model": "default", "method": "logitspec", "max_new_tokens": 16}
+    (path / "_job.json").write_text(json.dumps(job))
     if summary:
         (path / "_summary.json").write_text(json.dumps({
             "complete": True, "rows": {"total": 5, "num_samples": 1, "missing": 0},
@@ -75,7 +87,8 @@ def _plots_ok(out):
 
 
 def test_report_counts_mat_replicas_and_plots(tmp_path):
-    out = write_output(tmp_path / "out", ROWS, extra=[("replica", pa.string()), ("finished_at", pa.float64())])
+    extra = [("replica", pa.string()), ("finished_at", pa.float64())]
+    out = write_output(tmp_path / "out", ROWS, extra=extra)
     path = write_report(out)
     assert path == out / REPORT_FILE
     md = path.read_text()
@@ -91,8 +104,8 @@ def test_report_counts_mat_replicas_and_plots(tmp_path):
     assert "| errors | 1 |" in md
     assert "prompt of 9000 tokens does not fit" in md and "(1 row(s))" in md
     # 11 of the 32 decode steps accepted drafts (2 in row 0, 9 in row 1)
-    assert ("**What the budget did:** drafts accepted on 34.4% of steps (MAT 1.33; retrieval found a draft on 25% of "
-            "steps), at batch 2 on this CPU") in md
+    assert ("**What the budget did:** drafts accepted on 34.4% of steps (MAT 1.33; retrieval found a draft "
+            "on 25% of steps), at batch 2 on this CPU") in md
     assert "| context | 8 | 16.7% |" in md and "| reference | 4 | 8.33% |" in md
     assert "| one per target forward | 36 | 75% |" in md
     assert "| replica-0 | 2 | 0 | 30 |" in md and "| replica-1 | 2 | 0 | 18 |" in md
@@ -136,7 +149,8 @@ def test_report_when_budget_decoded_plainly(tmp_path):
     (lambda p: None, "is not a directory"),
     (lambda p: (p.mkdir(), pq.write_table(pa.table({"id": [1], "text": ["x"]}), p / "part-0001.parquet")),
      r"part-0001\.parquet is not a part file of a generation job: no column 'n_new_tokens'"),
-    (lambda p: (p.mkdir(), (p / "data.parquet").write_bytes(b"not parquet at all")), r"data\.parquet is not a readable"),
+    (lambda p: (p.mkdir(), (p / "data.parquet").write_bytes(b"not parquet at all")),
+     r"data\.parquet is not a readable"),
 ])
 def test_empty_or_foreign_directory_is_refused_by_name(tmp_path, make, match):
     out = tmp_path / "foreign"
@@ -158,22 +172,24 @@ def test_command_line(tmp_path, capsys):
 def test_budget_sentence():
     plain = {"method": "logitspec", "decode_steps": 120, "verified_steps": 0, "accepted_steps": 0,
              "mean_accepted": 1.0, "batch": 8, "break_even": 0.7, "device": "cpu"}
-    assert budget_sentence(plain) == ("decoded plainly: drafts verified on 0 of 120 steps (MAT 1.00): "
-                                      "at batch 8 on this CPU a draft token must be accepted 70% of the time to pay")
+    pays = "at batch 8 on this CPU a draft token must be accepted 70% of the time to pay"
+    assert budget_sentence(plain) == f"decoded plainly: drafts verified on 0 of 120 steps (MAT 1.00): {pays}"
     drafted = {**plain, "verified_steps": 15, "accepted_steps": 9, "mean_accepted": 1.0712}
-    assert budget_sentence(drafted) == ("drafts verified on 12.5% of steps, accepted on 7.5% (MAT 1.07): "
-                                        "at batch 8 on this CPU a draft token must be accepted 70% of the time to pay")
+    assert budget_sentence(drafted) == \
+        f"drafts verified on 12.5% of steps, accepted on 7.5% (MAT 1.07): {pays}"
     # without the fields the rows lack today: accepted steps only, no break-even clause
     today = {"method": "logitspec", "decode_steps": 200, "verified_steps": None, "accepted_steps": 24,
              "mean_accepted": 1.38, "retrieval_success": 0.3, "batch": 8, "device": "cpu"}
-    assert budget_sentence(today) == ("drafts accepted on 12% of steps (MAT 1.38; retrieval found a draft on 30% of "
-                                      "steps), at batch 8 on this CPU")
-    assert budget_sentence({**today, "accepted_steps": 0, "mean_accepted": 1.0, "retrieval_success": 0.08,
-                            "batch": 7.5}) == ("decoded plainly: drafts accepted on 0 of 200 steps (MAT 1.00; "
-                                               "retrieval found a draft on 8% of steps), at batch 7.50 on this CPU")
+    assert budget_sentence(today) == ("drafts accepted on 12% of steps (MAT 1.38; retrieval found a draft on "
+                                      "30% of steps), at batch 8 on this CPU")
+    none = {**today, "accepted_steps": 0, "mean_accepted": 1.0, "retrieval_success": 0.08, "batch": 7.5}
+    assert budget_sentence(none) == ("decoded plainly: drafts accepted on 0 of 200 steps (MAT 1.00; "
+                                     "retrieval found a draft on 8% of steps), at batch 7.50 on this CPU")
     assert budget_sentence({**plain, "break_even": 1.25, "device": "cuda:0"}).endswith(
-        "at batch 8 on this GPU no acceptance rate pays for a draft token (a 2-token forward costs 2.25x a 1-token one)")
-    assert budget_sentence({"method": "ar", "mean_accepted": 1.0}) == "method ar: plain decoding, no drafts (MAT 1.00)"
+        "at batch 8 on this GPU no acceptance rate pays for a draft token (a 2-token forward costs 2.25x a "
+        "1-token one)")
+    assert budget_sentence({"method": "ar", "mean_accepted": 1.0}) == \
+        "method ar: plain decoding, no drafts (MAT 1.00)"
     assert "nothing to say" in budget_sentence({"method": "logitspec", "decode_steps": 0})
 
 
@@ -209,4 +225,5 @@ def test_rows_in_the_jobs_own_schema(tmp_path):
     out.mkdir()
     pq.write_table(pa.Table.from_pylist(rows, schema=s), out / "part-0.parquet")
     md = write_report(out).read_text()
-    assert "| rows | 5 (4 generated, 1 error rows) |" in md and "| MAT | 1.33 new tokens per target forward |" in md
+    assert "| rows | 5 (4 generated, 1 error rows) |" in md
+    assert "| MAT | 1.33 new tokens per target forward |" in md
