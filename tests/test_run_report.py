@@ -25,7 +25,7 @@ ORIGINS = ("context", "siblings", "reference", "history", "guess")
 
 
 def schema(extra=()) -> pa.Schema:
-    """The job's row schema (pipeline.io.output.output_schema, int ids) plus ``extra`` fields."""
+    """The job's row schema (pipeline.rows.OutputRow.schema, int ids) plus ``extra`` fields."""
     return pa.schema([
         ("id", pa.int64()), ("sample", pa.int32()), ("generation", pa.string()),
         ("finish_reason", pa.string()),
