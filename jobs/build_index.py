@@ -8,7 +8,8 @@ See :mod:`pipeline.io.build_index` and ``--help``.
 import pathlib
 import sys
 
-# Runs from a plain checkout too (e.g. a `ray job submit --working-dir .` upload): the repo root is importable.
+# Runs from a plain checkout too (e.g. a `ray job submit --working-dir .` upload): the repo root is
+# importable.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from pipeline.io.build_index import main

@@ -8,7 +8,8 @@ See docs/pipeline.md and ``--help``.
 import pathlib
 import sys
 
-# Runs from a plain checkout too (e.g. a `ray job submit --working-dir .` upload): the repo root is importable.
+# Runs from a plain checkout too (e.g. a `ray job submit --working-dir .` upload): the repo root is
+# importable.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from pipeline.job.cli import main

@@ -1,4 +1,5 @@
-"""Ray batch generation on top of :mod:`logitspec`: read and shard datasets, run model replicas, write results.
+"""Ray batch generation on top of :mod:`logitspec`: read and shard datasets, run model replicas, write
+results.
 
 Sub-packages, by role:
 

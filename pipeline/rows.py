@@ -6,7 +6,8 @@
 - :class:`SweepOutputRow`: one (example, configuration) of a sweep: a row of the sweep's ``rows/`` parts.
 
 Every field of an output row is annotated with its Arrow type (``Annotated[python type, arrow type]``;
-the id's type is the input's, given when the schema is made), so the dataclass is the schema: :meth:`OutputRow.schema`,
+the id's type is the input's, given when the schema is made), so the dataclass is the schema:
+:meth:`OutputRow.schema`,
 :meth:`SweepOutputRow.schema`, and :func:`to_table` turns rows into a table of a schema.
 """
 from __future__ import annotations
@@ -30,7 +31,8 @@ class _Arrow:
 
     @classmethod
     def schema(cls, id_type: pa.DataType | None = None) -> pa.Schema:
-        """The Parquet schema of these rows; ``id_type``: the type of an ``id`` column typed :data:`INPUT_ID`."""
+        """The Parquet schema of these rows; ``id_type``: the type of an ``id`` column typed
+        :data:`INPUT_ID`."""
         id_type = id_type or pa.string()
         hints = get_type_hints(cls, include_extras=True)
         types = [hints[f.name].__metadata__[0] for f in fields(cls)]
@@ -84,7 +86,8 @@ class OutputRow(_Arrow):
 
 @dataclass
 class SweepInputRow:
-    """One example of a sweep (its prompt, token limit, stop rule) and the configurations still to run on it."""
+    """One example of a sweep (its prompt, token limit, stop rule) and the configurations still to run on
+    it."""
 
     example: SweepRow
     configs: tuple[str, ...]
@@ -120,9 +123,12 @@ class SweepOutputRow(_Arrow):
     peak_rss_bytes: Annotated[int | None, pa.int64()] = None
     truncated: Annotated[bool | None, pa.bool_()] = None
     error: Annotated[str | None, pa.string()] = None
-    max_step_gap_s: Annotated[float | None, pa.float64()] = None  # the longest time between two of the row's forwards
+    # the longest time between two of the row's forwards
+    max_step_gap_s: Annotated[float | None, pa.float64()] = None
 
 
 def to_table(rows: list, schema: pa.Schema) -> pa.Table:
-    """Output rows (:class:`OutputRow` or :class:`SweepOutputRow`) as a table of ``schema``, column by column."""
-    return pa.Table.from_pydict({name: [getattr(r, name) for r in rows] for name in schema.names}, schema=schema)
+    """Output rows (:class:`OutputRow` or :class:`SweepOutputRow`) as a table of ``schema``, column by
+    column."""
+    return pa.Table.from_pydict({name: [getattr(r, name) for r in rows] for name in schema.names},
+                                schema=schema)

@@ -26,7 +26,8 @@ def test_help_lists_every_subcommand_each_with_a_description(capsys):
         assert e.value.code == 0
         usage, description = capsys.readouterr().out.split("\n\n")[:2]
         assert usage.startswith(f"usage: logitspec {name}")
-        assert not description.startswith(("positional arguments", "options")), f"logitspec {name}: no description"
+        assert not description.startswith(("positional arguments",
+                                           "options")), f"logitspec {name}: no description"
 
 
 def test_the_library_imports_no_ray_and_no_pipeline():

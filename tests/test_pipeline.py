@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,9 @@ from pipeline.io.inputs import open_input, read_columns, row_problem
 from pipeline.job.pending import scan_ids
 from pipeline.io.output import OutputStore, read_generations
 from pipeline.replica.worker import row_seed
+from pipeline.job.cli import build_parser, config_from_args
 from pipeline.rows import InputRow, OutputRow
+from job_specs import job_spec
 from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -88,11 +91,11 @@ def _cfg(tiny: str, inp, out, **kw) -> JobConfig:
     # tests below need trees to exercise retrieval
     gen = dict(model=tiny, budget=kw.pop("budget", "fixed"), max_new_tokens=kw.pop("max_new_tokens", 12),
                max_batch_size=kw.pop("max_batch_size", 2),
-               temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), warmup=False,
-               history_tokens=kw.pop("history_tokens", 0), share_history=kw.pop("share_history", False))
+               temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), n=kw.pop("num_samples", 1),
+               warmup=False, history_tokens=kw.pop("history_tokens", 0), share_history=kw.pop("share_history", False))
     kw.setdefault("threads_per_actor", 1)
     kw.setdefault("log_interval", 2.0)
-    return JobConfig(input=str(inp), output=str(out), gen=GenerationSpec(**gen), **kw)
+    return JobConfig(input=str(inp), output=str(out), gen=job_spec(**gen), **kw)
 
 
 def _check_exactly_once(out, ids) -> pa.Table:
@@ -190,14 +193,16 @@ def test_row_problems_and_seeds():
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="temperature"):
-        GenerationSpec(temperature=-1.0)
-    with pytest.raises(ConfigError, match="top_p"):
-        GenerationSpec(top_p=0.0)
+    for flags, message in ((["--temperature", "-1"], "--temperature must be >= 0"),
+                           (["--temperature", "inf"], "--temperature must be a finite number"),
+                           (["--temperature", "0.5", "--top-p", "0"], "--top-p must be in"),
+                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                           (["--num-samples", "0", "--temperature", "1"], "--num-samples must be >= 1"),
+                           (["--num-samples", "2"], "need --temperature > 0")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            config_from_args(build_parser().parse_args(["--input", "a", "--output", "b", *flags]))
     with pytest.raises(ConfigError, match="unknown method"):
         GenerationSpec(method="medusa")
-    with pytest.raises(ConfigError, match="max_new_tokens"):
-        GenerationSpec(max_new_tokens=0)
     with pytest.raises(ConfigError, match="history_tokens"):
         GenerationSpec(history_tokens=-1)
     assert GenerationSpec().history_source() is None and GenerationSpec(history_tokens=50).history_source().max_tokens == 50
@@ -318,6 +323,35 @@ def test_old_layout_is_moved_to_the_dataset_layout_on_resume(tmp_path):
     assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 3]
 
 
+def test_job_record_with_loose_decoding_settings_still_resumes(tmp_path):
+    """An output whose ``_job.json`` predates the request type (its decoding settings as loose fields)
+    resumes under the same settings; other settings are refused, naming the request."""
+    from pipeline.job.plan import job_record, upgrade_record
+
+    out = tmp_path / "out"
+
+    def record(*flags):
+        argv = ["--input", "in.jsonl", "--output", str(out), "--seed", "5", "--stop", "END", *flags]
+        return job_record(config_from_args(build_parser().parse_args(argv)))
+
+    now = record("--temperature", "0.7", "--num-samples", "3")
+    assert now["request"] == {"max_new_tokens": 64, "temperature": 0.7, "top_p": 1.0, "top_k": 0, "seed": 5,
+                              "stop": ["END"]}  # n is not part of it: raising --num-samples adds samples
+    old = {k: v for k, v in now.items() if k != "request"}
+    old.update(max_new_tokens=64, temperature=0.7, top_p=1.0, top_k=0, seed=5, stop=["END"])
+    store = OutputStore(out, pa.int64())
+    store.prepare(old, overwrite=False)  # the earlier version's run
+    store.write([_out_row(0)])
+    store.close()
+    store = OutputStore(out, pa.int64())
+    store.prepare(now, overwrite=False, upgrade=upgrade_record)
+    assert store.keys() == {(0, 0)}
+    store.close()
+    with pytest.raises(ConfigError, match="other settings .*request: was .*'temperature': 0.7"):
+        OutputStore(out, pa.int64()).prepare(record("--temperature", "0.8"), overwrite=False, upgrade=upgrade_record)
+    json.loads((out / "_job.json").read_text())["temperature"]  # the record on disk is left as it was
+
+
 def test_second_job_on_one_output_refuses_naming_the_first(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
                                f"from pipeline.io.lock import OutputLock; l = OutputLock(__import__('pathlib').Path("
@@ -349,9 +383,9 @@ def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
         (["--input", str(dup)], "duplicated value(s), e.g. 1"),
         (["--input", str(inp), "--model", str(tmp_path / "nope")], "not found"),
         (["--input", str(inp), "--model", str(broken)], "cannot read"),
-        (["--input", str(inp), "--temperature", "-0.5"], "temperature must be >= 0"),
-        (["--input", str(inp), "--top-p", "1.5"], "top_p must be in (0, 1]"),
-        (["--input", str(inp), "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--input", str(inp), "--temperature", "-0.5"], "--temperature must be >= 0"),
+        (["--input", str(inp), "--temperature", "1", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--input", str(inp), "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
         (["--input", str(tmp_path / "missing.parquet")], "does not exist"),
         (["--input", str(inp), "--reference", str(tmp_path / "no-corpus")], "does not exist"),
     ]
@@ -377,7 +411,7 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
     from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
-    spec = GenerationSpec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
+    spec = job_spec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
     rows = [InputRow(i, p) for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
     out, stats = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(rows)
     assert [r.error is None for r in out] == [True, True, False]  # the long prompt: refused before the run
@@ -400,7 +434,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     rows = [InputRow(i, "Hello there, said the") for i in range(2)]
     outs = {}
     for tokens in (0, 2000):
-        spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
+        spec = job_spec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
                               history_tokens=tokens)
         gen = RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
         outs[tokens] = [gen([r])[0][0] for r in rows]  # one row per call: the second sees the first's answer
@@ -487,7 +521,7 @@ def test_shared_answers_feed_another_generators_history(tiny):
     from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
-    spec = GenerationSpec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
+    spec = job_spec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
                           history_tokens=2000, share_history=True)
 
     def replica():
@@ -913,7 +947,7 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     from pipeline.job.run import run_job
 
     summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"), output=str(tmp_path / "out"),
-                                gen=GenerationSpec(max_new_tokens=8), limit=3))
+                                gen=job_spec(max_new_tokens=8), limit=3))
     assert summary["complete"] and summary["rows"]["done_now"] == 3
     table = read_generations(tmp_path / "out")
     assert all(g for g in table.column("generation").to_pylist())
@@ -979,7 +1013,7 @@ def test_samples_have_their_own_stable_seeds(tiny):
 
     assert row_seed(0, 7, 0) == row_seed(0, 7) and len({row_seed(0, 7, s) for s in range(4)}) == 4
     model, tok = load_model(tiny)
-    spec = GenerationSpec(model=tiny, max_new_tokens=8, max_batch_size=4, temperature=0.8, top_p=0.95, seed=3,
+    spec = job_spec(model=tiny, max_new_tokens=8, max_batch_size=4, temperature=0.8, top_p=0.95, seed=3,
                           warmup=False)
     gen = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
     row = InputRow("a", "Hello there")

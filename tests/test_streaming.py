@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.job.config import GenerationSpec
+from job_specs import job_spec
 from pipeline.rows import InputRow
 from tiny_models import save_tiny_text_model
 
@@ -41,7 +41,7 @@ def _generators(tiny, **kw):
     from pipeline.replica.worker import RowGenerator
 
     path, model, tok = tiny
-    spec = GenerationSpec(model=path, max_new_tokens=40, max_batch_size=3, budget="fixed", warmup=False, **kw)
+    spec = job_spec(model=path, max_new_tokens=40, max_batch_size=3, budget="fixed", warmup=False, **kw)
     per_task = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
     stream = StreamingRows(RowGenerator(Engine(model, tok, spec.spec_config()), spec))
     return spec, per_task, stream

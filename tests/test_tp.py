@@ -166,7 +166,8 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
     group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""
     try:
         from logitspec.budget import CostCurve
-        from logitspec.distributed import RanksDiverged, check_agreement, init_rank, load_tp_model, make_engine
+        from logitspec.distributed import (RanksDiverged, check_agreement, init_rank, load_tp_model, make_engine,
+                                           rank0_value)
 
         init_rank(rank, world, port, threads=1)
         model, tok, _ = load_tp_model(model_dir, world)
@@ -174,11 +175,14 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
         for agreed in (True, False):
             # one row at a time: a static batch drafts only for a row that alone sets its end
             # (budget.drain_weights), too rarely for the skewed timings to matter
-            engine = make_engine(model, tok, SpecConfig(method="logitspec", max_batch_size=1))
-            engine.cost_curve = CostCurve([1, 64], [1.0, 8.0])  # drafts pay only now and then: skips happen
-            engine._host_share = lambda clock: 1.0 if rank == 0 else 0.0
-            if not agreed:
-                engine.agree_on = float
+            # drafting's share of a step as this rank's timings say: rank 0 skips drafting, rank 1 drafts
+            def share(x: float) -> float:
+                return 1.0 if rank == 0 else 0.0
+
+            agree = (lambda x: rank0_value(share(x))) if agreed else share
+            engine = make_engine(model, tok, SpecConfig(method="logitspec", max_batch_size=1),
+                                 cost_curve=CostCurve([1, 64], [1.0, 8.0]),  # drafts pay only now and then: skips
+                                 agree_on=agree)
             try:
                 res = engine.generate(prompts, max_new_tokens=40)
                 check_agreement(decisions_digest(res))
@@ -310,7 +314,8 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
     replaced, its batches are redone, and every row is written exactly once."""
     import json
 
-    from pipeline.job.config import GenerationSpec, JobConfig
+    from job_specs import job_spec
+    from pipeline.job.config import JobConfig
     from pipeline.job.run import run_job
 
     rows = [{"id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}"} for i in range(12)]
@@ -328,7 +333,7 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
 
     cfg = JobConfig(input=str(inp), output=str(tmp_path / "out"), tp=2, actors=1, batch_rows=2,
                     cpus_per_actor=1, threads_per_actor=1, log_interval=5.0,
-                    gen=GenerationSpec(model=text_model, method="logitspec", max_new_tokens=24, max_batch_size=2))
+                    gen=job_spec(model=text_model, method="logitspec", max_new_tokens=24, max_batch_size=2))
     t0 = time.perf_counter()
     summary = run_job(cfg, on_event=on_event)
     assert killed
@@ -380,7 +385,7 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     would double this test's time.)"""
     import json
 
-    from pipeline.job.config import GenerationSpec
+    from job_specs import job_spec
     from pipeline.replica.worker import RowGenerator
     from pipeline.rows import InputRow
 
@@ -393,7 +398,7 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     assert s["complete"] and s["rows"]["failed_now"] == 0
     got = _generations(tmp_path / "tp2")
     model, tok = embedded_reference
-    spec = GenerationSpec(model="default", method=method, max_batch_size=3, max_new_tokens=16)
+    spec = job_spec(model="default", method=method, max_batch_size=3, max_new_tokens=16)
     ref, _ = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(
         [InputRow(r["id"], r["prompt"]) for r in rows])
     for r in ref:

@@ -114,7 +114,8 @@ def _load_saved_dataset(path: pathlib.Path, split: str | None):
     if isinstance(d, datasets.DatasetDict):
         if split is None:
             if len(d) != 1:
-                raise ConfigError(f"{str(path)!r} is a DatasetDict with splits {sorted(d)}; pick one with --split")
+                raise ConfigError(f"{str(path)!r} is a DatasetDict with splits {sorted(d)}; pick one with "
+                                  f"--split")
             split = next(iter(d))
         if split not in d:
             raise ConfigError(f"split {split!r} not in {str(path)!r} (splits: {sorted(d)})")
@@ -123,10 +124,12 @@ def _load_saved_dataset(path: pathlib.Path, split: str | None):
 
 
 def open_file(path: pathlib.Path, split: str | None = None) -> InputFile:
-    """Format, names and types of one file, from its schema (Parquet footer, IPC header, first JSON/CSV block)."""
+    """Format, names and types of one file, from its schema (Parquet footer, IPC header, first JSON/CSV
+    block)."""
     if is_saved_dataset(path):
         d = _load_saved_dataset(path, split)
-        return InputFile(path, "datasets", list(d.column_names), {f.name: f.type for f in d.data.schema}, split)
+        return InputFile(path, "datasets", list(d.column_names), {f.name: f.type for f in d.data.schema},
+                         split)
     fmt = TABLE_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(f"cannot read {str(path)!r}: unknown file type (use "
@@ -169,7 +172,8 @@ def _files_of(path: pathlib.Path) -> list[pathlib.Path]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TABLE_SUFFIXES
                    and not any(part.startswith((".", "_")) for part in p.relative_to(path).parts))
     if not files:
-        raise ConfigError(f"input directory {str(path)!r} holds no {'/'.join(sorted(set(TABLE_SUFFIXES)))} files")
+        raise ConfigError(f"input directory {str(path)!r} holds no {'/'.join(sorted(set(TABLE_SUFFIXES)))} "
+                          f"files")
     return files
 
 
@@ -210,7 +214,8 @@ class InputSource:
         return any(self.roles["id"] in f.names for f in self.files)
 
     def batches(self, columns: list[str]) -> Iterator[pa.Table]:
-        """Tables of ``columns`` (absent ones null) over every file in order, at most ``limit`` rows in all."""
+        """Tables of ``columns`` (absent ones null) over every file in order, at most ``limit`` rows in
+        all."""
         left = self.limit
         for f in self.files:
             for t in f.batches(columns, strict=(self.roles["id"],)):
@@ -223,7 +228,8 @@ class InputSource:
 
 
 def open_input(cfg: JobConfig) -> InputSource:
-    """The files of ``cfg.input`` with their schemas checked (no rows read); ConfigError naming the problem."""
+    """The files of ``cfg.input`` with their schemas checked (no rows read); ConfigError naming the
+    problem."""
     path = pathlib.Path(cfg.input).expanduser()
     if not path.exists():
         raise ConfigError(f"input {cfg.input!r} does not exist")
@@ -246,7 +252,8 @@ def open_input(cfg: JobConfig) -> InputSource:
                               f"{f' and {len(missing) - 1} more files' if len(missing) > 1 else ''}; "
                               f"available columns: {', '.join(available)}")
 
-    require(cfg.messages_column or cfg.prompt_column, "--messages-column" if cfg.messages_column else "--prompt-column")
+    require(cfg.messages_column or cfg.prompt_column,
+            "--messages-column" if cfg.messages_column else "--prompt-column")
     if cfg.corpus_column:
         require(cfg.corpus_column, "--corpus-column")
     source = InputSource(str(path), files, roles, cfg.limit)

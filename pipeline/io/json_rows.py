@@ -62,13 +62,16 @@ def _column(values: list) -> tuple[pa.Array, list]:
     kinds = [type(v) for v in values if v is not None]
     first = kinds[0] if kinds else type(None)
     problems = [None if v is None or type(v) is first else row_problem(v) or
-                f"prompt has type {type(v).__name__}; this file's other prompts are {first.__name__}s" for v in values]
+                f"prompt has type {type(v).__name__}; this file's other prompts are {first.__name__}s"
+                for v in values]
     return pa.array([v if p is None else None for v, p in zip(values, problems)]), problems
 
 
-def read_json_rows(path: pathlib.Path, columns: list[str], rows: int, strict: tuple = ()) -> Iterator[pa.Table]:
+def read_json_rows(path: pathlib.Path, columns: list[str], rows: int,
+                   strict: tuple = ()) -> Iterator[pa.Table]:
     """Tables of ``columns`` (and ``__problem__``), ``rows`` records each. A ``strict`` column (the ids)
-    of mixed kinds is a ConfigError (ids are checked, never repaired); other columns' odd values are problems."""
+    of mixed kinds is a ConfigError (ids are checked, never repaired); other columns' odd values are
+    problems."""
     chunk: list[dict] = []
 
     def table() -> pa.Table:

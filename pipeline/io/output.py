@@ -11,7 +11,8 @@ Parquet readers (pandas, pyarrow.dataset, Ray Data, DuckDB ``'out/*.parquet'``) 
 with ``_`` or ``.``, so ``pd.read_parquet(out)`` reads the rows. Every file is written to a hidden
 temporary sibling and renamed into place (after fsync): a visible part file is always complete. The
 driver is the only writer and never writes an id twice, so the output holds each input row exactly
-once per (id, sample); rows it has not flushed yet are regenerated after a crash. A directory of the earlier layout
+once per (id, sample); rows it has not flushed yet are regenerated after a crash. A directory of the earlier
+layout
 (``generations/part-*.parquet``, ``job.json``) is moved to this one when a job resumes it.
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 
 def new_file_mode() -> int:
-    """The mode a plain ``open()`` would give a new file (0666 less the umask); ``mkstemp`` makes 0600 files."""
+    """The mode a plain ``open()`` would give a new file (0666 less the umask); ``mkstemp`` makes 0600
+    files."""
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
@@ -117,24 +119,26 @@ class OutputStore:
             self.lock = None
 
     # ------------------------------------------------------------------ start of a run
-    def prepare(self, job: dict, overwrite: bool) -> None:
+    def prepare(self, job: dict, overwrite: bool, upgrade: Callable[[dict], dict] | None = None) -> None:
         """Make the directory ready for this run and read the ids already written (``written``).
 
         ``overwrite`` removes this job's files (parts, job record, summary) and nothing else.
         Otherwise, if rows were written already, the previous run's job record must match ``job``
         (same model, method, sampling ...), or ConfigError: mixing generations made with different
-        settings would be silently wrong. A directory of the earlier layout is moved to this one.
+        settings would be silently wrong. ``upgrade(previous record) -> record``: reads a record of an
+        earlier version in this one's form (or refuses it). A directory of the earlier layout is moved to
+        this one.
         """
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
         self.lock = OutputLock(self.root)  # a second job on this directory stops here
         try:
-            self._prepare_locked(job, overwrite)
+            self._prepare_locked(job, overwrite, upgrade)
         except BaseException:
             self.close()
             raise
 
-    def _prepare_locked(self, job: dict, overwrite: bool) -> None:
+    def _prepare_locked(self, job: dict, overwrite: bool, upgrade: Callable[[dict], dict] | None) -> None:
         if overwrite:
             for f in self.part_files():
                 f.unlink()
@@ -145,7 +149,7 @@ class OutputStore:
             tmp.unlink(missing_ok=True)
         job_path = self.root / JOB_FILE
         if job_path.exists() and self.part_files():  # with no rows written yet, the new settings simply apply
-            self._check_job(job_path, job)
+            self._check_job(job_path, job, upgrade)
         else:
             atomic_write_json(job_path, job)
         (self.root / SUMMARY_FILE).unlink(missing_ok=True)  # a stale summary must never describe this run
@@ -155,11 +159,13 @@ class OutputStore:
                             "try to read it: move it elsewhere", f, self.root)
         self.existing = self.read_existing(columns=("id", "sample"))
 
-    def _check_job(self, job_path: pathlib.Path, job: dict) -> None:
+    def _check_job(self, job_path: pathlib.Path, job: dict, upgrade: Callable[[dict], dict] | None) -> None:
         try:
             previous = json.loads(job_path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read {job_path}: {e}; use --overwrite to start over") from None
+        if upgrade is not None:
+            previous = upgrade(previous)
         diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
         if diff:
             lines = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
@@ -190,7 +196,7 @@ class OutputStore:
         """The part files (also any of the earlier layout not moved yet)."""
         return sorted(self.root.glob(PART_GLOB)) + sorted((self.root / LEGACY_PARTS_DIR).glob(PART_GLOB))
 
-    def inspect(self, job: dict) -> None:
+    def inspect(self, job: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
         """What :meth:`prepare` checks and reads (job record, ids written), without writing or locking."""
         if self.root.exists() and not self.root.is_dir():
             raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
@@ -198,11 +204,12 @@ class OutputStore:
             return
         for name in (JOB_FILE, LEGACY_JOB_FILE):
             if (self.root / name).exists() and self.part_files():
-                self._check_job(self.root / name, job)
+                self._check_job(self.root / name, job, upgrade)
                 break
         self.existing = self.read_existing(columns=("id", "sample"))
 
-    def read_existing(self, columns: Iterable[str] = ("id", "sample", "error", "n_new_tokens", "steps", "corpus")
+    def read_existing(self, columns: Iterable[str] = ("id", "sample", "error", "n_new_tokens", "steps",
+                                                      "corpus")
                       ) -> pa.Table | None:
         """The given columns of every part file (only those columns are read), or None if none. Parts
         written before the ``sample`` column existed hold sample 0."""
@@ -212,7 +219,8 @@ class OutputStore:
                 names = pq.read_schema(f).names
                 t = pq.read_table(f, columns=[c for c in columns if c in names])
                 if "sample" in columns and "sample" not in names:
-                    t = t.append_column("sample", pa.array([0] * t.num_rows, pa.int32())).select(list(columns))
+                    zeros = pa.array([0] * t.num_rows, pa.int32())
+                    t = t.append_column("sample", zeros).select(list(columns))
             except (OSError, pa.ArrowException) as e:
                 raise ConfigError(f"cannot read the existing part file {f}: {e}; it is not a complete part "
                                   f"of this job: delete it or use --overwrite") from None
@@ -280,7 +288,9 @@ class OutputStore:
     def keys(self) -> set:
         """Every (id, sample) on disk (read from the part files; for tests and checks)."""
         t = self.read_existing(columns=("id", "sample"))
-        return set(zip(t.column("id").to_pylist(), t.column("sample").to_pylist())) if t is not None else set()
+        if t is None:
+            return set()
+        return set(zip(t.column("id").to_pylist(), t.column("sample").to_pylist()))
 
     def write(self, rows: list) -> pathlib.Path | None:
         """Buffer the rows and write everything buffered now."""

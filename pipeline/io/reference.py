@@ -74,7 +74,8 @@ def read_documents(spec: str) -> list[str]:
 def _column_docs(path: pathlib.Path, col: str) -> list[str]:
     f = open_file(path)
     if col not in f.names:
-        raise ConfigError(f"reference corpus {str(path)!r} has no column {col!r} (columns: {', '.join(f.names)}); "
+        raise ConfigError(f"reference corpus {str(path)!r} has no column {col!r} (columns: "
+                          f"{', '.join(f.names)}); "
                           f"name one with {path}#COLUMN")
     return [v for t in f.batches([col]) for v in t.column(col).to_pylist() if isinstance(v, str)]
 
@@ -142,13 +143,15 @@ def prepare_reference(name: str, spec: str, tokenizer, max_ngram: int = 3) -> di
             raise ConfigError(f"{str(path)!r} is not an index written by jobs/build_index.py")
         if meta.get("tokenizer") != fp:
             raise ConfigError(f"index {str(path)!r} was built with another tokenizer (fingerprint "
-                              f"{meta.get('tokenizer')}, the model's is {fp}); rebuild it with the job's --model")
+                              f"{meta.get('tokenizer')}, the model's is {fp}); rebuild it with the job's "
+                              f"--model")
         meta.update(name=name, load_s=time.perf_counter() - t0, prebuilt=True)
         return index_arrays(CorpusIndex.from_arrays(plain), meta)
     docs = read_documents(spec)
     index = build_index(docs, tokenizer, max_ngram)
     plain = index.to_arrays()
-    meta = {"name": name, "source": spec, "documents": len(docs), "tokens": int(len(index.tokens) - len(docs)),
+    meta = {"name": name, "source": spec, "documents": len(docs),
+            "tokens": int(len(index.tokens) - len(docs)),
             "max_ngram": max_ngram, "tokenizer": fp, "vocab_size": len(tokenizer),
             "bytes": int(sum(a.nbytes for a in plain.values())), "build_s": time.perf_counter() - t0,
             "prebuilt": False}

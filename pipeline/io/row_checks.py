@@ -10,7 +10,8 @@ def row_problem(prompt: Any, messages: Any = None, use_messages: bool = False) -
         if not isinstance(messages, list) or not messages:
             return "messages must be a non-empty list of {role, content} objects"
         for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
                 return f"malformed message {m!r}: need {{'role': str, 'content': str}}"
         return None
     if prompt is None:

@@ -25,6 +25,8 @@ import statistics
 import tempfile
 import time
 
+from logitspec.request import Request, add_request_flags, request_from_args
+
 from ..io.inputs import open_input, read_columns, row_prompt
 from .config import GenerationSpec, JobConfig
 from .pending import scan_ids
@@ -38,18 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--model", default="default")
     p.add_argument("--method", default="logitspec")
-    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--batch-rows", type=int, default=None)
     p.add_argument("--messages-column", default=None, help="chat messages column (as in jobs/generate.py)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--num-samples", type=int, default=1, help="samples per row (one prefill shared by them)")
     p.add_argument("--no-stream", action="store_true",
                    help="the job's per-task replicas (jobs/generate.py --no-stream)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
+    add_request_flags(p, max_new_tokens=32)  # as the job's (samples per row share one prefill)
     return p.parse_args(argv)
 
 
@@ -62,11 +61,13 @@ def main(argv=None) -> int:
 
     from logitspec.models import load_model
 
-    gen = GenerationSpec(model=args.model, method=args.method, max_new_tokens=args.max_new_tokens,
-                         max_batch_size=args.max_batch_size, temperature=args.temperature, top_p=args.top_p)
-    base = {"input": args.input, "gen": gen, "limit": args.limit, "threads_per_actor": args.threads, "actors": 1,
-                "batch_rows": args.batch_rows, "log_interval": 60.0, "messages_column": args.messages_column,
-                "num_samples": args.num_samples, "stream": not args.no_stream}
+    request = request_from_args(args)
+    gen = GenerationSpec(model=args.model, method=args.method, max_batch_size=args.max_batch_size,
+                         request=request)
+    base = {"input": args.input, "gen": gen, "limit": args.limit, "threads_per_actor": args.threads,
+            "actors": 1,
+            "batch_rows": args.batch_rows, "log_interval": 60.0, "messages_column": args.messages_column,
+            "stream": not args.no_stream}
     cfg0 = JobConfig(output="unused", **base)
     # the job's own reader, so that the bare engine gets exactly the rows (and prompts) the job gets
     ids = scan_ids(open_input(cfg0)).ids.to_pylist()
@@ -75,9 +76,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    bare = BareRuns(model, tok, gen, ids, prompts, cfg0.rows_per_batch, args.num_samples)
+    bare = BareRuns(model, tok, gen, ids, prompts, cfg0.rows_per_batch)
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray (bare runs at nice 0 too)
+    # as the job does for a local Ray (bare runs at nice 0 too)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=args.threads, include_dashboard=False, logging_level="WARNING")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +91,7 @@ def main(argv=None) -> int:
     record = {
         "bench": "pipeline_overhead", "model": args.model, "method": args.method, "input": args.input,
         "limit": args.limit, "max_new_tokens": args.max_new_tokens, "max_batch_size": args.max_batch_size,
-        "temperature": args.temperature, "top_p": args.top_p, "num_samples": args.num_samples,
+        "request": request.to_dict(), "num_samples": request.n,
         "batch_rows": cfg0.rows_per_batch, "threads": args.threads, "repeats": runs,
         "median_job_over_bare_all": statistics.median(r["job_over_bare_all"] for r in runs),
         "median_job_over_bare_batches": statistics.median(r["job_over_bare_batches"] for r in runs),
@@ -107,34 +109,31 @@ class BareRuns:
     """The bare engine on the job's rows: every measured run on a fresh engine, warmed up as the actor's
     is, so no state carries between runs."""
 
-    def __init__(self, model, tokenizer, gen: GenerationSpec, ids: list, prompts: list, batch_rows: int,
-                 num_samples: int = 1):
-        """``prompts``: text or chat messages (encoded as the job encodes them); ``num_samples`` per row,
-        seeded as the job seeds them (one prefill per row, ``n=``)."""
+    def __init__(self, model, tokenizer, gen: GenerationSpec, ids: list, prompts: list, batch_rows: int):
+        """``prompts``: text or chat messages (encoded as the job encodes them); each row's request is the
+        job's, seeded as the job seeds it (its ``n`` samples share one prefill)."""
         from ..replica.worker import row_seed
 
         self.model, self.tokenizer, self.gen = model, tokenizer, gen
         self.ids = ids
         encoder = self.fresh_engine()
         self.encoded = [encoder.encode(x, apply_chat_template=gen.chat) for x in prompts]
-        self.seeds = [row_seed(gen.seed, i) for i in ids]
+        self.requests = [gen.request.with_(seed=row_seed(gen.request.seed, i)) for i in ids]
         self.batch_rows = batch_rows
-        self.kw = {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature, "top_p": gen.top_p,
-                       "top_k": gen.top_k, "n": num_samples}
-        self.keys = [(i, s) for i in ids for s in range(num_samples)]  # the results' order
+        self.keys = [(i, s) for i in ids for s in range(gen.request.n)]  # the results' order
 
     def fresh_engine(self):
         from logitspec import Engine
 
         e = Engine(self.model, self.tokenizer, self.gen.spec_config())
-        e.generate([e.encode("Hello, world.")], max_new_tokens=2)
+        e.generate([e.encode("Hello, world.")], Request(max_new_tokens=2))
         return e
 
     def all_rows(self) -> tuple[float, list]:
         """Every row in one ``generate`` call: (seconds, results)."""
         engine = self.fresh_engine()
         t = time.perf_counter()
-        res = engine.generate(self.encoded, seed=self.seeds, **self.kw)
+        res = engine.generate(self.encoded, self.requests)
         return time.perf_counter() - t, res
 
     def job_batches(self) -> tuple[float, list]:
@@ -144,7 +143,7 @@ class BareRuns:
         t = time.perf_counter()
         res = []
         for s in range(0, len(self.encoded), size):
-            res += engine.generate(self.encoded[s:s + size], seed=self.seeds[s:s + size], **self.kw)
+            res += engine.generate(self.encoded[s:s + size], self.requests[s:s + size])
         return time.perf_counter() - t, res
 
 

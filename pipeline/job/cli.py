@@ -12,11 +12,20 @@ import signal
 import sys
 
 from logitspec.config import METHODS
+from logitspec.request import Request, add_request_flags, request_from_args
 
 from ..errors import ConfigError
-from .config import DTYPES, GenerationSpec, JobConfig, parse_reference
+from .config import DEFAULT_MAX_NEW_TOKENS, DTYPES, GenerationSpec, JobConfig, parse_reference
 
 log = logging.getLogger("pipeline.job.cli")
+
+# shared decoding flags whose meaning the job refines (rows are seeded by id, samples resume)
+JOB_MEANING = {
+    "seed": "base seed; a row's seed is a stable hash of (seed, row id, sample), so it does not depend on "
+            "batches, actors or resumes (default: %(default)s)",
+    "num_samples": "samples per prompt: output rows (id, sample 0..N-1), each with its own seed; needs "
+                   "--temperature > 0; raising it on resume adds the missing samples (default: %(default)s)",
+}
 
 
 DESCRIPTION = "Batch generation with LogitSpec speculative decoding on Ray: one output row per input row."
@@ -35,9 +44,11 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     io.add_argument("--part-seconds", type=float, default=60.0,
                     help="write buffered rows as a part file at least this often (seconds)")
     io.add_argument("--prompt-column", default="prompt")
-    io.add_argument("--id-column", default="id", help="row ids; generated from row order when the column is absent")
+    io.add_argument("--id-column", default="id",
+                    help="row ids; generated from row order when the column is absent")
     io.add_argument("--messages-column", default=None,
-                    help="chat messages column (list of {role, content}); used instead of the prompt when not null")
+                    help="chat messages column (list of {role, content}); used instead of the prompt when "
+                         "not null")
     io.add_argument("--corpus-column", default=None, help="column naming the reference corpus a row uses")
     io.add_argument("--split", default=None, help="split of a saved DatasetDict")
     io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
@@ -50,19 +61,12 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                      help="text corpus (file, directory, table/dataset column) or an index from "
                           "jobs/build_index.py; repeatable, NAME matches --corpus-column values")
     gen = p.add_argument_group("generation (as in the engine)")
-    gen.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
+    gen.add_argument("--model", default="default",
+                     help="'default', a HF model dir, a .gguf file or a cached HF id")
     gen.add_argument("--method", default="logitspec", choices=METHODS)
     gen.add_argument("--budget", default="auto", choices=("auto", "fixed"),
-                     help="draft budget: auto (from this machine's cost curve and acceptance) or fixed capacity")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=0,
-                     help="base seed; a row's seed is a stable hash of (seed, row id, sample)")
-    gen.add_argument("--num-samples", type=int, default=1,
-                     help="samples per prompt: output rows (id, sample 0..N-1), each with its own seed "
-                          "(use with --temperature > 0; raising it on resume adds the missing samples)")
+                     help="draft budget: auto (from this machine's cost curve and acceptance) or fixed "
+                          "capacity")
     gen.add_argument("--history-tokens", type=int, default=0,
                      help="keep each replica's answers (up to this many tokens, oldest dropped) as a draft "
                           "source consulted after the row's own context and its reference; helps when "
@@ -70,13 +74,17 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     gen.add_argument("--share-history", action="store_true",
                      help="one history for the whole job: each batch sent to a replica carries the answers "
                           "other replicas produced since its last batch (up to --history-tokens)")
-    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to text prompts")
+    gen.add_argument("--chat", action="store_true",
+                     help="apply the tokenizer's chat template to text prompts")
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
     gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
     gen.add_argument("--no-warmup", action="store_true", help="skip the replica's warm-up generation")
     gen.add_argument("--trust-remote-code", action="store_true",
-                     help="let transformers run Python code shipped with the model (off: such models are refused)")
+                     help="let transformers run Python code shipped with the model (off: such models are "
+                          "refused)")
+    add_request_flags(p, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)  # the flags every command shares
+    for action in p._actions:  # argparse keeps no public handle on them: say what two of them mean in a job
+        action.help = JOB_MEANING.get(action.dest, action.help)
     ray_ = p.add_argument_group("Ray")
     ray_.add_argument("--address", default=None,
                       help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
@@ -88,13 +96,15 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                       help="default: the local Ray's CPUs / actors, or 1 on a cluster")
     ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
     ray_.add_argument("--threads-per-actor", type=int, default=None,
-                      help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a CPU "
-                           "shared with other work, 1 (and more actors) can be much faster (docs/pipeline.md)")
+                      help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a "
+                           "CPU shared with other work, 1 (and more actors) can be much faster "
+                           "(docs/pipeline.md)")
     ray_.add_argument("--batch-rows", type=int, default=None,
                       help="rows per actor task; default 2 x max-batch-size")
     ray_.add_argument("--no-stream", action="store_true",
-                      help="decode each actor task to its end before the next starts (the engine's slots empty "
-                           "as its rows finish) instead of keeping one engine session full across tasks")
+                      help="decode each actor task to its end before the next starts (the engine's slots "
+                           "empty as its rows finish) instead of keeping one engine session full across "
+                           "tasks")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
@@ -102,22 +112,39 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     return p
 
 
+# Request's field names in its messages -> the job's flags
+FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+         "top_k": "--top-k", "n (samples per prompt)": "--num-samples", "stop strings": "--stop strings"}
+
+
+def job_request(args: argparse.Namespace) -> Request:
+    """The job's :class:`Request` from the shared decoding flags; :class:`ConfigError` naming the flag."""
+    try:
+        return request_from_args(args)
+    except ValueError as e:
+        message = str(e)
+        for name, flag in FLAGS.items():
+            message = message.replace(name, flag) if flag not in message else message
+        raise ConfigError(message) from None
+
+
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    gen = GenerationSpec(model=args.model, method=args.method, budget=args.budget, max_batch_size=args.max_batch_size,
-                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()), chat=args.chat,
-                         dtype=args.dtype, warmup=not args.no_warmup,
+    gen = GenerationSpec(model=args.model, method=args.method, budget=args.budget,
+                         max_batch_size=args.max_batch_size,
+                         request=job_request(args), chat=args.chat, dtype=args.dtype,
+                         warmup=not args.no_warmup,
                          trust_remote_code=args.trust_remote_code, history_tokens=args.history_tokens,
                          share_history=args.share_history)
     return JobConfig(
-        input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column, id_column=args.id_column,
-        messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split, limit=args.limit,
+        input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column,
+        id_column=args.id_column,
+        messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split,
+        limit=args.limit,
         references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
-        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements,
-        num_samples=args.num_samples)
+        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
 
 
 def dry_run(cfg: JobConfig) -> int:

@@ -1,7 +1,8 @@
 """The job's configuration: one frozen dataclass, validated at construction (before Ray starts).
 
 ``JobConfig`` holds everything the driver needs; ``GenerationSpec`` is the part each replica
-needs (model, engine and sampling settings) and is what a replica is built from.
+needs (model, engine settings, and the job's :class:`~logitspec.request.Request`: the decoding settings
+every row is generated with, ``n`` its samples per row) and is what a replica is built from.
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from logitspec.config import SpecConfig
-from logitspec.request import SamplingParams
+from logitspec.request import Request
 
 from ..errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_NEW_TOKENS = 64  # the job's --max-new-tokens
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -26,36 +28,34 @@ class GenerationSpec:
     method: str = "logitspec"
     budget: str = "auto"  # draft budget: "auto" (measured cost x acceptance) or "fixed" (the paper's)
     max_batch_size: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
+    # the decoding settings of every row; seed: the base of the rows' seeds (row_seed), n: samples per row
+    request: Request = field(default_factory=lambda: Request(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, seed=0))
     chat: bool = False
     dtype: str = "auto"
     warmup: bool = True
     trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
-    history_tokens: int = 0  # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
+    # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
+    history_tokens: int = 0
     share_history: bool = False  # replicas' histories also hold the other replicas' answers (--share-history)
 
     def __post_init__(self) -> None:
         try:
             self.spec_config()
-            SamplingParams(self.temperature, self.top_p, self.top_k)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not isinstance(self.request, Request):
+            raise ConfigError(f"request must be a logitspec.request.Request, got "
+                              f"{type(self.request).__name__}")
         for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self, name)):
-                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            if not math.isfinite(getattr(self.request, name)):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got "
+                                  f"{getattr(self.request, name)}")
+        if self.request.seed is None:
+            raise ConfigError("the job's request needs a seed: the base of every row's seed")
         if self.history_tokens < 0:
             raise ConfigError(f"history_tokens must be >= 0, got {self.history_tokens}")
         if self.share_history and not self.history_tokens:
             raise ConfigError("--share-history needs a history: set --history-tokens N (e.g. 20000)")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError("stop strings must be non-empty")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
@@ -87,11 +87,13 @@ class JobConfig:
     # (name, path) pairs; name "default" when given without a name
     references: tuple[tuple[str, str], ...] = ()
     actors: int = 1
-    tp: int = 1  # tensor-parallel shards per replica: N actors on one node (pipeline/tp.py); resources are per shard
+    # tensor-parallel shards per replica: N actors on one node (pipeline/replica/tp.py); resources per shard
+    tp: int = 1
     cpus_per_actor: float | None = None  # None: all local CPUs / actors when Ray is started here, else 1
     gpus_per_actor: float = 0.0
     # torch threads per actor; None: the CPUs Ray gives the actor (at least 1). Threads beyond the CPUs an
-    # actor holds contend with the other actors (2 threads ran 10x slower than 1 on a shared core, docs/pipeline.md).
+    # actor holds contend with the other actors (2 threads ran 10x slower than 1 on a shared core,
+    # docs/pipeline.md).
     threads_per_actor: int | None = None
     batch_rows: int | None = None  # rows per actor task; None: 2 * max_batch_size
     # one-actor replicas keep one engine session across tasks (pipeline/streaming.py); False: task by task
@@ -103,14 +105,13 @@ class JobConfig:
     log_interval: float = 10.0
     max_replacements: int | None = None  # actor deaths replaced before the job gives up; None: 3 + 2 * actors
     max_row_attempts: int = 2  # a single row that kills its actor this many times becomes an error row
-    num_samples: int = 1  # output rows per input row (id, sample 0..N-1), each with its own seed
 
     def __post_init__(self) -> None:
         if not self.input:
             raise ConfigError("--input is required")
         if not self.output:
             raise ConfigError("--output is required")
-        for name in ("actors", "tp", "max_row_attempts", "num_samples"):
+        for name in ("actors", "tp", "max_row_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("batch_rows", "threads_per_actor", "limit", "part_rows"):
@@ -142,6 +143,16 @@ class JobConfig:
             raise ConfigError("the id, prompt, messages and corpus columns must differ")
 
     @property
+    def request(self) -> Request:
+        """The decoding settings of every row (the replicas' :attr:`GenerationSpec.request`)."""
+        return self.gen.request
+
+    @property
+    def num_samples(self) -> int:
+        """Output rows per input row (id, sample 0..N-1), each with its own seed: the request's ``n``."""
+        return self.gen.request.n
+
+    @property
     def rows_per_batch(self) -> int:
         return self.batch_rows or 2 * self.gen.max_batch_size
 
@@ -152,7 +163,7 @@ class JobConfig:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["references"] = {n: p for n, p in self.references}
-        d["gen"]["stop"] = list(self.gen.stop)
+        d["gen"]["request"] = self.gen.request.to_dict()
         return d
 
 

@@ -54,7 +54,8 @@ def scan_ids(source: InputSource, corpus_column: str | None = None) -> InputInde
 
 
 def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
-    kinds = {("int" if pa.types.is_integer(c.type) else "str") for c in chunks if not pa.types.is_null(c.type)}
+    kinds = {("int" if pa.types.is_integer(c.type) else "str")
+             for c in chunks if not pa.types.is_null(c.type)}
     if len(kinds) > 1:
         raise ConfigError(f"id column {column!r} mixes integers and strings")
     id_type = pa.string() if kinds == {"str"} else pa.int64()
@@ -113,11 +114,13 @@ def pending(index: InputIndex, written: pa.Table | None, num_samples: int) -> Pe
 
 # ---------------------------------------------------------------------------------------------- rows
 def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
-    """Each row's problem (:func:`row_problem`'s message) or None; vectorised for text and token-id columns."""
+    """Each row's problem (:func:`row_problem`'s message) or None; vectorised for text and token-id
+    columns."""
     use_messages = cfg.messages_column is not None
     prompt = t.column(cfg.prompt_column)
     typ = prompt.type
-    if pa.types.is_null(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ) or is_token_list_type(typ):
+    if (pa.types.is_null(typ) or pa.types.is_string(typ) or pa.types.is_large_string(typ)
+            or is_token_list_type(typ)):
         if pa.types.is_null(typ):
             blank = pa.array([False] * len(prompt))
         elif is_token_list_type(typ):
@@ -125,7 +128,8 @@ def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
         else:
             blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(prompt)), 0)
         null_msg = "prompt and messages are both null" if use_messages else "prompt is null"
-        problems = pc.if_else(pc.is_null(prompt), null_msg, pc.if_else(blank, "empty prompt", None)).to_pylist()
+        blank_msg = pc.if_else(blank, "empty prompt", None)
+        problems = pc.if_else(pc.is_null(prompt), null_msg, blank_msg).to_pylist()
     else:  # a column pipeline.io.json_rows could not type more closely (e.g. lists of floats)
         problems = [row_problem(p) for p in prompt.to_pylist()]
     if use_messages:
@@ -181,7 +185,8 @@ def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending) -> tuple[in
 
 
 def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing: dict) -> Iterator[tuple]:
-    """``(row, problem)`` per row of a chunk (an :class:`~pipeline.rows.InputRow`; its prompt None if it has a problem)."""
+    """``(row, problem)`` per row of a chunk (an :class:`~pipeline.rows.InputRow`; its prompt None if it has
+    a problem)."""
     t, use_messages = chunk.table, cfg.messages_column is not None
     prompts = t.column(cfg.prompt_column).to_pylist()
     messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows

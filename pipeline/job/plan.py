@@ -12,6 +12,8 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
+from logitspec.request import Request
+
 from ..errors import ConfigError
 from ..io.inputs import open_input
 from ..io.model import check_model
@@ -36,14 +38,37 @@ class JobPlan:
 
 
 def job_record(cfg: JobConfig) -> dict:
-    """Settings that decide a row's output; a resumed run must use the same ones."""
+    """Settings that decide a row's output; a resumed run must use the same ones. The request without
+    its ``n``: raising ``--num-samples`` on resume adds the missing samples."""
     g = cfg.gen
-    return {"model": g.model, "method": g.method, "max_new_tokens": g.max_new_tokens,
-            "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k, "seed": g.seed,
-            "stop": list(g.stop), "chat": g.chat, "dtype": g.dtype,
-            "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
+    return {"model": g.model, "method": g.method, "request": record_request(g.request), "chat": g.chat,
+            "dtype": g.dtype, "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
             "messages_column": cfg.messages_column, "corpus_column": cfg.corpus_column,
             "references": {n: p for n, p in cfg.references}}
+
+
+def record_request(request: Request) -> dict:
+    """A request as ``_job.json`` holds it: its fields but ``n``."""
+    return {k: v for k, v in request.to_dict().items() if k != "n"}
+
+
+LEGACY_REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def upgrade_record(previous: dict) -> dict:
+    """A ``_job.json`` of this version from one written before the request had a type (its decoding
+    settings as loose fields), so that such an output still resumes; others are returned unchanged."""
+    if "request" in previous or not all(k in previous for k in LEGACY_REQUEST_FIELDS):
+        return previous
+    loose = {k: previous[k] for k in LEGACY_REQUEST_FIELDS}
+    try:
+        request = Request.from_dict(loose)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the output's _job.json holds decoding settings this version cannot read "
+                          f"({loose}: "
+                          f"{e}); use --overwrite to start over or choose another --output") from None
+    rest = {k: v for k, v in previous.items() if k not in LEGACY_REQUEST_FIELDS}
+    return {**rest, "request": record_request(request)}
 
 
 def check_corpora(cfg: JobConfig, data: InputIndex) -> str | None:
@@ -74,7 +99,8 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,
                                                   trust_remote_code=cfg.gen.trust_remote_code)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"--reference needs the model's tokenizer; cannot load it from {model_path}: {e}") from None
+        raise ConfigError(f"--reference needs the model's tokenizer; cannot load it from {model_path}: "
+                          f"{e}") from None
     references = {}
     for name, spec in cfg.references:
         references[name] = prepare_reference(name, spec, tokenizer, cfg.gen.spec_config().max_ngram)
@@ -97,13 +123,14 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds)
     if dry_run:
         if not cfg.overwrite:  # with --overwrite nothing written counts
-            store.inspect(job_record(cfg))
+            store.inspect(job_record(cfg), upgrade=upgrade_record)
     else:
-        store.prepare(job_record(cfg), cfg.overwrite)
+        store.prepare(job_record(cfg), cfg.overwrite, upgrade=upgrade_record)
     todo = pending(data, store.existing, cfg.num_samples)
     stale = (store.existing.num_rows if store.existing is not None else 0) - todo.done
     if stale:
-        log.warning("%d row(s) in %s are not in the input (or are samples beyond --num-samples)", stale, cfg.output)
+        log.warning("%d row(s) in %s are not in the input (or are samples beyond --num-samples)", stale,
+                    cfg.output)
     timing["plan_s"] = time.perf_counter() - t0
     return JobPlan(data, model_path, references, store, todo, default_corpus, timing=timing)
 
@@ -117,9 +144,11 @@ def dry_run_report(cfg: JobConfig, plan: JobPlan, t0: float) -> dict:
     todo = plan.todo
     rejected, rejected_keys = count_problems(plan.data, cfg, todo)
     return {"input": plan.data.source.source, "output": str(plan.store.root), "rows": len(plan.data),
-            "num_samples": cfg.num_samples, "already_done": todo.done, "to_generate": todo.keys - rejected_keys,
+            "num_samples": cfg.num_samples, "already_done": todo.done,
+            "to_generate": todo.keys - rejected_keys,
             "rows_to_generate": todo.rows - rejected, "rejected_before_generation": rejected_keys,
-            "batches": math.ceil((todo.rows - rejected) / cfg.rows_per_batch), "rows_per_batch": cfg.rows_per_batch,
+            "batches": math.ceil((todo.rows - rejected) / cfg.rows_per_batch),
+            "rows_per_batch": cfg.rows_per_batch,
             "replicas": cfg.actors, "actors": cfg.actors * cfg.tp,
             "part_files_at_least": math.ceil(todo.keys / cfg.part_rows),
             "model_path": str(plan.model_path), "plan_s": round(time.perf_counter() - t0, 2),

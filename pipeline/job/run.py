@@ -36,7 +36,8 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     plan = make_plan(cfg)
     todo = plan.todo
     progress = Progress(len(plan.data) * cfg.num_samples, todo.done, todo.keys, cfg.log_interval)
-    log.info("input %s: %d rows x %d sample(s), %d already in %s, %d to do (%d rows)", plan.data.source.source,
+    log.info("input %s: %d rows x %d sample(s), %d already in %s, %d to do (%d rows)",
+             plan.data.source.source,
              len(plan.data), cfg.num_samples, todo.done, cfg.output, todo.keys, todo.rows)
     record = RunRecord()
     sink = _Sink(cfg, plan, progress, record)

@@ -12,10 +12,12 @@ from .progress import Progress
 
 # summary name -> key of a process's ``memory`` (pipeline.replica.resources.process_memory)
 MEMORY_FIELDS = (("rss_bytes", "VmRSS"), ("pss_bytes", "Pss"), ("private_bytes", "private_bytes"),
-                 ("shared_bytes", "shared_bytes"), ("rss_anon_bytes", "RssAnon"), ("rss_file_bytes", "RssFile"),
+                 ("shared_bytes", "shared_bytes"), ("rss_anon_bytes", "RssAnon"),
+                 ("rss_file_bytes", "RssFile"),
                  ("rss_shmem_bytes", "RssShmem"))
 # a process's model bytes by where they live (pipeline.replica.startup.model_memory)
-MODEL_FIELDS = ("model_bytes", "model_private_bytes", "model_device_bytes", "model_shared_bytes", "model_file_bytes")
+MODEL_FIELDS = ("model_bytes", "model_private_bytes", "model_device_bytes", "model_shared_bytes",
+                "model_file_bytes")
 
 
 def _total(values) -> int | None:
@@ -35,12 +37,14 @@ def replica_memory(info: dict) -> dict:
     refs: dict = {}
     for p in procs:
         for name, h in (p.get("references") or {}).items():
-            r = refs.setdefault(name, {"bytes": h["bytes"], "private_bytes": 0, "shared_bytes": 0, "zero_copy": True})
+            r = refs.setdefault(name, {"bytes": h["bytes"], "private_bytes": 0, "shared_bytes": 0,
+                                       "zero_copy": True})
             r["private_bytes"] += h["private_bytes"]
             r["shared_bytes"] += h["shared_bytes"]
             r["zero_copy"] = r["zero_copy"] and h["zero_copy"]
     mem = [p.get("memory") or {} for p in procs]
-    return {"name": info["name"], "pid": info.get("pid"), "node_id": info.get("node_id"), "processes": len(procs),
+    return {"name": info["name"], "pid": info.get("pid"), "node_id": info.get("node_id"),
+            "processes": len(procs),
             **{k: _total(m.get(src) for m in mem) for k, src in MEMORY_FIELDS},
             **{k: _total(p.get(k) for p in procs) for k in MODEL_FIELDS},
             "reference_zero_copy": all(r["zero_copy"] for r in refs.values()) if refs else None,
@@ -85,10 +89,12 @@ def memory_section(references: dict, ready: list, final: list) -> dict:
     copies = [n["model_copies"] for n in nodes.values()]
     ref_copies = [c for n in nodes.values() for c in n["reference_copies"].values()]
     return {
-        "model_bytes_per_replica": _total(p.get("model_bytes") for p in _processes(ready[0])) if ready else None,
+        "model_bytes_per_replica": (_total(p.get("model_bytes") for p in _processes(ready[0]))
+                                    if ready else None),
         "model_copies": _total(copies) if copies else 0,
         "replicas": reps,
-        "replicas_not_measured": [{"name": i["name"], "error": i["missing"]} for i in final if "missing" in i],
+        "replicas_not_measured": [{"name": i["name"], "error": i["missing"]}
+                                  for i in final if "missing" in i],
         "nodes": nodes,
         "nodes_with_replicas": len(nodes),
         "reference_indexes": _reference_meta(references),
@@ -101,7 +107,8 @@ def _reference_meta(references: dict) -> dict:
     out = {}
     for name, arrays in references.items():
         meta = json.loads(bytes(arrays["__meta__"]).decode())
-        out[name] = {k: meta.get(k) for k in ("source", "documents", "tokens", "bytes", "build_s", "prebuilt")}
+        out[name] = {k: meta.get(k) for k in ("source", "documents", "tokens", "bytes", "build_s",
+                                              "prebuilt")}
     return out
 
 
@@ -112,20 +119,23 @@ def output_counts(store, data, num_samples: int = 1) -> dict:
     import pyarrow.compute as pc
 
     out = store.read_existing()
-    c = {"in_output": 0, "covered": 0, "duplicates": 0, "failed": 0, "tokens": 0, "steps": 0, "per_corpus": {}}
+    c = {"in_output": 0, "covered": 0, "duplicates": 0, "failed": 0, "tokens": 0, "steps": 0,
+         "per_corpus": {}}
     if out is None:
         return c
     keys = out.group_by(["id", "sample"]).aggregate([])
     ours = pc.and_(pc.is_in(keys.column("id"), value_set=data.ids),
                    pc.less(keys.column("sample"), num_samples))
     ok = out.filter(pc.is_null(out.column("error")))
-    c.update(in_output=out.num_rows, covered=int(pc.sum(ours).as_py() or 0), duplicates=out.num_rows - keys.num_rows,
+    c.update(in_output=out.num_rows, covered=int(pc.sum(ours).as_py() or 0),
+             duplicates=out.num_rows - keys.num_rows,
              failed=out.num_rows - ok.num_rows, tokens=int(pc.sum(ok.column("n_new_tokens")).as_py() or 0),
              steps=int(pc.sum(ok.column("steps")).as_py() or 0))
     corpus = pc.fill_null(ok.column("corpus"), "(none)")
     per = ok.append_column("c", corpus).group_by("c").aggregate(
         [("c", "count"), ("n_new_tokens", "sum"), ("steps", "sum")])
-    for name, n, t, st in zip(*(per.column(k).to_pylist() for k in ("c", "c_count", "n_new_tokens_sum", "steps_sum"))):
+    columns = ("c", "c_count", "n_new_tokens_sum", "steps_sum")
+    for name, n, t, st in zip(*(per.column(k).to_pylist() for k in columns)):
         c["per_corpus"][name] = {"rows": n, "tokens": t or 0, "steps": st or 0}
     return c
 
@@ -146,7 +156,8 @@ def _replicas(cfg, stats) -> dict:
 
 
 def _engine(cfg, record: RunRecord) -> dict:
-    """How full the replicas' engines ran: decoding forwards, rows per forward, and that over the batch size."""
+    """How full the replicas' engines ran: decoding forwards, rows per forward, and that over the batch
+    size."""
     mean = record.active_sum / record.batch_steps if record.batch_steps else None
     size = cfg.gen.max_batch_size
     return {"stream": cfg.stream and cfg.tp == 1, "batch_steps": record.batch_steps, "mean_active": mean,
@@ -165,7 +176,8 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
             "total": total_ids, "input_rows": len(data), "num_samples": cfg.num_samples,
             "done_now": progress.done, "failed_now": progress.failed,
             "skipped_already_done": progress.skipped, "in_output": out["in_output"],
-            "failed_in_output": out["failed"], "not_in_input": out["in_output"] - out["covered"] - out["duplicates"],
+            "failed_in_output": out["failed"],
+            "not_in_input": out["in_output"] - out["covered"] - out["duplicates"],
             "duplicates_in_output": out["duplicates"], "missing": total_ids - out["covered"],
         },
         "tokens": {"new_now": progress.tokens, "per_s": progress.tokens / gen_s if gen_s else None,

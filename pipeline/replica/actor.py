@@ -75,7 +75,8 @@ class EngineWorker:
 
 class StreamingEngineWorker(EngineWorker):
     """The actor with its tasks run concurrently (a threaded actor) through one engine session, so
-    rows of the next task take the slots the current one frees (:class:`pipeline.replica.streaming.StreamingRows`)."""
+    rows of the next task take the slots the current one frees
+    (:class:`pipeline.replica.streaming.StreamingRows`)."""
 
     concurrent = True  # tasks in flight run together: a death is every one's (pipeline.replica.scheduler)
 
@@ -116,7 +117,8 @@ class ActorReplica:
             runtime_env=actor_runtime_env(),
         )
         self.actor = cls.remote(spec, resources.threads, resources.num_gpus > 0,
-                                {k: (v,) for k, v in reference_refs.items()}, **({"setup": setup} if setup else {}))
+                                {k: (v,) for k, v in reference_refs.items()},
+                                **({"setup": setup} if setup else {}))
         self._ready = self.actor.info.remote()
 
     def ready(self) -> ray.ObjectRef:

@@ -28,7 +28,8 @@ class SharedHistory:
         self.stats = {"answers_in": 0, "answers_out": 0, "tokens_out": 0}
 
     def collect(self, name: str, answers: list[list[int]] | None) -> None:
-        """Keep the answers replica ``name`` just produced (oldest first); drop the oldest beyond the budget."""
+        """Keep the answers replica ``name`` just produced (oldest first); drop the oldest beyond the
+        budget."""
         for answer in answers or ():
             answer = list(answer)[-self.max_tokens:]
             self._answers.append((self._next, name, answer))

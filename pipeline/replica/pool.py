@@ -113,7 +113,8 @@ def stop_on_signals(sched):
             signal.signal(s, h)
 
 
-def drive_replicas(factory: Callable, actors: int, batches, sink, record: RunRecord, on_event: Callable | None,
+def drive_replicas(factory: Callable, actors: int, batches, sink, record: RunRecord,
+                   on_event: Callable | None,
                    **scheduler_options) -> None:
     """Run a :class:`~pipeline.replica.scheduler.Scheduler` over ``batches`` with ``actors`` replicas from
     ``factory``, results and failures going to ``sink`` (``result``, ``failed``, ``tick``); stops
@@ -165,6 +166,8 @@ def final_infos(slots: dict, timeout_s: float = FINAL_INFO_TIMEOUT_S) -> list[di
             out.append({**ray.get(ref, timeout=0), "name": name})
         except Exception as e:  # noqa: BLE001 - dead (RayActorError), or no answer in time (GetTimeoutError)
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            log.warning("%s: no memory report at the end (%s); the summary lists it as not measured", name, why)
-            out.append({"name": name, "pid": slot.info.get("pid"), "node_id": slot.info.get("node_id"), "missing": why})
+            log.warning("%s: no memory report at the end (%s); the summary lists it as not measured", name,
+                        why)
+            out.append({"name": name, "pid": slot.info.get("pid"), "node_id": slot.info.get("node_id"),
+                        "missing": why})
     return out

@@ -1,7 +1,8 @@
 """What a replica is to the rest of the job, and what it can say about its own memory.
 
 :class:`Replica` is the interface the scheduler and the job use (one actor,
-:class:`pipeline.replica.actor.ActorReplica`, or a tensor-parallel group, :class:`pipeline.replica.tp.TPReplica`);
+:class:`pipeline.replica.actor.ActorReplica`, or a tensor-parallel group,
+:class:`pipeline.replica.tp.TPReplica`);
 :class:`ReplicaResources` is what each of its actors asks Ray for. The memory readers run inside a
 replica's process (Linux ``/proc/self``): :func:`process_memory` splits its resident memory into private
 and shared pages, :func:`where_bytes_live` says which kind of mapping holds given arrays (a private
@@ -33,7 +34,8 @@ class Replica(Protocol):
     concurrent: bool  # its tasks in flight run together (a death may be any one's), not one after another
 
     def ready(self) -> ray.ObjectRef:  # noqa: F821
-        """Resolves to an info dict (pids, load times, memory) once the replica can take rows; fails if it dies."""
+        """Resolves to an info dict (pids, load times, memory) once the replica can take rows; fails if it
+        dies."""
 
     def submit(self, rows: list, history: list[list[int]] | None = None) -> ray.ObjectRef:  # noqa: F821
         """Resolves to ``(output rows, batch stats)``; raises ``RayActorError`` if the replica dies.

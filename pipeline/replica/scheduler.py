@@ -13,7 +13,8 @@ Which batches were running: in a replica whose tasks run one after another, the 
 in a ``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.replica.streaming`), every
 batch in flight, since any of them may hold the row that killed it. There, a batch that has seen a
 death and the single rows split off a batch run alone (nothing else in flight on that replica), so
-a later death is theirs only: an innocent row is never made an error row, a crashing one still is. So every row ends up in the output exactly once,
+a later death is theirs only: an innocent row is never made an error row, a crashing one still is. So every
+row ends up in the output exactly once,
 either generated or with the reason it failed; results of a dead replica are never used.
 """
 from __future__ import annotations
@@ -105,7 +106,8 @@ class Scheduler:
         self._start_failures = 0
         self._last_error = ""
         self._last_stuck_log = 0.0
-        self.stop_requested: str | None = None  # set (e.g. by a signal handler) to stop after the current wait
+        # set (e.g. by a signal handler) to stop after the current wait
+        self.stop_requested: str | None = None
 
     # ------------------------------------------------------------------ replicas
     def _start(self) -> None:
@@ -122,7 +124,8 @@ class Scheduler:
         slot = self.slots.pop(name)
         slot.replica.kill()
         self.stats.deaths += 1
-        self._last_error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        self._last_error = f"{type(err).__name__}: {first_line}"
         for ref in [r for r, n in self.ready_refs.items() if n == name]:
             del self.ready_refs[ref]
         requeue = []
@@ -188,7 +191,8 @@ class Scheduler:
                         self.queue[0].alone or any(b.alone for _, b in slot.inflight)):
                     break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
-                ref = slot.replica.submit(batch.rows, self.history.for_replica(name) if self.history else None)
+                ref = slot.replica.submit(batch.rows,
+                                          self.history.for_replica(name) if self.history else None)
                 slot.inflight.append((ref, batch))
                 self.task_refs[ref] = name
                 if self.stats.first_dispatch is None:
@@ -220,13 +224,15 @@ class Scheduler:
         return self.stats
 
     def _warn_if_stuck(self, t0: float) -> None:
-        """No replica up for a while: usually the cluster lacks the resources asked for (or a slow first load)."""
+        """No replica up for a while: usually the cluster lacks the resources asked for (or a slow first
+        load)."""
         now = time.perf_counter()
         if any(s.ready for s in self.slots.values()) or now - t0 < 60 or now - self._last_stuck_log < 60:
             return
         self._last_stuck_log = now
         log.warning("no replica ready after %.0f s; waiting (cluster resources available now: %s)",
-                    now - t0, {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")})
+                    now - t0, {k: v for k, v in ray.available_resources().items()
+                               if k in ("CPU", "GPU", "memory")})
 
     def _on_ready(self, ref, t0: float) -> None:
         name = self.ready_refs.pop(ref)

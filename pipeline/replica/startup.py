@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from logitspec import allocator
+from logitspec.request import Request
 
 from ..job.config import GenerationSpec
 from .resources import array_spans, peak_rss, tensor_spans, where_bytes_live
@@ -63,7 +64,7 @@ def attach_references(reference_refs: dict) -> tuple[dict, dict]:
 def warm_up(engine, tokenizer) -> None:
     """A 2-token generation: the first forwards allocate; keep that out of the measured generation time."""
     ids = engine.encode("Hello, world.") if tokenizer is not None else [1, 2, 3]
-    engine.generate([ids], max_new_tokens=2)
+    engine.generate([ids], Request(max_new_tokens=2))
 
 
 def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine: Callable, load: Callable):
@@ -71,7 +72,8 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
 
     ``load(dtype) -> (model, tokenizer)`` loads the model (or this rank's shard) on ``device``;
     ``make_engine(model, tokenizer, spec_config, history) -> engine`` (``history``: the replica's
-    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype, threads, the
+    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype,
+    threads, the
     time of each step, the model's and the indexes' bytes and where they live, the peak RSS."""
     import torch
 

@@ -144,16 +144,14 @@ class StreamingRows:
             if task is None:
                 return
             if self.session is None:
-                s = self.gen.spec
-                self.session = self.engine.open(s.max_new_tokens, s.temperature, s.top_p, s.top_k,
-                                                stop=list(s.stop) or None)
+                self.session = self.engine.open(self.gen.spec.request)
             if self.session.free_slots <= 0:
                 return
             i = task.submitted
             q = task.reqs[i]
             task.submitted += 1
             try:
-                rid = self.session.submit(q.ids, n=len(q.samples), seed=q.seed, reference=q.ref)
+                rid = self.session.submit(q.ids, q.request, reference=q.ref)
             except ValueError as e:  # refused before any forward: this prompt's samples fail
                 for j in range(len(q.samples)):
                     self._put(task, i, j, f"ValueError: {e}")

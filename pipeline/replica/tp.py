@@ -4,7 +4,8 @@ A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement gr
 ``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and
 running the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`).
 The driver sends every batch to every rank; only rank 0's answer is returned. It offers the calls of
-:class:`pipeline.replica.resources.Replica`, as :class:`pipeline.replica.actor.ActorReplica` does, so the scheduler,
+:class:`pipeline.replica.resources.Replica`, as :class:`pipeline.replica.actor.ActorReplica` does, so the
+scheduler,
 the writer and the fault handling (requeue, replace, exactly-once) are unchanged. Each rank sets itself
 up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
 
@@ -97,7 +98,8 @@ class TPRank:
             spec, device, reference_refs, make_engine=lambda *a: _FailStop(make_engine(*a), rank),
             load=lambda dtype: load_tp_model(spec.model, world, dtype=dtype, device=device,
                                                    trust_remote_code=spec.trust_remote_code)[:2])
-        info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"], "import_s": t_import - t0,
+        info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"],
+                "import_s": t_import - t0,
                 "group_init_s": t_group - t_import, **setup, "init_s": time.perf_counter() - t0,
                 "memory": process_memory()}
         self._info = {k: v for k, v in info.items() if k != "memory"}
@@ -113,7 +115,8 @@ class TPRank:
 
         out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
-        stats["digests"] = check_agreement(decisions_digest(r.as_dict() for r in out))  # raises on every rank alike
+        # raises on every rank alike
+        stats["digests"] = check_agreement(decisions_digest(r.as_dict() for r in out))
         return (out, stats) if self.rank == 0 else (None, stats)
 
     def info(self) -> dict:
@@ -183,7 +186,8 @@ class TPReplica:
         bundle = {"CPU": resources.num_cpus}
         if resources.num_gpus:
             bundle["GPU"] = resources.num_gpus
-        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK", name=f"{name}-tp")
+        self.pg = placement_group([dict(bundle) for _ in range(tp)], strategy="STRICT_PACK",
+                                  name=f"{name}-tp")
         self.ranks = [
             ray.remote(TPRank).options(
                 num_cpus=resources.num_cpus, num_gpus=resources.num_gpus,
@@ -235,7 +239,8 @@ def check_fits(replicas: int, tp: int, cpus_per_rank: float, gpus_per_rank: floa
         need = f"{tp * cpus_per_rank:g} CPU" + (f" + {tp * gpus_per_rank:g} GPU" if gpus_per_rank else "")
         raise ConfigError(
             f"--actors {replicas} x --tp {tp} does not fit this cluster: each replica is {tp} actors on ONE "
-            f"node ({need} there: {cpus_per_rank:g} CPU" + (f" + {gpus_per_rank:g} GPU" if gpus_per_rank else "")
+            f"node ({need} there: {cpus_per_rank:g} CPU"
+            + (f" + {gpus_per_rank:g} GPU" if gpus_per_rank else "")
             + f" per rank), and the nodes ({'; '.join(shapes) or 'none'}) hold {fits} such replica(s). "
             "Lower --actors or --tp, give each rank less (--cpus-per-actor), or add nodes.")
     return fits

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from logitspec.request import Request
 from logitspec.session import sample_seed
 
 from ..job.config import GenerationSpec
@@ -41,7 +42,8 @@ def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None 
                      model=spec.model, error=error, corpus=corpus)
 
 
-def error_rows(row: InputRow, error: str, spec: GenerationSpec, n_prompt_tokens: int | None = None) -> list[OutputRow]:
+def error_rows(row: InputRow, error: str, spec: GenerationSpec,
+               n_prompt_tokens: int | None = None) -> list[OutputRow]:
     """One error row per sample of ``row``."""
     return [error_row(row.id, error, spec, row.corpus, n_prompt_tokens, s) for s in row.samples]
 
@@ -60,11 +62,12 @@ def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
 @dataclass
 class Prompt:
     """One engine prompt of a task: samples ``samples`` of the task's row ``pos`` (``ids``: its prompt
-    tokens, ``seed``: the seed of its first sample, ``ref``: its reference source or None)."""
+    tokens, ``request``: its settings, seeded for its first sample and ``n`` its samples, ``ref``: its
+    reference source or None)."""
 
     pos: int
     ids: list[int]
-    seed: int
+    request: Request
     ref: Any
     samples: list[int]
 
@@ -77,7 +80,8 @@ class RowGenerator:
         self.spec = spec
         self.references = references or {}
 
-    def __call__(self, rows: list[InputRow], history: list[list[int]] | None = None) -> tuple[list[OutputRow], dict]:
+    def __call__(self, rows: list[InputRow],
+                 history: list[list[int]] | None = None) -> tuple[list[OutputRow], dict]:
         """(output rows: per input row in input order, its samples in order; batch stats). ``history``:
         other replicas' answers to add to this engine's history first (:meth:`absorb`)."""
         t0 = time.perf_counter()
@@ -131,20 +135,20 @@ class RowGenerator:
                 out[i] = error_rows(r, str(e), spec)
                 continue
             ref = self.references.get(r.corpus) if r.corpus is not None else None
-            samples = list(r.samples)
+            samples, request = list(r.samples), r.request or spec.request
+            base = request.seed if request.seed is not None else spec.request.seed
             if samples == list(range(len(samples))):
-                reqs.append(Prompt(i, ids, row_seed(spec.seed, r.id, 0), ref, samples))
+                reqs.append(Prompt(i, ids, request.with_(seed=row_seed(base, r.id, 0), n=len(samples)), ref,
+                                   samples))
             else:
-                reqs += [Prompt(i, ids, row_seed(spec.seed, r.id, s), ref, [s]) for s in samples]
+                reqs += [Prompt(i, ids, request.with_(seed=row_seed(base, r.id, s), n=1), ref, [s])
+                         for s in samples]
         return out, reqs
 
     def run(self, reqs: list[Prompt]):
         """One ``Engine.run`` over ``reqs``: its results (request by request, samples in order) and stats."""
-        spec = self.spec
-        return self.engine.run(
-            [q.ids for q in reqs], max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
-            top_p=spec.top_p, top_k=spec.top_k, seed=[q.seed for q in reqs], stop=list(spec.stop) or None,
-            reference=[q.ref for q in reqs], n=[len(q.samples) for q in reqs])
+        return self.engine.run([q.ids for q in reqs], [q.request for q in reqs],
+                               reference=[q.ref for q in reqs])
 
     def run_alone(self, req: Prompt) -> list:
         """The results of one request run on its own; on an error, the error message per sample."""
@@ -159,7 +163,8 @@ class RowGenerator:
         it = iter(results)
         return [[next(it) for _ in q.samples] for q in reqs]
 
-    def assemble(self, rows: list[InputRow], out: list[list[OutputRow]], reqs: list[Prompt], results: list[list]) -> list[OutputRow]:
+    def assemble(self, rows: list[InputRow], out: list[list[OutputRow]], reqs: list[Prompt],
+                 results: list[list]) -> list[OutputRow]:
         """The output rows: ``out`` (from :meth:`prepare`) with each request's results (a
         ``GenerationResult``, or an error message, per sample) as rows, flattened in input order."""
         spec = self.spec

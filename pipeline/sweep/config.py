@@ -63,7 +63,8 @@ def parse_grid(items: list[str]) -> dict[str, list]:
         key, sep, values = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or key not in GRID_KEYS:
-            raise ConfigError(f"--grid {item!r}: expected KEY=V1,V2,... with KEY one of {', '.join(GRID_KEYS)}")
+            raise ConfigError(f"--grid {item!r}: expected KEY=V1,V2,... with KEY one of "
+                              f"{', '.join(GRID_KEYS)}")
         kind = GRID_KEYS[key][0]
         try:
             parsed = [kind(v.strip()) for v in values.split(",") if v.strip()]
@@ -154,12 +155,14 @@ class EvalConfig:
 
     def job_config(self, rows_dir: str) -> JobConfig:
         """The batch job's settings the sweep shares (Ray, resources, replacements), for the job's helpers."""
-        return JobConfig(input=self.data, output=rows_dir, actors=self.actors, cpus_per_actor=self.cpus_per_actor,
+        return JobConfig(input=self.data, output=rows_dir, actors=self.actors,
+                         cpus_per_actor=self.cpus_per_actor,
                          threads_per_actor=self.threads_per_actor, address=self.address,
                          log_interval=self.log_interval, max_replacements=self.max_replacements)
 
     def record(self) -> dict:
-        """Settings that decide a row's output (a resumed sweep must use the same; configurations may change)."""
+        """Settings that decide a row's output (a resumed sweep must use the same; configurations may
+        change)."""
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "max_length": self.max_length,
                 "max_batch_size": self.max_batch_size,
                 "chat": self.chat, "dtype": self.dtype, "temperature": 0.0}

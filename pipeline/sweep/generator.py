@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+from logitspec.request import Request
+
 from ..replica.resources import peak_rss
 from ..rows import SweepInputRow, SweepOutputRow
 from .config import SweepConfig
@@ -24,7 +26,8 @@ def row_id(key: str, config: str) -> str:
 def sweep_error_row(row: SweepInputRow, config: SweepConfig, error: str,
                     n_prompt_tokens: int | None = None) -> SweepOutputRow:
     e = row.example
-    return SweepOutputRow(id=row_id(e.key, config.name), key=e.key, dataset=e.dataset, example_id=e.example_id,
+    return SweepOutputRow(id=row_id(e.key, config.name), key=e.key, dataset=e.dataset,
+                          example_id=e.example_id,
                           config=config.name, method=config.method, n_prompt_tokens=n_prompt_tokens,
                           truncated=e.truncated, error=error)
 
@@ -34,10 +37,13 @@ def ok_row(row: SweepInputRow, config: SweepConfig, res, share_s: float, n_run: 
     """The output row of one example's :class:`~logitspec.engine.GenerationResult` under ``config``."""
     e, s = row.example, res.stats
     return SweepOutputRow(
-        id=row_id(e.key, config.name), key=e.key, dataset=e.dataset, example_id=e.example_id, config=config.name,
-        method=config.method, generation=res.text, token_ids=list(res.token_ids), finish_reason=res.finish_reason,
+        id=row_id(e.key, config.name), key=e.key, dataset=e.dataset, example_id=e.example_id,
+        config=config.name,
+        method=config.method, generation=res.text, token_ids=list(res.token_ids),
+        finish_reason=res.finish_reason,
         n_prompt_tokens=len(res.prompt_token_ids), n_new_tokens=len(res.token_ids), steps=s["steps"],
-        mean_accepted=s["mean_accepted"], prefill_s=s["prefill_s"], row_wall_s=s["wall_s"], run_share_s=share_s,
+        mean_accepted=s["mean_accepted"], prefill_s=s["prefill_s"], row_wall_s=s["wall_s"],
+        run_share_s=share_s,
         run_rows=n_run, peak_rss_bytes=peak, truncated=e.truncated, max_step_gap_s=s["max_step_gap_s"])
 
 
@@ -76,16 +82,18 @@ class SweepGenerator:
                 runs[name] = runs.get(name, 0.0) + time.perf_counter() - t
         return out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "config_s": runs}
 
-    def _run(self, config: SweepConfig, rows: list[SweepInputRow], ids: list[list[int]]) -> list[SweepOutputRow]:
+    def _run(self, config: SweepConfig, rows: list[SweepInputRow],
+             ids: list[list[int]]) -> list[SweepOutputRow]:
         """One ``Engine.run`` of ``rows`` under ``config`` (rows one by one if the batch raises)."""
         engine = self.engines[config.name]
         r0 = rows[0]
         try:
-            run = engine.run(ids, max_new_tokens=r0.example.max_new_tokens, stop=list(r0.example.stop) or None)
+            run = engine.run(ids, Request(max_new_tokens=r0.example.max_new_tokens, stop=r0.example.stop))
         except Exception as e:  # noqa: BLE001 - isolate the failing row(s)
             if len(rows) == 1:
                 return [sweep_error_row(r0, config, f"{type(e).__name__}: {e}", len(ids[0]))]
-            log.warning("%s: batch of %d rows failed (%s); retrying them one by one", config.name, len(rows), e)
+            log.warning("%s: batch of %d rows failed (%s); retrying them one by one", config.name, len(rows),
+                        e)
             return [o for r, i in zip(rows, ids) for o in self._run(config, [r], [i])]
         peak = peak_rss()
         share = run.stats["wall_s"] / len(rows)

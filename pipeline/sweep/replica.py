@@ -40,7 +40,8 @@ def set_up_sweep(cfg: EvalConfig, device: str, reference_refs: dict) -> tuple[Sw
 
     t0 = time.perf_counter()
     dtype = torch_dtype(cfg.dtype, device)
-    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device, trust_remote_code=cfg.trust_remote_code)
+    model, tokenizer = load_model(cfg.model, dtype=dtype, device=device,
+                                  trust_remote_code=cfg.trust_remote_code)
     t_load = time.perf_counter()
     engines = make_engines(model, tokenizer, cfg)
     if cfg.warmup:
@@ -52,7 +53,8 @@ def set_up_sweep(cfg: EvalConfig, device: str, reference_refs: dict) -> tuple[Sw
 
 
 def make_eval_replica_factory(cfg: EvalConfig, resources: ReplicaResources):
-    """``factory(name) -> Replica`` for the scheduler: the job's one-actor replica, set up by :func:`set_up_sweep`."""
+    """``factory(name) -> Replica`` for the scheduler: the job's one-actor replica, set up by
+    :func:`set_up_sweep`."""
 
     def factory(name: str) -> ActorReplica:
         return ActorReplica(name, cfg, resources, {}, setup=set_up_sweep)

@@ -32,7 +32,8 @@ def sweep_rows_on_disk(plan) -> list[dict]:
 
 
 def write_report(cfg: EvalConfig, plan, record: RunRecord) -> dict:
-    """Score the rows of this sweep's examples and configurations, write the report files, return the report."""
+    """Score the rows of this sweep's examples and configurations, write the report files, return the
+    report."""
     keys = {r.key for r in plan.rows}
     names = {c.name for c in cfg.configs}
     rows = [r for r in sweep_rows_on_disk(plan) if r["key"] in keys and r["config"] in names]

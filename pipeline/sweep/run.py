@@ -49,7 +49,8 @@ def _model_text(model_path: pathlib.Path, trust_remote_code: bool):
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,
                                               trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(str(model_path), local_files_only=True,
+                                        trust_remote_code=trust_remote_code)
     text = config.get_text_config(decoder=True)
     return tokenizer, int(getattr(text, "max_position_embeddings", 1 << 30))
 
@@ -68,7 +69,8 @@ def plan_sweep(cfg: EvalConfig) -> SweepPlan:
     tokenizer, max_context = _model_text(model_path, cfg.trust_remote_code)
     chat = cfg.chat == "auto" and bool(getattr(tokenizer, "chat_template", None))
     try:
-        rows = sweep_rows(data, tokenizer, max_context, max_new_cap=cfg.max_new_tokens, max_length=cfg.max_length,
+        rows = sweep_rows(data, tokenizer, max_context, max_new_cap=cfg.max_new_tokens,
+                          max_length=cfg.max_length,
                           chat_template=chat)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -101,7 +103,8 @@ class _Sink:
 
     def tick(self) -> None:
         if self.progress.t_gen is None and self.record.stats is not None:
-            self.progress.t_gen = self.record.stats.first_dispatch  # tokens/s counts from the first batch sent
+            # tokens/s counts from the first batch sent
+            self.progress.t_gen = self.record.stats.first_dispatch
         self.store.tick()
         self.progress.tick()
 
@@ -120,7 +123,8 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
     size, batches = cfg.rows_per_batch, []
     for name in plan.data:
         rows = [r for r in plan.todo if r.example.dataset == name]
-        batches += [Batch(len(batches) + k, rows[s:s + size]) for k, s in enumerate(range(0, len(rows), size))]
+        batches += [Batch(len(batches) + k, rows[s:s + size]) for k, s in enumerate(range(0, len(rows),
+                                                                                          size))]
     pairs = sum(len(r.configs) for r in plan.todo)
     progress = Progress(pairs + plan.done_pairs, plan.done_pairs, pairs, cfg.log_interval)
     sink = _Sink(cfg, plan, progress, record)
@@ -128,7 +132,8 @@ def generate(cfg: EvalConfig, plan: SweepPlan, record: RunRecord, on_event: Call
              cfg.actors, resources.num_cpus, resources.threads, len(batches), size, len(cfg.configs))
     t = time.perf_counter()
     try:
-        drive_replicas(factory, cfg.actors, batches, sink, record, on_event, max_replacements=job.replacements)
+        drive_replicas(factory, cfg.actors, batches, sink, record, on_event,
+                       max_replacements=job.replacements)
     finally:
         plan.timing["generation_s"] = time.perf_counter() - t
         progress.tick(force=True)
