@@ -16,7 +16,13 @@ forward-cost curves of two real model shapes with random weights. Writes JSON un
    commit, to show the host's share beside the forward.
 3. ``device_paths.json``: host waits for the device per step, by code location (CUDA's sync debug
    mode), and seeded sampling with every node drawn on the device.
-4. ``summary.json``: versions, device, what passed, timings. Exit 1 if a lossless case failed or a
+4. ``graph_lossless.json``, ``graph_timing.json`` (issue 40): the graph runner (``logitspec.gpu``: static KV slots, one CUDA graph per
+   (rows, nodes) bucket): lossless greedy through it on the tiny families (the whole engine, ``ar``
+   and ``logitspec``, float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex
+   attention on head-dim-32 copies), and on the Llama-3-8B shape the step's time at 1/8/32/64 rows
+   x 1..32 nodes per row with SDPA and flex attention, captures and allocations on repeated shapes.
+   On CPU: its CPU form (float32, SDPA, eager, tiny shape).
+5. ``summary.json``: versions, device, what passed, timings. Exit 1 if a lossless case failed or a
    part raised (its error is recorded; the other parts still run).
 """
 from __future__ import annotations
@@ -43,12 +49,16 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
+from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
 
 from logitspec import Engine, SpecConfig  # noqa: E402
 from logitspec.budget import CostCurve  # noqa: E402
 from logitspec.calibrate import measure_rows  # noqa: E402
+from logitspec.device import fastest  # noqa: E402
+from logitspec.head import OutputMode  # noqa: E402
+from logitspec.masks import StepRow  # noqa: E402
+from logitspec.request import Request  # noqa: E402
 from logitspec.target import TargetForward  # noqa: E402
-from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
 
 SHAPES = {  # the real models' shapes; weights are random (nothing on disk)
     "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -269,6 +279,128 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
     return doc
 
 
+# ------------------------------------------------------------------------------------------ graph runner
+# (rows, nodes per row) timed with flex attention on the 8B shape: each is a compile of its own there
+FLEX_POINTS = ((1, 1), (1, 16), (8, 16), (32, 1), (32, 8), (64, 1), (64, 4))
+
+
+def graph_engine_run(model, prompts, plan: Plan, method: str, **runner_kw) -> tuple[list[list[int]], dict]:
+    """The whole engine with the graph runner as its model runner: tokens per prompt, and the
+    runner's counters."""
+    from logitspec.gpu import GraphRunner
+
+    runner = GraphRunner(model, max_rows=plan.batch, max_len=256, **runner_kw)
+    engine = Engine(model, None, SpecConfig(method=method, max_batch_size=plan.batch, budget="fixed"), runner=runner)
+    session = engine.open()
+    for p in prompts:
+        session.submit(p, Request(max_new_tokens=plan.new_tokens))
+    done = sorted(session.drain(), key=lambda r: r.request_id)
+    return [r.token_ids for r in done], dict(runner.counters)
+
+
+def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
+    """Greedy through the graph runner: float32 against HF generate, bfloat16 against our bfloat16 ar
+    at batch 1 (eager). SDPA on the tiny models; flex attention (off CPU) on copies with head dim 32
+    (its kernel's smallest), float32, every step padded to one bucket of 32 nodes (one compile per
+    model). Cases not started by ``deadline`` are recorded as skipped."""
+    cpu = plan.device.startswith("cpu")
+    prompts = repetitive_prompts(plan.prompts, seed=1)
+    cases = []
+    for family in FAMILIES:
+        for dtype in (torch.float32,) if cpu else (torch.float32, torch.bfloat16):
+            for attention in ("sdpa",) if cpu or dtype != torch.float32 else ("sdpa", "flex"):
+                if time.time() > deadline:
+                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention,
+                                  "skipped": True, "equal": 0, "of": 0, "ok": True})
+                    continue
+                extra = {} if attention == "sdpa" else {"head_dim": 32}
+                ref_model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
+                ref = ([hf_generate(ref_model, p, plan.new_tokens) for p in prompts] if dtype == torch.float32
+                       else run_engine(ref_model, prompts, plan, "ar", 1)[0])
+                kw = {} if attention == "sdpa" else {"node_buckets": (32,), "row_buckets": (plan.batch,)}
+                for method in ("ar", "logitspec"):
+                    model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
+                    outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
+                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention,
+                                  "method": method, "batch": plan.batch, "counters": counters,
+                                  "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1",
+                                  **compare(ref_model, prompts, ref, outs)})
+                    del model
+                del ref_model
+    return cases
+
+
+def graph_timings(plan: Plan, deadline: float) -> dict:
+    """The graph runner's step on the Llama-3-8B shape (random bfloat16 weights; the tiny stand-in on
+    CPU): ms per step (the forward, the output layer over the real nodes and the wait for it) at
+    ``plan.rows`` x nodes per row (1..32), row r holding context + 16 r tokens; SDPA at every point,
+    flex attention at ``FLEX_POINTS``; then every point again: captures and allocations then."""
+    from logitspec.gpu import GraphRunner
+
+    t0 = time.time()
+    model, cfg = build_shape("llama3-8b", plan)
+    device = torch.device(plan.device)
+    nodes = [n for n in plan.nodes if n <= 32]
+    most = max(plan.rows)
+    lengths = [plan.context + 16 * r for r in range(most)]
+    max_len = -(-(lengths[-1] + max(nodes)) // 128) * 128
+    toks = [(7 * i + 3) % cfg.vocab_size for i in range(lengths[-1] + max(nodes))]
+    doc = {"shape": "llama3-8b" if not plan.tiny else "tiny", "dtype": "bfloat16", "context": plan.context,
+           "max_len": max_len, "build_s": round(time.time() - t0, 1), "attention": {}}
+    cuda = device.type == "cuda"
+    for attention in ("sdpa", "flex") if cuda else ("sdpa",):
+        points = [(b, n) for b in plan.rows for n in nodes] if attention == "sdpa" else list(FLEX_POINTS)
+        runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention, row_buckets=plan.rows,
+                             node_buckets=tuple(nodes))
+        kv = runner.new_batch()
+        runner.prefill_slot(toks[:lengths[-1]], chunk=2048)  # slot 0; the others copy it (their own lengths)
+        kv.K[:, 1:most] = kv.K[:, :1]
+        kv.V[:, 1:most] = kv.V[:, :1]
+        res, first_s, skipped = {}, {}, []
+
+        def step(b, n):
+            kv.lengths = lengths[:b]  # steps are never committed: each rewrites the same columns
+            rows = [StepRow.chain(lengths[r], toks[lengths[r]:lengths[r] + n]) for r in range(b)]
+            return lambda: runner.step(rows, kv, OutputMode.GREEDY).nodes.argmax.tolist()  # the step's one wait
+        for b, n in points:
+            if time.time() > deadline:
+                skipped.append([b, n])
+                continue
+            t1 = time.time()
+            fn = step(b, n)
+            fn()  # captures (and, for flex, compiles) this bucket
+            first_s[f"{b}x{n}"] = round(time.time() - t1, 2)
+            res[(b, n)] = fastest(fn, device, reps=max(3, plan.reps))
+        before = dict(runner.counters)
+        alloc0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
+        for b, n in res:  # every shape again: nothing may be captured or allocated for the graphs
+            step(b, n)()
+        after = dict(runner.counters)
+        alloc1 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
+        one = {b: res[(b, 1)] for b in plan.rows if (b, 1) in res}
+        doc["attention"][attention] = {
+            "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
+            "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
+            "first_call_s": first_s, "skipped": skipped, "counters": after,
+            "repeat": {"graphs": after["graphs"] - before["graphs"], "captures": after["captures"] - before["captures"],
+                       "allocations": after["allocations"] - before["allocations"],
+                       "cuda_allocations_per_step": round((alloc1 - alloc0) / max(1, len(res)), 1) if cuda else None},
+            "kv_gib": round(kv.bytes / 2 ** 30, 2)}
+        del runner, kv
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    for attention, got in doc["attention"].items():  # issue 40's keys (None: not measured)
+        ms, x = got["ms"], got["x_plain"]
+        doc["goals" if attention == "sdpa" else f"goals_{attention}"] = {
+            "ar_ms_b1": ms.get("1x1"), "ar_ms_b32": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
+            "tree16_x_b8": x.get("8x16"), "tree8_x_b32": x.get("32x8"), "tree4_x_b64": x.get("64x4")}
+    if cuda:
+        doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
+    doc["wall_s"] = round(time.time() - t0, 1)
+    return doc
+
+
 # ------------------------------------------------------------------------------------------ main
 def environment(plan: Plan) -> dict:
     import transformers
@@ -283,7 +415,7 @@ def environment(plan: Plan) -> dict:
 
 
 def part_names(plan: Plan) -> list[str]:
-    return ["lossless", "device_paths"] + [f"curve_{name}" for name in plan.shapes]
+    return ["lossless", "device_paths", "graph_lossless", "graph_timing"] + [f"curve_{name}" for name in plan.shapes]
 
 
 def run_part(name: str, plan: Plan, deadline: float) -> dict:
@@ -291,6 +423,11 @@ def run_part(name: str, plan: Plan, deadline: float) -> dict:
         return {"cases": [c for f in FAMILIES for c in lossless_family(f, plan)]}
     if name == "device_paths":
         return {"host_waits": host_waits(plan), "sampling": device_sampling(plan)}
+    if name == "graph_lossless":
+        cases = graph_lossless(plan, deadline)
+        return {"ok": all(c["ok"] for c in cases), "cases": cases}
+    if name == "graph_timing":
+        return graph_timings(plan, deadline)
     return curve_for(name.removeprefix("curve_"), plan, deadline)
 
 
@@ -344,7 +481,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     names = args.parts.split(",") if args.parts else part_names(plan)
-    if args.parts and len(names) == 1:  # a child of the run below: record the outcome for the parent
+    if args.start is not None and len(names) == 1:  # a child of the run below: record the outcome for the parent
         outcome = part(names[0], plan, start + args.budget_s, out)
         (out / f"{names[0]}.part.json").write_text(json.dumps(outcome))
         return 0 if outcome["error"] is None else 1
@@ -361,11 +498,21 @@ def main(argv=None) -> int:
 def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     """``summary.json`` from the parts' files; the exit status (0: every case lossless, no part failed)."""
     read = {n: json.loads((out / f"{n}.json").read_text()) if (out / f"{n}.json").exists() else None
-            for n in ("lossless", "device_paths")}
+            for n in ("lossless", "device_paths", "graph_lossless", "graph_timing")}
     lossless, paths = read["lossless"], read["device_paths"]
+    graph = {}  # issue 40's figures, and whether graph mode was lossless
+    if read["graph_lossless"] is not None:
+        cases = read["graph_lossless"]["cases"]
+        graph.update(lossless_ok=read["graph_lossless"]["ok"], lossless_equal=sum(c["equal"] for c in cases),
+                     lossless_total=sum(c["of"] for c in cases), lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
+    if read["graph_timing"] is not None:
+        graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
+    if graph:
+        summary["graph"] = graph
     cases = lossless["cases"] if lossless else []
-    summary["lossless_ok"] = bool(cases) and all(c["ok"] for c in cases)
-    summary["sampling_ok"] = bool(paths) and paths["sampling"]["ok"]
+    ran = summary["parts"]  # a part not asked for (--parts) is neither passed nor failed: None
+    summary["lossless_ok"] = (bool(cases) and all(c["ok"] for c in cases)) if "lossless" in ran else None
+    summary["sampling_ok"] = (bool(paths) and paths["sampling"]["ok"]) if "device_paths" in ran else None
     summary["host_waits_per_step"] = paths["host_waits"].get("waits_per_step") if paths else None
     summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
                                for c in cases if not c["ok"]]
@@ -374,7 +521,9 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     summary["part_errors"] = [k for k, v in summary["parts"].items() if v["error"]]
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
-    return 0 if summary["lossless_ok"] and summary["sampling_ok"] and not summary["part_errors"] else 1
+    graph_ok = summary.get("graph", {}).get("lossless_ok", "graph_lossless" not in ran)
+    passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))
+    return 0 if passed and not summary["part_errors"] else 1
 
 
 if __name__ == "__main__":
