@@ -7,8 +7,7 @@
 
 Every field of an output row is annotated with its Arrow type (``Annotated[python type, arrow type]``;
 the id's type is the input's, given when the schema is made), so the dataclass is the schema:
-:meth:`OutputRow.schema`,
-:meth:`SweepOutputRow.schema`, and :func:`to_table` turns rows into a table of a schema.
+:meth:`OutputRow.schema`, :meth:`SweepOutputRow.schema`, and :func:`to_table` turns rows into a table.
 """
 from __future__ import annotations
 

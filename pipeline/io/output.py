@@ -7,13 +7,12 @@ Layout of ``--output``::
     _summary.json         written at the end of a run; removed when a new run starts
     _job.lock             held (flock) by the running job; names its pid and host
 
-Parquet readers (pandas, pyarrow.dataset, Ray Data, DuckDB ``'out/*.parquet'``) skip names starting
-with ``_`` or ``.``, so ``pd.read_parquet(out)`` reads the rows. Every file is written to a hidden
-temporary sibling and renamed into place (after fsync): a visible part file is always complete. The
-driver is the only writer and never writes an id twice, so the output holds each input row exactly
-once per (id, sample); rows it has not flushed yet are regenerated after a crash. A directory of the earlier
-layout
-(``generations/part-*.parquet``, ``job.json``) is moved to this one when a job resumes it.
+Parquet readers (pandas, pyarrow.dataset, Ray Data, DuckDB ``'out/*.parquet'``) skip names starting with ``_``
+or ``.``, so ``pd.read_parquet(out)`` reads the rows. Every file is written to a hidden temporary sibling and
+renamed into place (after fsync): a visible part file is always complete. The driver is the only writer and
+never writes an id twice, so the output holds each input row exactly once per (id, sample); rows it has not
+flushed yet are regenerated after a crash. A directory of the earlier layout (``generations/part-*.parquet``,
+``job.json``) is moved to this one when a job resumes it.
 """
 from __future__ import annotations
 

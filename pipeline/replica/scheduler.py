@@ -9,13 +9,12 @@ and a new replica is started in its place (up to ``max_replacements`` times). A 
 running when its replica died twice is split into single rows; a single row that kills its replica
 ``max_row_attempts`` times becomes an error row.
 
-Which batches were running: in a replica whose tasks run one after another, the oldest in flight;
-in a ``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.replica.streaming`), every
-batch in flight, since any of them may hold the row that killed it. There, a batch that has seen a
-death and the single rows split off a batch run alone (nothing else in flight on that replica), so
-a later death is theirs only: an innocent row is never made an error row, a crashing one still is. So every
-row ends up in the output exactly once,
-either generated or with the reason it failed; results of a dead replica are never used.
+Which batches were running: in a replica whose tasks run one after another, the oldest in flight; in a
+``concurrent`` replica (its tasks share one engine session, :mod:`pipeline.replica.streaming`), every batch in
+flight, since any of them may hold the row that killed it. There, a batch that has seen a death and the single
+rows split off a batch run alone (nothing else in flight on that replica), so a later death is theirs only: an
+innocent row is never made an error row, a crashing one still is. So every row ends up in the output exactly
+once, either generated or with the reason it failed; results of a dead replica are never used.
 """
 from __future__ import annotations
 

@@ -72,9 +72,8 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
 
     ``load(dtype) -> (model, tokenizer)`` loads the model (or this rank's shard) on ``device``;
     ``make_engine(model, tokenizer, spec_config, history) -> engine`` (``history``: the replica's
-    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype,
-    threads, the
-    time of each step, the model's and the indexes' bytes and where they live, the peak RSS."""
+    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype, threads,
+    the time of each step, the model's and the indexes' bytes and where they live, the peak RSS."""
     import torch
 
     from .worker import RowGenerator

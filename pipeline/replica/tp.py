@@ -1,13 +1,12 @@
 """Tensor-parallel replicas (``--tp N``): one model sharded over N Ray actors that decode in lockstep.
 
 A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement group (one node), one
-``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and
-running the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`).
-The driver sends every batch to every rank; only rank 0's answer is returned. It offers the calls of
+``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and running
+the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.distributed`). The driver sends
+every batch to every rank; only rank 0's answer is returned. It offers the calls of
 :class:`pipeline.replica.resources.Replica`, as :class:`pipeline.replica.actor.ActorReplica` does, so the
-scheduler,
-the writer and the fault handling (requeue, replace, exactly-once) are unchanged. Each rank sets itself
-up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
+scheduler, the writer and the fault handling (requeue, replace, exactly-once) are unchanged. Each rank sets
+itself up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
 
 Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
 :class:`~logitspec.distributed.PeerWatchdog`; otherwise they would spin forever in the shm all-reduce),
