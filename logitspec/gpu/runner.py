@@ -121,13 +121,8 @@ class GraphRunner:
             raise ValueError(f"{len(rows)} step rows for {kv.rows} cache rows")
         t0 = time.perf_counter()
         sizes = [len(r.tokens) for r in rows]
-        R, T = bucket(len(rows), self.row_buckets), bucket(max(sizes), self.node_buckets)
-        need = max(kv.lengths) + T
-        if need > kv.max_len:
-            raise ValueError(f"a row needs {need} columns (nodes padded to {T}); slots hold {kv.max_len}")
-        key_len = kv.max_len if self.attention == "flex" else min(-(-need // self.key_block) * self.key_block, kv.max_len)
-        buf = self._buffers_for(R, T)
-        buf.fill(rows, kv.lengths)
+        buf, key_len = self._fill(rows, kv)
+        T = buf.T
         first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(sizes)]
         counts = sizes if all_logits else [1] * len(rows)
         select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, counts)])  # [N] into the [R, T] batch
@@ -143,6 +138,23 @@ class GraphRunner:
                             sizes, {})
         spans = [(int(a), int(a) + n) for a, n in zip(starts, counts)]
         return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
+
+    def prepare(self, rows: list[StepRow], kv: SlotKV):
+        """Fill the bucket's buffers for ``rows`` and return the step's device work as a function
+        of no arguments (what a capture records) and its output, the hidden states [R * T, hidden]
+        (rows padded to R, nodes to T; row b's node i at b * T + i). For compilers and tests."""
+        buf, key_len = self._fill(rows, kv)
+        return (lambda: self._forward(buf, key_len)), buf.hidden
+
+    def _fill(self, rows: list[StepRow], kv: SlotKV) -> tuple[StepBuffers, int]:
+        R, T = bucket(len(rows), self.row_buckets), bucket(max(len(r.tokens) for r in rows), self.node_buckets)
+        need = max(kv.lengths) + T
+        if need > kv.max_len:
+            raise ValueError(f"a row needs {need} columns (nodes padded to {T}); slots hold {kv.max_len}")
+        key_len = kv.max_len if self.attention == "flex" else min(-(-need // self.key_block) * self.key_block, kv.max_len)
+        buf = self._buffers_for(R, T)
+        buf.fill(rows, kv.lengths)
+        return buf, key_len
 
     # ------------------------------------------------------------------ prefill into a slot
     def prefill_slot(self, tokens, chunk: int = 512, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
