@@ -19,7 +19,8 @@ def test_preload_env_adds_the_library_once_and_can_be_switched_off(tmp_path):
     found = (str(tmp_path / "absent.so"), str(lib))
     assert allocator.library(found) == str(lib) and allocator.library(found[:1]) is None
     assert allocator.preload_env({}, found) == {"LD_PRELOAD": str(lib)}
-    assert allocator.preload_env({"LD_PRELOAD": "/x/libiomp5.so"}, found) == {"LD_PRELOAD": f"/x/libiomp5.so:{lib}"}
+    merged = {"LD_PRELOAD": f"/x/libiomp5.so:{lib}"}
+    assert allocator.preload_env({"LD_PRELOAD": "/x/libiomp5.so"}, found) == merged
     assert allocator.preload_env({"LD_PRELOAD": str(lib)}, found) == {}  # there already
     assert allocator.preload_env({"LOGITSPEC_TCMALLOC": "0"}, found) == {}
     assert allocator.preload_env({}, found[:1]) == {}  # none on this machine
@@ -29,7 +30,8 @@ def test_a_command_reexecutes_itself_on_tcmalloc_once():
     """The real re-exec in a child python (``-c`` kept by ``sys.orig_argv``): tcmalloc mapped in where
     the machine has it, and the marker that stops a second re-exec; nothing with it switched off."""
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", allocator.ENV)}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                         check=True).stdout
     assert out.split() == (["True", "1"] if allocator.library() else ["False", "None"])
     off = subprocess.run([sys.executable, "-c", PROBE], env={**env, allocator.ENV: "0"}, capture_output=True,
                          text=True, check=True).stdout

@@ -47,7 +47,8 @@ def test_no_import_cycles_and_no_private_imports():
     assert not private, private
 
     def reaches(start, goal, seen):
-        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen)) for n in graph[start])
+        return any(n == goal or (n not in seen and not seen.add(n) and reaches(n, goal, seen))
+                   for n in graph[start])
 
     cycles = [m for m in graph if reaches(m, m, set())]
     assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
@@ -78,7 +79,8 @@ def _top_level_names(path: pathlib.Path) -> set[str]:
             names |= {n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
             names |= {(a.asname or a.name).split(".")[0] for n in ast.walk(node)
                       if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
-            names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            names |= {n.id for n in ast.walk(node)
+                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     return names
 
 
@@ -109,7 +111,8 @@ def test_scripts_use_only_public_project_names():
             elif isinstance(node, ast.Import):
                 problems += [f"{where}: imports {a.name}, which does not exist" for a in node.names
                              if a.name.split(".")[0] in ("logitspec", "pipeline") and a.name not in mods]
-            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in THIRD_PARTY_PRIVATE:
-                if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                if not own and node.attr not in THIRD_PARTY_PRIVATE:
                     problems.append(f"{where}:{node.lineno}: reads .{node.attr} of another object")
     assert not problems, problems

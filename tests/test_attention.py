@@ -3,13 +3,13 @@ import types
 
 import pytest
 import torch
+from tiny_models import repetitive_prompts, tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from logitspec.attention import NAME, PREFILL_BLOCK, attention
-from logitspec.kernels import gemm_attention, onednn
-from logitspec.engine import Engine
 from logitspec.config import SpecConfig
-from tiny_models import repetitive_prompts, tiny_model
+from logitspec.engine import Engine
+from logitspec.kernels import gemm_attention, onednn
 
 
 def _qkv(B, H, KV, T, S, D=8, seed=0):
@@ -44,11 +44,13 @@ def test_segments_attend_each_prompt_alone(prefill):
     block = torch.full((n, n), torch.finfo(torch.float32).min)
     for a, z in segments:
         block[a:z, a:z] = causal[:z - a, :z - a]
-    ours, _ = attention(module, q, k, v, block[None, None], segments=segments, prefill=prefill)  # [1, n, H, D]
-    whole, _ = attention(module, q, k, v, block[None, None], prefill=prefill)  # the packed square under its mask
+    ours, _ = attention(module, q, k, v, block[None, None], segments=segments,
+                        prefill=prefill)  # [1, n, H, D]
+    # the packed square under its mask
+    whole, _ = attention(module, q, k, v, block[None, None], prefill=prefill)
     for a, z in segments:
-        alone, _ = attention(module, q[:, :, a:z], k[:, :, a:z], v[:, :, a:z], causal[None, None, :z - a, :z - a],
-                             prefill=prefill)
+        alone, _ = attention(module, q[:, :, a:z], k[:, :, a:z], v[:, :, a:z],
+                             causal[None, None, :z - a, :z - a], prefill=prefill)
         assert torch.equal(ours[:, a:z], alone)
     torch.testing.assert_close(ours, whole, rtol=1e-6, atol=1e-6)
 
@@ -96,7 +98,8 @@ needs_onednn = pytest.mark.skipif(not onednn.available(), reason="torch without 
 
 
 @needs_onednn
-@pytest.mark.parametrize("B,H,KV,T,S,mask_rows", [(1, 4, 1, 23, 23, 1), (2, 8, 2, 16, 300, 2), (3, 6, 3, 5, 40, 1)])
+@pytest.mark.parametrize("B,H,KV,T,S,mask_rows",
+                         [(1, 4, 1, 23, 23, 1), (2, 8, 2, 16, 300, 2), (3, 6, 3, 5, 40, 1)])
 def test_gemm_attention_equals_sdpa(B, H, KV, T, S, mask_rows):
     module, q, k, v, mask = _qkv(B, H, KV, T, S)
     mask = mask[:mask_rows]
@@ -114,5 +117,6 @@ def test_float32_prefill_attention_runs_the_gemm_kernel():
     assert gemm_attention.applies(q, k, mask)
     assert not gemm_attention.applies(q.bfloat16(), k.bfloat16(), mask.bfloat16())
     assert not gemm_attention.applies(q, k, None)
-    assert not gemm_attention.applies(q[:, :1], k.expand(1, 2, -1, -1), mask)  # a shard: 1 query head, 2 key heads
+    # a shard: 1 query head, 2 key heads
+    assert not gemm_attention.applies(q[:, :1], k.expand(1, 2, -1, -1), mask)
     assert not gemm_attention.applies(q[:, :0], k[:, :0], mask)  # a shard without heads

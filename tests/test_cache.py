@@ -3,12 +3,12 @@ logits as decoding that path plainly (guards against transformers cache changes)
 import numpy as np
 import pytest
 import torch
+from tiny_models import VOCAB, tiny_model
 
 from logitspec.cache import BatchKV, _cache_of
 from logitspec.masks import StepRow, layer_windows, pack_step
 from logitspec.target import TargetForward
 from logitspec.tree import DraftTree
-from tiny_models import VOCAB, tiny_model
 
 
 def _forward(model, rows, kv):
@@ -72,7 +72,8 @@ def test_keep_rows_releases_memory():
         assert kv.columns == 30
         kv.keep_rows([1])
     assert kv.lengths == [5] and kv.columns == 5
-    assert kv.hf.layers[0].keys.shape[0] == 1 and kv.hf.layers[0]._k.shape[0] == 1  # half free: a buffer of its own
+    # half free: a buffer of its own
+    assert kv.hf.layers[0].keys.shape[0] == 1 and kv.hf.layers[0]._k.shape[0] == 1
 
 
 def test_keep_rows_moves_the_last_rows_into_freed_slots():
@@ -128,8 +129,8 @@ def test_add_rows_gathers_rows_of_several_caches_like_one_at_a_time():
     def cache(lengths):  # random keys/values, rows holding ``lengths`` columns (holes past them)
         kv = BatchKV()
         width = max(lengths)
-        layers = [(torch.randn(len(lengths), 2, width, 4, generator=g), torch.randn(len(lengths), 2, width, 4,
-                                                                                   generator=g)) for _ in range(3)]
+        layers = [(torch.randn(len(lengths), 2, width, 4, generator=g),
+                   torch.randn(len(lengths), 2, width, 4, generator=g)) for _ in range(3)]
         kv.hf, kv.lengths = _cache_of(layers), list(lengths)
         return kv
 
@@ -194,7 +195,8 @@ def test_split_row_gives_each_sequence_its_own_row():
     for layer in rows.hf.layers:
         full = layer_kv[0][0][0]  # [heads, 9, dim]
         assert torch.equal(layer.keys[0], full[:, 0:4])
-        assert torch.equal(layer.keys[1, :, :2], full[:, 4:6]) and not layer.keys[1, :, 2:].any()  # holes zeroed
+        assert torch.equal(layer.keys[1, :, :2], full[:, 4:6])
+        assert not layer.keys[1, :, 2:].any()  # holes zeroed
         assert torch.equal(layer.values[2, :, :3], full[:, 6:9])
 
 
@@ -210,19 +212,21 @@ def test_prompts_side_by_side_restart_positions_and_see_only_themselves():
 def test_prefill_side_by_side_equals_prefill_alone(family):
     """Each prompt's KV and last-token logits from a ragged prefill equal its own prefill's (the
     forward differs only in rows, so up to float32 summation order)."""
+    from logitspec.head import OutputMode
     from logitspec.target import TargetForward
 
     model = tiny_model(family)
     target = TargetForward(model)
     prompts = [[3, 9, 4, 1, 7, 7, 2], [5, 8], [11, 2, 6, 6, 1, 9, 4, 3, 8, 8, 2]]  # gemma3 window 6 < 11
     with torch.inference_mode():
-        rows, lasts = target.prefill_rows(prompts, exact=True)
+        rows, lasts = target.prefill_rows(prompts, OutputMode.EXACT)
         for b, p in enumerate(prompts):
-            alone, last = target.prefill(p, chunk=len(p), exact=True)
+            alone, last = target.prefill(p, chunk=len(p), mode=OutputMode.EXACT)
             torch.testing.assert_close(lasts[b].scores, last.scores, rtol=1e-5, atol=1e-5)
             for mine, ref in zip(rows.hf.layers, alone.hf.layers):
-                torch.testing.assert_close(mine.keys[b, :, :len(p)], ref.keys[0, :, :len(p)], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(mine.values[b, :, :len(p)], ref.values[0, :, :len(p)], rtol=1e-5, atol=1e-5)
+                n = len(p)
+                torch.testing.assert_close(mine.keys[b, :, :n], ref.keys[0, :, :n], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(mine.values[b, :, :n], ref.values[0, :, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_a_reserved_row_grows_its_buffers_once_over_a_chunked_prefill():

@@ -30,7 +30,8 @@ def test_has_gpu_workers_and_a_gpu_free_head(cluster):
     types = cluster["available_node_types"]
     head = types[cluster["head_node_type"]]
     assert not head.get("resources", {}).get("GPU")  # replicas (--gpus-per-actor) never land on the head
-    gpu = [t for name, t in types.items() if name != cluster["head_node_type"] and t.get("resources", {}).get("GPU", 0) >= 1]
+    gpu = [t for name, t in types.items()
+           if name != cluster["head_node_type"] and t.get("resources", {}).get("GPU", 0) >= 1]
     assert gpu and all(t.get("max_workers", 0) > 0 for t in gpu)
     assert all(re.match(r"^(g4dn|g5|g6|p3|p4d|p5)\.", t["node_config"]["InstanceType"]) for t in gpu)
 

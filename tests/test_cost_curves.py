@@ -1,20 +1,22 @@
 """Cost curves per device: the grid each device is measured on, the store keyed by device, and the
 draft budget a flat (GPU-like) curve leads to against a steep (CPU-like) one."""
 import json
+
 import numpy as np
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from logitspec import calibrate
 from logitspec.budget import CostCurve, choose_size
 from logitspec.target import TargetForward
-from tiny_models import tiny_model
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _curve(base: float, per_token: float, rows=(8, 32, 64), knee: int = 0) -> CostCurve:
-    """t = base * rows-factor + per_token * max(0, tokens - knee): flat up to ``knee`` tokens in the forward."""
+    """t = base * rows-factor + per_token * max(0, tokens - knee): flat up to ``knee`` tokens in the
+    forward."""
     def t(b, n):
         return base * (1 + 0.02 * b) + per_token * max(0, b * n - knee)
 
@@ -53,12 +55,14 @@ def test_grid_depends_on_the_device():
     assert g.rows == (8, 32, 64) and g.per_row == NODES and g.max_tokens >= 64 * 64 and g.context >= 1024
     assert calibrate.rows_for(g, 1) == () and calibrate.rows_for(g, 4) == (8,)
     assert calibrate.rows_for(g, 16) == (8, 32) and calibrate.rows_for(g, 200) == (8, 32, 64)
-    assert calibrate.rows_for(calibrate.CPU_GRID, 8) == (4, 8) and calibrate.rows_for(calibrate.CPU_GRID, 2) == (4,)
+    cpu = calibrate.CPU_GRID
+    assert calibrate.rows_for(cpu, 8) == (4, 8) and calibrate.rows_for(cpu, 2) == (4,)
 
 
 def test_measure_times_rows_and_nodes_per_row():
     target = TargetForward(tiny_model("llama"))
-    c = calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3), batch_tokens=(1, 2))
+    c = calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3),
+                          batch_tokens=(1, 2))
     assert c.tokens == [1, 4] and sorted(c.batches) == [2, 3]
     assert all(s > 0 for s in c.seconds) and c.batches[3].tokens == [1, 2]
 
@@ -92,9 +96,13 @@ def test_batch_curves_verify_the_models_own_continuation(monkeypatch):
     target = TargetForward(tiny_model("llama"))
     seen = []
     real = calibrate.measure_rows
-    monkeypatch.setattr(calibrate, "measure_rows", lambda *a, own_chains=False, **k: seen.append(own_chains) or real(
-        *a, own_chains=own_chains, **k))
-    calibrate.measure(target, tokens=(1, 2), context=12, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1, 2))
+    def spy(*a, own_chains=False, **k):
+        seen.append(own_chains)
+        return real(*a, own_chains=own_chains, **k)
+
+    monkeypatch.setattr(calibrate, "measure_rows", spy)
+    calibrate.measure(target, tokens=(1, 2), context=12, reps=1, warmup=0, batch_rows=(2,),
+                      batch_tokens=(1, 2))
     assert seen and all(seen)
     assert "chains=own" in calibrate.kernel_fingerprint(target.model)
 
@@ -108,7 +116,8 @@ def test_an_edited_kernel_source_keys_a_new_curve(tmp_path, monkeypatch):
     assert f"kernels={skinny.sources_digest()}" in before
     edited = tmp_path / "screen.cpp"
     edited.write_bytes(skinny._OTHER_SOURCES[1].read_bytes() + b"// edited\n")
-    monkeypatch.setattr(skinny, "_OTHER_SOURCES", (*skinny._OTHER_SOURCES[:1], edited, *skinny._OTHER_SOURCES[2:]))
+    sources = skinny._OTHER_SOURCES
+    monkeypatch.setattr(skinny, "_OTHER_SOURCES", (*sources[:1], edited, *sources[2:]))
     assert calibrate.kernel_fingerprint(model) != before
 
 
@@ -136,7 +145,8 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     calibrate.load_or_measure(target, 4)  # covered by the 4-row curve
     assert calls == [(), (4,)]
     doc = json.loads(path.read_text())
-    doc["batches"]["4"] = {"tokens": [1, 2, 3], "seconds": [0.1, 0.2, 0.3]}  # a curve from an older, smaller grid
+    # a curve from an older, smaller grid
+    doc["batches"]["4"] = {"tokens": [1, 2, 3], "seconds": [0.1, 0.2, 0.3]}
     path.write_text(json.dumps(doc))
     calibrate.load_or_measure(target, 4)  # lacks the grid's 4 and 6 tokens a row: measured again
     assert calls == [(), (4,), (4,)]
@@ -160,7 +170,8 @@ def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
     a = target(step, tiled, all_logits=True).nodes.scores
     b = target(step, apart, all_logits=True).nodes.scores
     assert torch.allclose(a, b, atol=1e-5) and tiled.lengths == lengths
-    c = calibrate.measure(target, tokens=(1, 2), context=8, reps=1, warmup=0, batch_rows=(2,), batch_tokens=(1,))
+    c = calibrate.measure(target, tokens=(1, 2), context=8, reps=1, warmup=0, batch_rows=(2,),
+                          batch_tokens=(1,))
     assert c.head is not None and c.head.tokens[0] == 1 and all(s > 0 for s in c.head.seconds)
     assert calibrate.measure(target, tokens=(1,), context=8, reps=1, warmup=0, batch_rows=()).head is None
 
@@ -180,11 +191,12 @@ def test_columns_read_follow_the_windows_and_their_cost_is_measured():
 def test_a_noisy_curve_is_made_monotone_in_tokens_and_rows():
     """A point measured below a smaller one (noise) is raised to it, so the budget never takes
     noise for free drafting; points already in order are kept."""
-    curve = CostCurve([1, 2, 4], [0.05, 0.04, 0.07],
-                      batches={4: {"tokens": [1, 2], "seconds": [0.06, 0.09]},
-                               16: {"tokens": [1, 2], "seconds": [0.20, 0.17]},  # 16 x 2 "cheaper" than 16 x 1
-                               32: {"tokens": [1, 2], "seconds": [0.19, 0.29]}},  # 32 x 1 "cheaper" than 16 x 1
-                      head={"tokens": [1, 8], "seconds": [0.014, 0.012]}, context={"per_column": 1e-7, "columns": 256})
+    batches = {4: {"tokens": [1, 2], "seconds": [0.06, 0.09]},
+               16: {"tokens": [1, 2], "seconds": [0.20, 0.17]},  # 16 x 2 "cheaper" than 16 x 1
+               32: {"tokens": [1, 2], "seconds": [0.19, 0.29]}}  # 32 x 1 "cheaper" than 16 x 1
+    curve = CostCurve([1, 2, 4], [0.05, 0.04, 0.07], batches=batches,
+                      head={"tokens": [1, 8], "seconds": [0.014, 0.012]},
+                      context={"per_column": 1e-7, "columns": 256})
     m = curve.monotone()
     assert m.seconds == [0.05, 0.05, 0.07]
     assert m.batches[4].seconds == [0.06, 0.09]
@@ -215,7 +227,8 @@ def test_one_row_is_measured_on_the_models_own_continuation():
         kv.commit([[], []])
         for row, n in enumerate((20, 14)):
             ids = torch.tensor([context[:n] + [chains[row][0]]])
-            want = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, n + 1:].tolist()
+            out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+            want = out[0, n + 1:].tolist()
             assert chains[row][1:] == want
     with pytest.raises(ValueError, match="cannot truncate"):
         kv.truncate([21, 14])

@@ -12,7 +12,8 @@ HIDE = torch.finfo(torch.float32).min
 
 def _inputs(B, H, KV, D, S, T, seed=0, room=7):
     g = torch.Generator().manual_seed(seed)
-    k = torch.randn(B, KV, S + room, D, generator=g)[:, :, :S]  # views of a buffer with spare room, as the cache's
+    # views of a buffer with spare room, as the cache's
+    k = torch.randn(B, KV, S + room, D, generator=g)[:, :, :S]
     v = torch.randn(B, KV, S + room, D, generator=g)[:, :, :S]
     q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # [B, H, T, D], as transformers passes it
     vis = torch.rand(B, 1, T, S, generator=g) > 0.4
@@ -20,8 +21,8 @@ def _inputs(B, H, KV, D, S, T, seed=0, room=7):
     return q, k, v, vis
 
 
-@pytest.mark.parametrize("B,H,KV,D,S,T", [(3, 4, 1, 256, 50, 1), (2, 4, 1, 256, 300, 6), (2, 14, 2, 64, 77, 3),
-                                          (1, 8, 8, 32, 9, 2)])
+@pytest.mark.parametrize("B,H,KV,D,S,T", [(3, 4, 1, 256, 50, 1), (2, 4, 1, 256, 300, 6),
+                                          (2, 14, 2, 64, 77, 3), (1, 8, 8, 32, 9, 2)])
 def test_matches_sdpa_for_float_and_bool_masks(B, H, KV, D, S, T):
     q, k, v, vis = _inputs(B, H, KV, D, S, T)
     mask = torch.zeros(B, 1, T, S).masked_fill_(~vis, HIDE)
@@ -83,7 +84,10 @@ def test_short_rows_in_a_wide_batch_equal_themselves_alone(dtype):
         vis[b, :, :, -1] = True
     q = torch.randn(len(lengths), H, T, D, generator=g)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    mask = vis if dtype == torch.float32 else torch.zeros(vis.shape, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
+    if dtype == torch.float32:
+        mask = vis
+    else:
+        mask = torch.zeros(vis.shape, dtype=dtype).masked_fill(~vis, torch.finfo(dtype).min)
     assert decode_attention.applies(q, k, mask)
     batch = decode_attention.attention(q, k, v, mask, 0.0625)  # [B, T, H, D]
     assert not batch.isnan().any() and batch.dtype == dtype

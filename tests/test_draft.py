@@ -26,7 +26,8 @@ def test_logitspec_branch0_plus_guess_branches_with_rank_pruning():
     d = LogitSpecDrafter(cfg)
     t = d.draft([SequenceIndex(ctx)], ctx, guesses=[7, 6, 3], budget=10)
     toks, par = t.tokens.tolist(), t.parents.tolist()
-    # branch 0: 3 4 5; guess 7 (rank 1 keeps 3 tokens): 7 8 9; guess 6 (keeps 1): 6; guess 3 merges into branch 0
+    # branch 0: 3 4 5; guess 7 (rank 1 keeps 3 tokens): 7 8 9; guess 6 (keeps 1): 6;
+    # guess 3 merges into branch 0
     assert toks == [2, 3, 4, 5, 7, 8, 9, 6]
     assert par == [-1, 0, 1, 2, 0, 4, 5, 0]
     assert t.retrieved
@@ -41,7 +42,8 @@ def test_origins_name_the_source_that_supplied_each_node():
                      rank_keep_else=1)
     t = LogitSpecDrafter(cfg).draft([SequenceIndex(ctx), other], ctx, guesses=[7], budget=10)
     assert t.tokens.tolist() == [2, 3, 4, 7, 8] and t.origins.tolist() == [GUESS, 1, 1, GUESS, 1]
-    pld = PromptLookupDrafter(SpecConfig(method="pld", pld_max_tokens=2)).draft([SequenceIndex(ctx), other], ctx, [], 10)
+    pld_drafter = PromptLookupDrafter(SpecConfig(method="pld", pld_max_tokens=2))
+    pld = pld_drafter.draft([SequenceIndex(ctx), other], ctx, [], 10)
     assert pld.origins.tolist() == [GUESS, 1, 1]
 
 

@@ -1,11 +1,11 @@
 """The budget's estimates corrected by what steps deliver (logitspec/feedback.py) and their use."""
 import numpy as np
 import pytest
+from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.budget import CostCurve, choose_sizes, estimate
 from logitspec.feedback import LIMIT, Realised
-from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 
 def test_corrections_start_neutral_and_learn_tokens_and_cost():
@@ -52,7 +52,8 @@ def test_bad_timings_are_ignored():
 
 def _batch_curve():
     head = {"tokens": [1, 64], "seconds": [0.002, 0.128]}
-    return CostCurve([1, 64], [0.03, 0.3], batches={8: {"tokens": [1, 2, 3], "seconds": [0.05, 0.07, 0.09]}}, head=head)
+    batches = {8: {"tokens": [1, 2, 3], "seconds": [0.05, 0.07, 0.09]}}
+    return CostCurve([1, 64], [0.03, 0.3], batches=batches, head=head)
 
 
 def test_choose_sizes_follows_the_corrections():
@@ -88,7 +89,7 @@ def test_engine_learns_corrections_and_stays_lossless():
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), cost_curve=curve)
     run = engine.run(prompts, max_new_tokens=20)
     assert [r.token_ids for r in run.results] == refs
-    fix = engine.realised.of(2)
+    fix = engine.policy.realised.of(2)
     assert fix.tokens != 1.0 and fix.cost != 1.0  # drafting and plain steps were both seen
     assert 1 / LIMIT <= fix.tokens <= LIMIT and 1 / LIMIT <= fix.cost <= LIMIT
     assert run.stats["budget_token_scale@2"] == fix.tokens

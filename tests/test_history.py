@@ -1,11 +1,11 @@
 """The history draft source: finds continuations once fed, stays within its token budget, and
 leaves greedy output equal to ``ar``."""
 import pytest
+from tiny_models import repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.history import HistorySource
 from logitspec.index import retrieve
-from tiny_models import repetitive_prompts, tiny_model
 
 
 def test_finds_continuations_after_being_fed_newest_first():
@@ -35,7 +35,8 @@ def test_memory_bound_drops_the_oldest_answers():
 def test_greedy_with_history_equals_ar(family):
     model = tiny_model(family)
     prompts = repetitive_prompts(6, seed=4)
-    ar = [r.token_ids for r in Engine(model, None, SpecConfig(method="ar")).generate(prompts, max_new_tokens=16)]
+    plain = Engine(model, None, SpecConfig(method="ar"))
+    ar = [r.token_ids for r in plain.generate(prompts, max_new_tokens=16)]
     hist = HistorySource(max_tokens=200)
     eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), history=hist)
     twice = eng.generate(prompts + prompts, max_new_tokens=16)

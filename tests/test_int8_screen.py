@@ -4,10 +4,10 @@ stays lossless with the pass forced on. Where the CPU lacks AVX-512 VNNI the ker
 the same integer sums, so these tests run on every machine the kernels build on."""
 import pytest
 import torch
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig, head
 from logitspec.int8_screen import Int8Pass, Int8Race, available
-from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not available(), reason="the compiled kernels are not built here")
 
@@ -115,7 +115,8 @@ def test_a_cost_measurement_never_takes_builds_or_times_the_int8_pass():
     target = TargetForward(tiny_model("llama"))
     race = target.head.screen.int8
     race.mode, race.enabled = "auto", True  # the "auto" logic, whatever this CPU has
-    calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3), batch_tokens=(1, 2))
+    calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3),
+                      batch_tokens=(1, 2))
     assert race.pass_ is None and race.sample == [] and race.chosen == {} and not race.held
     assert race.offered(torch.randn(2, target.model.config.hidden_size))  # and decoding gets it back
 
@@ -129,4 +130,5 @@ def test_too_many_candidates_hand_the_call_to_the_other_passes(monkeypatch):
     assert screen(x).screen is None  # the int8 pass served it
     monkeypatch.setattr(head, "MAX_CANDIDATES_PER_ROW", 0)
     out = screen(x)
-    assert out.screen is screen and torch.equal(out.argmax, torch.nn.functional.linear(x, weight).argmax(dim=1))
+    assert out.screen is screen
+    assert torch.equal(out.argmax, torch.nn.functional.linear(x, weight).argmax(dim=1))

@@ -1,11 +1,12 @@
-"""oneDNN's packed float32 and bfloat16 linears: exact, batch-invariant where swapped, lossless in the engine."""
+"""oneDNN's packed float32 and bfloat16 linears: exact, batch-invariant where swapped, lossless in the
+engine."""
 import pytest
 import torch
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 from torch import nn
 
 from logitspec import Engine, SpecConfig
 from logitspec.kernels import onednn
-from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch has no oneDNN here")
 N_NEW = 24
@@ -46,7 +47,10 @@ def test_shapes_that_fail_the_check_are_left_alone(monkeypatch):
 def test_batch_invariance_check_finds_a_row_dependent_product(monkeypatch):
     """The check compares bits: a product whose rows depend on the batch size fails it."""
     real = onednn.linear
-    monkeypatch.setattr(onednn, "linear", lambda x, p, b=None, chunk=0: real(x, p, b, chunk) * (1 + 1e-6 * (len(x) > 8)))
+    def drifting(x, p, b=None, chunk=0):
+        return real(x, p, b, chunk) * (1 + 1e-6 * (len(x) > 8))
+
+    monkeypatch.setattr(onednn, "linear", drifting)
     onednn.batch_invariant.cache_clear()
     try:
         assert not onednn.batch_invariant(48, 24, torch.get_num_threads())
@@ -82,7 +86,8 @@ def test_probe_inputs_show_another_summation_order_even_in_bfloat16():
     w, x = onednn.probe(16, 256, 40, torch.bfloat16, 0)
     assert rows_differing(w, x) >= 38
     g = torch.Generator().manual_seed(0)
-    plain = rows_differing(torch.randn(16, 256, generator=g).bfloat16() / 16, torch.randn(40, 256, generator=g).bfloat16())
+    plain = rows_differing(torch.randn(16, 256, generator=g).bfloat16() / 16,
+                           torch.randn(40, 256, generator=g).bfloat16())
     assert plain < rows_differing(w, x)
 
 
@@ -109,7 +114,8 @@ def test_only_piece_sizes_that_give_the_chunked_bits_are_used(monkeypatch):
     monkeypatch.setattr(onednn, "linear", regime)
     onednn.piece_sizes.cache_clear()
     try:
-        assert onednn.piece_sizes(40, 24, torch.get_num_threads(), torch.float32) == tuple(range(1024, 300, -32))
+        sizes = onednn.piece_sizes(40, 24, torch.get_num_threads(), torch.float32)
+        assert sizes == tuple(range(1024, 300, -32))
     finally:
         onednn.piece_sizes.cache_clear()
 

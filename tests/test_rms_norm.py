@@ -3,11 +3,11 @@ import pickle
 
 import pytest
 import torch
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 from torch import nn
 
 from logitspec import Engine, SpecConfig
 from logitspec.kernels import rms_norm, skinny
-from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not skinny.available(), reason="the CPU kernels cannot be built here")
 
@@ -59,8 +59,8 @@ def test_each_row_is_computed_alone():
     assert torch.equal(rms_norm.rms_norm(x[7:8], w, 1.0, 1e-6), big[7:8])
     assert torch.equal(rms_norm.rms_norm(x[5:11], w, 1.0, 1e-6), big[5:11])
     q = x[:24].reshape(2, 3, 4, 640).transpose(1, 2)  # [B, H, T, D] as transformers' q_norm sees it
-    torch.testing.assert_close(rms_norm.rms_norm(q, w, 0.0, 1e-6), rms_norm.rms_norm(q.contiguous(), w, 0.0, 1e-6),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(rms_norm.rms_norm(q, w, 0.0, 1e-6),
+                               rms_norm.rms_norm(q.contiguous(), w, 0.0, 1e-6), rtol=0, atol=0)
     ref = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * (1.0 + w)
     torch.testing.assert_close(big, ref, rtol=2e-6, atol=1e-6)
 
@@ -127,7 +127,8 @@ def test_other_dtypes_use_the_original_forward():
     with torch.inference_mode():
         want = type(norm).__mro__[1].forward(norm, x.double())  # the transformers forward
         assert torch.equal(norm(x.double()), want)
-        assert torch.equal(norm(x.bfloat16()), type(norm).__mro__[1].forward(norm, x.bfloat16()))  # not its weight's dtype
+        # not its weight's dtype
+        assert torch.equal(norm(x.bfloat16()), type(norm).__mro__[1].forward(norm, x.bfloat16()))
     x.requires_grad_(True)
     norm(x).sum().backward()  # under autograd: the original forward, differentiable
     assert x.grad is not None

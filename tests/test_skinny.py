@@ -7,8 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from logitspec.kernels import skinny
-from logitspec.kernels import swap_linears
+from logitspec.kernels import skinny, swap_linears
 
 SHAPES = [(1, 1), (7, 13), (9, 8), (33, 100), (64, 640), (257, 72), (130, 17), (6, 2051)]
 
