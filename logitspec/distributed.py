@@ -62,7 +62,8 @@ def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "1
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a group of {world_size}")
-    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+    local = rank if local_rank is None else local_rank
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local),
             "LOCAL_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
 
 
@@ -95,7 +96,8 @@ def build_comm_op() -> float:
     return time.perf_counter() - t0
 
 
-def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cpu", backend: str | None = None,
+def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cpu",
+              backend: str | None = None,
               threads: int = 1, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the group: environment, threads, ``torch.distributed`` through DeepSpeed. Blocks until
     every rank has joined. ``device``: "cpu", "cuda" (GPU index = rank) or "cuda:K"."""
@@ -149,7 +151,8 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
 
     # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
     model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
-                                  cpu_kernels=tp_size == 1 and device == "cpu", trust_remote_code=trust_remote_code)
+                                  cpu_kernels=tp_size == 1 and device == "cpu",
+                                  trust_remote_code=trust_remote_code)
     consensus = None
     if tp_size > 1:
         model = shard(model, tp_size, dtype)
@@ -159,20 +162,26 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     return model, tokenizer, consensus
 
 
-def make_engine(model, tokenizer, config, history=None):
+def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agree_on=None):
     """The engine of one rank (``history``: an optional draft source of earlier answers, fed alike
-    on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden dim, so ``W @ h.T`` with the
-    local weight would be wrong (its first dim still equals the vocab, so :class:`Head` would not
-    notice): use the model's own forward, which all-reduces the logits."""
+    on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden
+    dim, so ``W @ h.T`` with the local weight would be wrong (its first dim still equals the vocab,
+    so :class:`Head` would not notice): the runner uses the model's own forward, which all-reduces
+    the logits. In a group, host-timed values are rank 0's (``agree_on``, default
+    :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
+    :func:`group_cost_curve`)."""
     from .engine import Engine
+    from .target import TargetForward
 
-    engine = Engine(model, tokenizer, config, fast_head=False, history=history)
+    runner = TargetForward(model, fast_head=False)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if grouped:
-        engine.agree_on = rank0_value
-    if grouped and engine.auto_budget and engine.cost_curve is None:
-        engine.cost_curve = group_cost_curve(engine.target)
-    return engine
+    if grouped and agree_on is None:
+        agree_on = rank0_value
+    auto = config.method == "logitspec" and config.budget == "auto"
+    if grouped and auto and cost_curve is None:
+        cost_curve = group_cost_curve(runner)
+    return Engine(model, tokenizer, config, runner=runner, history=history, cost_curve=cost_curve,
+                  agree_on=agree_on or float)
 
 
 def rank0_value(x: float) -> float:
@@ -217,7 +226,8 @@ def group_cost_curve(target):
         doc[0] = curve.to_dict()
         dist.broadcast_object_list(doc, src=0)
         if dist.get_rank() == 0:
-            log.info("measured the group's forward cost curve in %.1f s: %s", time.perf_counter() - t0, doc[0])
+            log.info("measured the group's forward cost curve in %.1f s: %s", time.perf_counter() - t0,
+                     doc[0])
             if path is not None:
                 with contextlib.suppress(OSError):
                     save(CostCurve(**doc[0]), path, target)

@@ -26,16 +26,20 @@ output layer is sharded, e.g. DeepSpeed AutoTP).
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
+from . import sampling
 from .int8_screen import MAX_CANDIDATES_PER_ROW, Int8Race
 from .kernels import onednn, skinny
+from .request import SamplingParams
 
 log = logging.getLogger("logitspec.head")
 
@@ -48,18 +52,45 @@ INT8 = os.environ.get("LOGITSPEC_INT8_SCREEN", "auto")
 ROUNDING_SLACK = 1e-4
 
 
+class OutputMode(enum.Enum):
+    """What the output layer computes for a forward's nodes.
+
+    ``GREEDY``: the exact float32 argmax of every node; scores approximate (ranking only: the
+    next-next guesses). ``SCREENED``: float32 screened scores and what an exact draw from them needs
+    (:meth:`NodeLogits.sample`); the argmax only where asked. ``EXACT``: float32 logits of every
+    node (sampling where the logits are). Where the head has no screen (a GPU, soft-capped logits,
+    a sharded output layer) every mode gives float32 rows."""
+
+    GREEDY = 1
+    SCREENED = 2
+    EXACT = 3
+
+    @classmethod
+    def for_rows(cls, modes: Iterable["OutputMode"]) -> "OutputMode":
+        """The one mode that serves rows needing ``modes`` together (GREEDY for none)."""
+        return max(modes, key=lambda m: m.value, default=cls.GREEDY)
+
+    @classmethod
+    def of(cls, exact: bool, argmax: bool = True) -> "OutputMode":
+        """The mode of the former (``exact``, ``argmax``) flags (transitional, for older callers)."""
+        return cls.EXACT if exact else cls.GREEDY if argmax else cls.SCREENED
+
+
 @dataclass
 class NodeLogits:
-    """Output-layer results for the N selected nodes of one forward. Screened results (``exact``
-    False) carry the nodes' hidden states and the screen, so that exact float32 values can be
-    computed later for the nodes that need them (the argmax, or a sampled draw:
-    :func:`~logitspec.sampling.draw`)."""
+    """Output-layer results for the N selected nodes of one forward: the output layer's interface to
+    acceptance. ``argmax`` is the greedy choice of every node, :meth:`sample` an exact draw at one
+    node, ``scores`` rank tokens (the next-next guesses; float32 logits when ``exact``). Screened
+    results keep the nodes' hidden states and the screen, so that exact float32 values are computed
+    later, only for the nodes that need them."""
 
-    scores: torch.Tensor  # [N, V]: float32 logits if ``exact``, else approximations for ranking only (bfloat16 when the greedy screen's bfloat16 pass made them)
+    # [N, V]: float32 logits if ``exact``, else approximations for ranking only (bfloat16 when the
+    # greedy screen's bfloat16 pass made them)
+    scores: torch.Tensor
     exact: bool
-    screened_argmax: torch.Tensor | None = None  # [N] int64: the exact argmax of screened scores, once known
-    hidden: torch.Tensor | None = None  # [N, H] float32: the nodes' hidden states, with screened scores
-    screen: "ScreenedArgmax | None" = None  # the screen that produced ``scores``, when not exact
+    screened_argmax: torch.Tensor | None = None  # [N] int64: the exact argmax, once known
+    hidden: torch.Tensor | None = None  # [N, H] float32: the nodes' hidden states, where a screen serves them
+    screen: "ScreenedArgmax | None" = None  # the screen that can rescore them
 
     @property
     def argmax(self) -> torch.Tensor:
@@ -69,7 +100,16 @@ class NodeLogits:
             self.screened_argmax = self.screen.exact_argmax(self.scores, self.hidden)
         return self.screened_argmax if self.screened_argmax is not None else self.scores.argmax(dim=-1)
 
-    def __getitem__(self, rows: slice) -> "NodeLogits":
+    def sample(self, node: int, params: SamplingParams, generator: torch.Generator) -> int:
+        """The target's token after ``node``, drawn with ``params`` and one uniform from ``generator``:
+        from the screen where these results are screened (:mod:`logitspec.sampling`), else from the
+        node's float32 row (token-id order). The same draw either way for a given float32 row."""
+        if self.exact or self.hidden is None or self.screen is None:
+            return sampling.sample_token(sampling.probs_from_logits(self.scores[node], params), generator)
+        return self.screen.sample(self.scores[node], self.hidden[node], params, generator)
+
+    def __getitem__(self, rows) -> "NodeLogits":
+        """The results of ``rows`` (a slice or an index tensor)."""
         arg = self.screened_argmax[rows] if self.screened_argmax is not None else None
         hidden = self.hidden[rows] if self.hidden is not None else None
         return NodeLogits(self.scores[rows], self.exact, arg, hidden, self.screen)
@@ -105,7 +145,8 @@ class ScreenedArgmax:
         this machine lacks."""
         w = weight.detach().float()  # [V, H] float32 (a bfloat16 weight widened exactly: a copy)
         self.weight = w
-        have = [k for k, ok in (("fbgemm", has_fbgemm()), ("bf16", onednn.available() and onednn.bf16_supported()),
+        bf16 = onednn.available() and onednn.bf16_supported()
+        have = [k for k, ok in (("fbgemm", has_fbgemm()), ("bf16", bf16),
                                 ("onednn", onednn.available()), ("f16c", skinny.available())) if ok]
         self.kind = kind or "auto"
         if self.kind not in self.KINDS:
@@ -249,7 +290,8 @@ class ScreenedArgmax:
         rows, toks = self.int8.pass_.candidates(scores, coef, floor)
         if len(toks) > MAX_CANDIDATES_PER_ROW * len(x):
             return self._screened(x, True)
-        return NodeLogits(scores, exact=False, screened_argmax=best_candidate(self.weight, x, rows, toks), hidden=x)
+        best = best_candidate(self.weight, x, rows, toks)
+        return NodeLogits(scores, exact=False, screened_argmax=best, hidden=x)
 
     def _screened(self, x: torch.Tensor, argmax: bool) -> NodeLogits:
         approx = self.approx_logits(x)  # [N, V]: float32 or bfloat16
@@ -260,6 +302,13 @@ class ScreenedArgmax:
             out.screened_argmax = self.exact_argmax(approx, x)
         return out
 
+    def sample(self, approx: torch.Tensor, x: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator) -> int:
+        """An exact draw (:func:`~logitspec.sampling.screened_sample`) at one node with hidden state
+        ``x`` [H] and screened logits ``approx`` [V]."""
+        bound = self.bound_per_norm * float(x.norm())
+        return sampling.screened_sample(approx, x, self.weight, bound, params, generator)
+
     def exact_argmax(self, approx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[N] int64: the float32 argmax of ``W @ x`` per row of ``x`` [N, H], from its screened
         logits ``approx`` [N, V]: only tokens within twice the bound of the best are rescored."""
@@ -268,7 +317,8 @@ class ScreenedArgmax:
         return best_candidate(self.weight, x, rows, toks)
 
 
-def best_candidate(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
+def best_candidate(weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
+                   toks: torch.Tensor) -> torch.Tensor:
     """[N] int64: per row of ``x`` [N, H], the float32 argmax of ``weight @ x`` among its candidate
     tokens (``rows``, ``toks`` [K]; a row without any, e.g. a non-finite input: over all tokens)."""
     exact = _rescore(weight, x, rows, toks)  # [K] float32 logits of the candidates
@@ -303,7 +353,8 @@ def _scores_extension(scores: torch.Tensor):
 
 
 def _candidates(approx: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, tokens) [K] each: per row of ``approx`` [N, V] (float32 or bfloat16) the tokens within ``margin`` [N] of its
+    """(rows, tokens) [K] each: per row of ``approx`` [N, V] (float32 or bfloat16) the tokens within
+    ``margin`` [N] of its
     best, rows in order, tokens ascending; one pass over each row by the compiled kernel where it is
     built (24 rows of 262k: 1.2 ms against 7.8 for amax, the comparison and ``nonzero``)."""
     ext = _scores_extension(approx)
@@ -365,7 +416,8 @@ class Head:
         cfg = model.config.get_text_config(decoder=True)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         usable = (emb is not None and getattr(emb, "bias", None) is None
-                  and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size) and hasattr(model, "get_decoder"))
+                  and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size)
+                  and hasattr(model, "get_decoder"))
         self.fast = fast and usable
         self.screen = None
         if self.fast:
@@ -375,33 +427,37 @@ class Head:
             if not self.softcap and ScreenedArgmax.supported(self.weight):
                 self.screen = shared_screen(self.weight)
 
-    def __call__(self, ids, pos, mask, cache, select: torch.Tensor, exact: bool = True,
-                 argmax: bool = True, attn: dict | None = None) -> NodeLogits:
-        """Output-layer results of the flat node indices ``select`` [N] into the [B, T] batch; the
-        cache gains all B x T new columns. ``exact=False`` allows screened (approximate) scores, with
-        the exact argmax unless ``argmax=False`` (sampling: draws from the screen, see
-        :mod:`logitspec.sampling`). ``attn``: keywords for :mod:`logitspec.attention` (other
-        attention functions ignore them; the mask alone is exact)."""
+    def __call__(self, ids, pos, mask, cache, select: torch.Tensor, mode: OutputMode = OutputMode.EXACT,
+                 attn: dict | None = None) -> NodeLogits:
+        """Output-layer results (``mode``) of the flat node indices ``select`` [N] into the [B, T]
+        batch; the cache gains all B x T new columns. ``attn``: keywords for
+        :mod:`logitspec.attention` (other attention functions ignore them; the mask alone is exact)."""
         extra = attn or {}
         if self.fast:
-            out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
-                               **extra)
-            return self.output(out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[select], exact,
-                               argmax)
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True, **extra)
+            out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                               use_cache=True, **extra)
+            h = out.last_hidden_state  # [B, T, H]
+            return self.output(h.reshape(-1, h.shape[-1])[select], mode)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
+                         **extra)
         return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
 
-    def output(self, h: torch.Tensor, exact: bool = True, argmax: bool = True) -> NodeLogits:
-        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``); ``exact``,
-        ``argmax`` as for :meth:`__call__`."""
+    def output(self, h: torch.Tensor, mode: OutputMode = OutputMode.EXACT, *, exact: bool | None = None,
+               argmax: bool = True) -> NodeLogits:
+        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``). ``exact`` and
+        ``argmax``: the former flags (transitional; :meth:`OutputMode.of`)."""
+        if exact is not None:
+            mode = OutputMode.of(exact, argmax)
         if self.screen is not None:  # a bfloat16 model's logits: float32 products of its (widened) weights
             h = h.float()
-            if not exact:
-                return self.screen(h, argmax=argmax)
+            if mode is not OutputMode.EXACT:
+                return self.screen(h, argmax=mode is OutputMode.GREEDY)
         w = self.screen.weight if self.screen is not None else self.weight  # [V, H]
         # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (docs/performance.md); elsewhere
         # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
         logits = torch.mm(w, h.T).T if h.device.type == "cpu" else h @ w.T  # [N, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.screen is not None:  # greedy rows of a batch that needs these rows: the screen's argmax
+            return NodeLogits(logits, exact=True, hidden=h, screen=self.screen)
         return NodeLogits(logits, exact=True)

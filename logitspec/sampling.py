@@ -18,28 +18,52 @@ docs/engine.md, "Exact sampling from the screen"):
 A draw is a function of the float32 logits and ``u`` only: never of the screen's rounding, the
 candidate set's size, or the other rows of the batch (whose count picks the float16 pass).
 
-The engine's host walk (:func:`walk`) calls :func:`draw` at the nodes it visits only; a node whose
-output is full float32 rows (no screen: soft-capped logits, half precision, ``exact`` forwards) is
-drawn from them as before.
+The host walk (:func:`~logitspec.verify.walk`) draws (:meth:`~logitspec.head.NodeLogits.sample`) at
+the nodes it visits only; a node whose output is full float32 rows (no screen: soft-capped logits,
+half precision, ``OutputMode.EXACT`` forwards) is drawn from them with :func:`sample_token`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
 
-import numpy as np
 import torch
 
-from .device import to_device
-from .tree import DraftTree
 from .request import SamplingParams
-from .verify import accept_path, probs_from_logits, sample_token
 
 GROW = (64, 1024, 16384)  # candidate set sizes tried before the whole vocabulary
 CHUNK = 8192  # rows of the weight gathered at once when rescoring
 EPS = 1e-9  # relative slack on float64 sums of exponentials (their rounding is ~1e-11 here)
 TAIL_SLACK = 1e-4  # relative slack on the tail bounds (float32 exponentials: error < 3e-5)
 TINY = 1e-37  # per token: covers float32 exponentials that underflow to 0
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 probabilities [..., V] after temperature, top-k, then top-p (HF's order), per row of
+    ``logits`` [..., V]."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sp, si = torch.sort(p, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        drop = (sp.cumsum(-1) - sp) >= params.top_p
+        p = p.masked_fill(torch.zeros_like(drop).scatter(-1, si, drop), 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """Inverse-CDF draw: one uniform number per token, from this sequence's own generator."""
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cdf = probs.double().cumsum(0)
+    x = torch.tensor([u * float(cdf[-1])], dtype=torch.float64, device=cdf.device)
+    idx = min(int(torch.searchsorted(cdf, x, right=True).item()), probs.shape[0] - 1)
+    while idx > 0 and probs[idx] == 0:  # rounding at the top edge: step back to a real token
+        idx -= 1
+    return idx
 
 
 def exact_logits(weight: torch.Tensor, x: torch.Tensor, toks: torch.Tensor | None) -> torch.Tensor:
@@ -112,7 +136,8 @@ def quantile(r: Ranked, u: float) -> int | None:
     cum = torch.cumsum(r.mass, 0)  # [K]
     total = float(cum[-1])
     if r.tail == (0.0, 0.0):
-        i = min(int(torch.searchsorted(cum, torch.tensor([u * total], dtype=torch.float64), right=True)), len(cum) - 1)
+        at = torch.tensor([u * total], dtype=torch.float64)
+        i = min(int(torch.searchsorted(cum, at, right=True)), len(cum) - 1)
         while i > 0 and r.mass[i] == 0:  # rounding at the top edge: step back to a real token
             i -= 1
         return i
@@ -158,35 +183,3 @@ def screened_sample(approx: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
             if i is not None:
                 return int(r.tokens[i])
     return int(sup.tokens[quantile(sup, u)])
-
-
-def draw(nodes, node: int, params: SamplingParams, generator: torch.Generator) -> int:
-    """The target's token after ``node`` of ``nodes`` (a :class:`~logitspec.head.NodeLogits`), drawn
-    with ``params`` and one uniform from ``generator``: from the screen where ``nodes`` carry it
-    (hidden states and screened scores), else from the node's full float32 row (token-id order)."""
-    if nodes.exact or nodes.hidden is None:
-        return sample_token(probs_from_logits(nodes.scores[node], params), generator)
-    x = nodes.hidden[node]  # [H]
-    bound = nodes.screen.bound_per_norm * float(x.norm())
-    return screened_sample(nodes.scores[node], x, nodes.screen.weight, bound, params, generator)
-
-
-def walk(tree: DraftTree, nodes, params: SamplingParams, generator: torch.Generator) -> tuple[list[int], int]:
-    """Sampled acceptance of ``tree`` (:func:`~logitspec.verify.accept_path`): a draw at each node the
-    walk visits, none at the others. Returns (accepted node indices from the root, bonus token)."""
-    return accept_path(tree, lambda node: draw(nodes, node, params, generator))
-
-
-def tree_uniforms(generators: list[torch.Generator], trees: list[DraftTree], device) -> tuple[torch.Tensor, list[list]]:
-    """Per node of every row (rows in order), the uniform its depth draws from the row's generator
-    ([N] float64 on ``device``), and per row the generator's state after each draw."""
-    u, states = [], []
-    for gen, tree in zip(generators, trees):
-        depths = tree.depths
-        st, draws = [gen.get_state()], []
-        for _ in range(int(depths.max()) + 1):
-            draws.append(torch.rand((), generator=gen, dtype=torch.float64).item())
-            st.append(gen.get_state())
-        u.append(np.asarray(draws)[depths])
-        states.append(st)
-    return to_device(np.concatenate(u), torch.device(device)), states

@@ -8,8 +8,14 @@ A :class:`Session` (from :meth:`Engine.open`) holds the batch: ``submit`` queues
    iteration while other rows decode (so they are never stalled for a whole long prefill); short
    prompts several to a forward, up to ``fill_chunk`` tokens per iteration; a batch filling up from
    empty is prefilled until its slots are full;
-3. one decoding step of every active row; finished rows are returned and their slots freed.
+3. one decoding step of every active row: the speculation policy drafts a tree per row -> the model
+   runner's forward over all trees -> acceptance per row (:mod:`logitspec.verify`) -> the runner's
+   cache commits the accepted paths -> the rows emit; finished rows are returned, their slots freed.
 
+Every row keeps its request's own settings (sampling, seed, token limit, stop strings): rows with
+different settings share a step, each decoding exactly as it would alone. The session reaches the
+model only through its :class:`~logitspec.runner.ModelRunner` and drafting only through its
+:class:`~logitspec.policy.SpeculationPolicy` (both in :class:`SessionParts`).
 :meth:`Engine.run` is ``submit`` for every prompt, then ``step`` until the session is idle.
 """
 from __future__ import annotations
@@ -17,13 +23,21 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .cache import BatchKV
-from .request import Request
+from .config import SpecConfig
+from .head import NodeLogits, OutputMode
+from .masks import StepRow
+from .policy import SpeculationPolicy
+from .prefix_cache import PrefixCache
+from .request import Request, SamplingParams
+from .runner import ModelRunner
+from .sequence import DecodingSequence, GenerationResult
+from .step_clock import StepClock
+from .verify import accept_step, next_guesses
 
 # prompt tokens per forward of short prompts prefilled together into an idle batch (Engine's
 # fill_chunk default): 24 Spec-Bench prompts (2,808 tokens) took 2 forwards instead of 8 at 512 tokens
@@ -41,6 +55,31 @@ def sample_seed(seed: int, sample: int) -> int:
     return (int(words[0]) << 31) ^ int(words[1])
 
 
+@dataclass(frozen=True)
+class SessionParts:
+    """What a session works with, made once by the :class:`~logitspec.engine.Engine`."""
+
+    runner: ModelRunner
+    policy: SpeculationPolicy
+    config: SpecConfig
+    encode: Callable[[Any, bool], list[int]]  # (prompt, apply_chat_template) -> token ids; ValueError
+    tokenizer: Any  # for stop strings and texts (None: token ids only)
+    eos_ids: frozenset[int]
+    prefill_chunk: int  # prompt tokens per prefill forward of one long prompt
+    fill_chunk: int  # prompt tokens per forward of short prompts prefilled together
+    prefix_cache: PrefixCache | None = None
+    history: Any = None  # an n-gram source fed with every finished answer (HistorySource)
+    sample_on_host: bool = True  # walk sampled trees on the host (else decide where the logits are)
+    screened_sampling: bool = True  # ... drawing from the greedy screen's scores where there is one
+
+    def mode(self, params: SamplingParams) -> OutputMode:
+        """The output a row sampled with ``params`` needs: float32 rows of every node for sampling,
+        unless the host walk draws from the screen."""
+        if params.greedy:
+            return OutputMode.GREEDY
+        return OutputMode.SCREENED if self.sample_on_host and self.screened_sampling else OutputMode.EXACT
+
+
 @dataclass
 class _Request:
     """A submitted prompt and its prefill."""
@@ -52,7 +91,7 @@ class _Request:
     seeds: list[int]  # one per sample
     ref: Any
     admitted: int = 0  # samples admitted so far
-    row: BatchKV | None = None  # the prompt's KV (one row, filled chunk by chunk; or a group's cache)
+    row: Any = None  # the prompt's KV (one row, filled chunk by chunk; or a group's cache)
     row_index: int = 0  # the prompt's row in ``row``
     last: Any = None  # the last prompt token's output, once prefilled
     done_tokens: int = 0  # prompt tokens in ``row``
@@ -64,11 +103,12 @@ class _Request:
 class Session:
     """Rows in flight on one engine; see the module docstring. Not thread-safe."""
 
-    def __init__(self, engine, defaults: Request, seed: int, apply_chat_template: bool):
-        self.engine = engine
+    def __init__(self, parts: SessionParts, defaults: Request, seed: int = 0,
+                 apply_chat_template: bool = False):
+        self.parts, self.runner, self.policy, self.config = parts, parts.runner, parts.policy, parts.config
         self.defaults, self.seed, self.apply_chat_template = defaults, seed, apply_chat_template
-        self.kv = BatchKV(max_rows=engine.config.max_batch_size)  # rows admitted later: written in place
-        self.active: list = []  # decoding sequences, one per KV row
+        self.kv = self.runner.new_batch(self.config.max_batch_size)  # rows admitted later: written in place
+        self.active: list[DecodingSequence] = []  # decoding sequences, one per KV row
         self.pending: deque[_Request] = deque()  # waiting for their prefill
         self.ready: deque[_Request] = deque()  # prefilled, samples waiting for slots
         self.prefilling: _Request | None = None
@@ -88,15 +128,14 @@ class Session:
         request = request or self.defaults
         if old:
             request = request.with_(**{k: v for k, v in old.items() if k in ("n", "seed", "max_new_tokens")})
-        if request.stop and self.engine.tokenizer is None:
+        if request.stop and self.parts.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if request.sampling != self.defaults.sampling:
-            raise NotImplementedError("rows of one session share their sampling settings (for now)")
-        ids = self.engine.encode(prompt, self.apply_chat_template)
+        ids = self.parts.encode(prompt, self.apply_chat_template)
         rid = self._next_id
         base = self.seed + rid if request.seed is None else int(request.seed)
-        self.pending.append(_Request(rid, ids, request, min(request.max_new_tokens, self.engine.max_context - len(ids)),
-                                     [sample_seed(base, j) for j in range(request.n)], reference,
+        max_new = min(request.max_new_tokens, self.runner.max_context - len(ids))
+        seeds = [sample_seed(base, j) for j in range(request.n)]
+        self.pending.append(_Request(rid, ids, request, max_new, seeds, reference,
                                      siblings=[] if request.n > 1 else None))
         self._next_id += 1
         return rid
@@ -109,32 +148,34 @@ class Session:
     @property
     def free_slots(self) -> int:
         """Rows the batch could still take beyond those in flight or prefilled and waiting."""
-        queued = sum(len(r.seeds) for r in self.pending) + (len(self.prefilling.seeds) if self.prefilling else 0)
+        queued = sum(len(r.seeds) for r in self.pending)
+        queued += len(self.prefilling.seeds) if self.prefilling else 0
         return max(0, self._open_slots() - queued)
 
     def _open_slots(self) -> int:
         """Slots neither decoding nor promised to prefilled samples waiting for admission."""
-        return self.engine.config.max_batch_size - len(self.active) - sum(len(r.seeds) - r.admitted for r in self.ready)
+        promised = sum(len(r.seeds) - r.admitted for r in self.ready)
+        return self.config.max_batch_size - len(self.active) - promised
 
     @torch.inference_mode()
-    def step(self) -> list:
+    def step(self) -> list[GenerationResult]:
         """One iteration (admit, one prefill chunk, one decoding step); the results finished in it."""
         finished: list = []
         self._fill(finished)
         if self.active:
-            draining = not (self.pending or self.ready or self.prefilling)
-            self.engine.decode_step(self.active, self.kv, self.defaults.sampling, draining)
+            # draining: no prompt waits for a slot, so the batch ends with its slowest row
+            self._decode(draining=not (self.pending or self.ready or self.prefilling))
             self.steps += 1
             self.active_sum += len(self.active)
             now = time.perf_counter()
             for s in self.active:
                 s.stats.mark_emit(now)
             still = [i for i, s in enumerate(self.active) if not s.finish]
-            finished += [self.engine.result(s) for s in self.active if s.finish]
+            finished += [self._result(s) for s in self.active if s.finish]
             self.active = [self.active[i] for i in self.kv.keep_rows(still)]
         return finished
 
-    def drain(self) -> list:
+    def drain(self) -> list[GenerationResult]:
         """Step until idle; every result finished meanwhile."""
         out: list = []
         while self.busy:
@@ -174,7 +215,8 @@ class Session:
                 # short prompts for free slots: up to fill_chunk tokens in all per iteration, also while
                 # rows decode (measured: 24 slots refilled from 96 prompts, 172-174 tokens/s at 512 tokens
                 # a step, 182-187 at 2,048; fewer, larger forwards, and slots filled sooner)
-                group = self._take_group(slots, self.engine.fill_chunk - spent if decoding else self.engine.fill_chunk)
+                fill = self.parts.fill_chunk
+                group = self._take_group(slots, fill - spent if decoding else fill)
                 if group:
                     spent += self._prefill_group(group)
                     continue
@@ -185,8 +227,8 @@ class Session:
                 self.prefilling = self._start(self.pending.popleft())
             req = self.prefilling
             if req.last is None:
-                size = min(self.engine.prefill_chunk, len(req.ids) - req.done_tokens)
-                if decoding and spent and spent + size > self.engine.prefill_chunk:
+                size = min(self.parts.prefill_chunk, len(req.ids) - req.done_tokens)
+                if decoding and spent and spent + size > self.parts.prefill_chunk:
                     return  # rows are decoding: at most one chunk's worth of prompt tokens per step
                 self._prefill_chunk(req)
                 spent += size
@@ -198,11 +240,11 @@ class Session:
         """While rows decode and prompts wait: count this step's free slots as idle slot-steps; True
         (and the count restarts) once they reach ``SpecConfig.refill_wait`` decoding steps of the
         whole batch, or once half the batch is free."""
-        B, free = self.engine.config.max_batch_size, self._open_slots()
+        B, free = self.config.max_batch_size, self._open_slots()
         if free <= 0:
             return False
         self._idle += free
-        if self._idle < self.engine.config.refill_wait * B and 2 * free < B:
+        if self._idle < self.config.refill_wait * B and 2 * free < B:
             return False
         self._idle = 0
         return True
@@ -235,12 +277,13 @@ class Session:
         they become ready, sharing the group's cache. The forward's time is shared evenly among
         them. Tokens run."""
         t0 = time.perf_counter()
-        exact, argmax = self.engine.output_mode(self.defaults.sampling)
-        rows, lasts = self.engine.target.prefill_rows([r.ids for r in group], exact=exact, argmax=argmax)
+        # what the prompts need together
+        mode = OutputMode.for_rows(self.parts.mode(r.request.sampling) for r in group)
+        rows, lasts = self.runner.prefill_rows([r.ids for r in group], mode=mode)
         share = (time.perf_counter() - t0) / len(group)
         for b, (req, last) in enumerate(zip(group, lasts)):
             req.row, req.row_index, req.done_tokens, req.prefill_s = rows, b, len(req.ids), share
-            self._prefilled(req, last)
+            self._prefilled(req, last, mode)
             self.ready.append(req)
         self.prefill_chunks += 1
         self.prefills += len(group)
@@ -251,60 +294,54 @@ class Session:
         is left to run); a request already begun is returned as it is."""
         if req.row is not None:
             return req
-        cache = self.engine.prefix_cache
-        hit = cache.lookup(req.ids, self._output_kind()) if cache is not None else None
+        cache = self.parts.prefix_cache
+        kind = self.parts.mode(req.request.sampling).value
+        hit = cache.lookup(req.ids, kind) if cache is not None else None
         if hit is None:
-            req.row = BatchKV.empty_row(reserve=len(req.ids))
+            req.row = self.runner.new_row(reserve=len(req.ids))
         else:
             req.row, req.last, req.done_tokens = hit.row, hit.last, hit.tokens
             req.cached_tokens = hit.tokens
         return req
 
-    def _output_kind(self) -> int:
-        """Which kind of last-token output this session's prefills keep (the prefix cache's key)."""
-        exact, argmax = self.engine.output_mode(self.defaults.sampling)
-        return 2 * exact + argmax
-
     def _prefill_chunk(self, req: _Request) -> None:
         """Run the prompt's next chunk; once all is in, keep the last token's output (and store the
         row in the prefix cache)."""
         t0 = time.perf_counter()
-        part = req.ids[req.done_tokens:req.done_tokens + self.engine.prefill_chunk]
-        exact, argmax = self.engine.output_mode(self.defaults.sampling)
-        last = self.engine.target.extend(req.row, part, exact=exact, argmax=argmax)
+        part = req.ids[req.done_tokens:req.done_tokens + self.parts.prefill_chunk]
+        mode = self.parts.mode(req.request.sampling)
+        last = self.runner.extend(req.row, part, mode=mode)
         req.done_tokens += len(part)
         self.prefill_chunks += 1
         self.prefills += req.done_tokens == len(part) + req.cached_tokens
         if req.done_tokens == len(req.ids):
-            self._prefilled(req, last)
+            self._prefilled(req, last, mode)
         req.prefill_s += time.perf_counter() - t0
 
-    def _prefilled(self, req: _Request, last) -> None:
-        """The whole prompt is in ``req.row`` (row ``req.row_index``): keep its last token's output,
-        and the row in the prefix cache."""
+    def _prefilled(self, req: _Request, last: NodeLogits, mode: OutputMode) -> None:
+        """The whole prompt is in ``req.row`` (row ``req.row_index``): keep its last token's output
+        (of kind ``mode``), and the row in the prefix cache (keyed by that kind)."""
         req.last = last
-        if self.engine.prefix_cache is not None:
-            self.engine.prefix_cache.store(req.ids, self._output_kind(), req.row, last, index=req.row_index)
+        if self.parts.prefix_cache is not None:
+            self.parts.prefix_cache.store(req.ids, mode.value, req.row, last, index=req.row_index)
 
     def _admit_ready(self, finished: list) -> None:
         """Start prefilled samples in free slots; their KV rows are added to the batch in one go (a
         prompt's row once per admitted sample)."""
-        sources: list[tuple[BatchKV, int, int]] = []
+        sources: list[tuple[Any, int, int]] = []
         free = False  # the last source's row is needed by no other sample (its request fully admitted)
-        while self.ready and len(self.active) < self.engine.config.max_batch_size:
+        while self.ready and len(self.active) < self.config.max_batch_size:
             req = self.ready[0]
-            count = min(len(req.seeds) - req.admitted, self.engine.config.max_batch_size - len(self.active))
+            count = min(len(req.seeds) - req.admitted, self.config.max_batch_size - len(self.active))
             started = []
             for j in range(req.admitted, req.admitted + count):
-                seq = self.engine.start_sequence((req.rid, j), req.ids, req.max_new, req.seeds[j], req.ref,
-                                                 req.last, req.request.sampling, list(req.request.stop),
-                                                 req.siblings)
+                seq = self._start_sequence(req, j)
                 seq.stats.prefill_s = req.prefill_s if j == 0 else 0.0
                 seq.stats.shared_prefill = j > 0
                 seq.stats.cached_prompt_tokens = req.cached_tokens
                 seq.stats.mark_emit(time.perf_counter())
                 if seq.finish:
-                    finished.append(self.engine.result(seq))
+                    finished.append(self._result(seq))
                 else:
                     started.append(seq)
             if started:
@@ -319,3 +356,52 @@ class Session:
             self.kv.add_row(sources[0][0], take=True)  # a one-row prefill into an empty batch: no copy
         elif sources:
             self.kv.add_rows(sources)
+
+    # ------------------------------------------------------------------ rows
+    def _start_sequence(self, req: _Request, j: int) -> DecodingSequence:
+        """Sample ``j`` of the prefilled ``req`` as a sequence with its first token (picked from the
+        prefill's output); the caller adds its KV row unless it already finished."""
+        q, c = req.request, self.config
+        sources = [(req.ref, "reference"), (self.parts.history, "history")]
+        siblings = req.siblings if c.sibling_drafts else None
+        seq = DecodingSequence.start((req.rid, j), req.ids, req.max_new, q.sampling, req.seeds[j],
+                                     list(q.stop), sources, c.max_ngram, c.min_ngram, siblings)
+        last = req.last  # the final prompt token's output, [1, V]
+        tok = int(last.argmax[0]) if q.greedy else last.sample(0, q.sampling, seq.generator)
+        seq.guesses = next_guesses([last], [[0]], [tok], [None], self.policy.guess_count)[0]
+        seq.emit([tok], self.parts.eos_ids, self.parts.tokenizer)
+        seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
+        return seq
+
+    def _decode(self, draining: bool) -> None:
+        """One decoding step of every active row (``kv`` row b is ``active[b]``'s): draft -> target
+        forward -> accept -> commit -> emit. ``draining``: see :meth:`SpeculationPolicy.draft`."""
+        active, clock = self.active, StepClock()
+        trees = self.policy.draft(active, draining)
+        rows = [StepRow.from_tree(s.length - 1, tree) for s, tree in zip(active, trees)]
+        clock.lap("draft_s")
+        cols = self.kv.columns
+        fwd = self.runner.step(rows, self.kv, OutputMode.for_rows(self.parts.mode(s.params) for s in active))
+        clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
+        k = self.policy.guess_count
+        paths, bonus, top = accept_step(trees, fwd, [s.params for s in active], [s.generator for s in active],
+                                        k, self.parts.sample_on_host)
+        guesses = next_guesses(fwd.logits, paths, bonus, top, k)
+        clock.lap("verify_s")
+        self.kv.commit([[cols + n for n in p] for p in paths])
+        clock.lap("commit_s")
+        streaks = self.policy.observe(trees, paths, [s.streak for s in active], clock.times)
+        for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
+            s.guesses, s.streak = g, streak
+            tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]
+            emitted = s.emit(tokens, self.parts.eos_ids, self.parts.tokenizer)
+            s.stats.add_step(emitted, retrieved=tree.retrieved, tree_size=len(tree) - 1, **clock.times)
+            if len(p) > 1:
+                # the emitted drafts
+                s.stats.count_origins([tree.origin_name(n, s.source_names) for n in p[1:emitted + 1]])
+
+    def _result(self, seq: DecodingSequence) -> GenerationResult:
+        """A finished sequence's result; its answer joins the history source."""
+        if self.parts.history is not None:
+            self.parts.history.add(seq.out)
+        return seq.result(self.parts.tokenizer)

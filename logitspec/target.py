@@ -1,9 +1,11 @@
-"""The one seam to the target model: run it on packed step rows and return output-layer results.
+"""The eager model runner: the target model on packed step rows, its KV storage and its output layer.
 
 Everything between "these rows need verifying" and "here are their logits" lives here: packing
 (tokens, positions, tree masks), device moves, selecting the nodes whose outputs are needed and the
-output layer (:class:`~logitspec.head.Head`). The engine, the cost calibration, the profiling script
-and the tensor-parallel code all call the target through :class:`TargetForward`.
+output layer (:class:`~logitspec.head.Head`). :class:`TargetForward` implements
+:class:`~logitspec.runner.ModelRunner` with the model's own forward over a
+:class:`~logitspec.cache.BatchKV`; the session, the cost calibration and the tensor-parallel code
+call the target through it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from .cache import BatchKV
 from .device import to_device
-from .head import Head, NodeLogits
+from .head import Head, NodeLogits, OutputMode
 from .masks import PackedStep, StepRow, layer_windows, pack
 
 
@@ -50,7 +52,8 @@ class TargetForward:
         cfg = model.config.get_text_config(decoder=True)
         kinds = getattr(cfg, "layer_types", None)
         # sliding-window layers attend over their window only (pack's trim), given each layer's kind
-        self.layer_kinds = list(kinds) if kinds and any(w is not None for w in self.windows.values()) else None
+        windowed = any(w is not None for w in self.windows.values())
+        self.layer_kinds = list(kinds) if kinds and windowed else None
         # per layer, its attention window (None: all columns)
         self._windows_per_layer = ([self.windows[k] for k in kinds] if kinds
                                    else [next(iter(self.windows.values()))] * int(cfg.num_hidden_layers))
@@ -63,16 +66,30 @@ class TargetForward:
         w = self._windows_per_layer
         return sum(cached if x is None else min(cached, x) for x in w) / max(len(w), 1)
 
-    def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool, exact: bool = True,
-                 argmax: bool = True, pick: list[np.ndarray] | None = None,
-                 segments: tuple[tuple[int, int], ...] | None = None, prefill: bool = False) -> ForwardResult:
+    def new_batch(self, max_rows: int) -> BatchKV:
+        """An empty batch cache of up to ``max_rows`` rows (rows admitted later are written in place)."""
+        return BatchKV(max_rows=max_rows)
+
+    def new_row(self, reserve: int = 0) -> BatchKV:
+        """An empty one-row cache for a prompt of about ``reserve`` tokens."""
+        return BatchKV.empty_row(reserve=reserve)
+
+    def step(self, rows: list[StepRow], kv: BatchKV, mode: OutputMode) -> ForwardResult:
+        """One decoding step: every node of every row, output-layer results (``mode``) for all of them."""
+        return self(rows, kv, True, mode)
+
+    def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool,
+                 mode: OutputMode = OutputMode.EXACT,
+                 pick: list[np.ndarray] | None = None, segments: tuple[tuple[int, int], ...] | None = None,
+                 prefill: bool = False, *, exact: bool | None = None, argmax: bool = True) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
-        padding); per row, the output layer's results for all its nodes, or its last node only, or
-        (``pick``) the nodes ``pick[b]``. ``segments`` (prompts side by side in one row) and
-        ``prefill`` (every row a causal chunk): see :mod:`logitspec.attention`.
-        ``exact=False`` allows screened scores (greedy: exact argmax, approximate scores; with
-        ``argmax=False`` the argmax only if asked, for sampling from the screen). Queues the work on
+        padding); per row, the output layer's results (``mode``) for all its nodes, or its last node
+        only, or (``pick``) the nodes ``pick[b]``. ``segments`` (prompts side by side in one row) and
+        ``prefill`` (every row a causal chunk): see :mod:`logitspec.attention`. ``exact``,
+        ``argmax``: the former flags (transitional: :meth:`OutputMode.of`). Queues the work on
         the model's device without waiting for it."""
+        if exact is not None:
+            mode = OutputMode.of(exact, argmax)
         t0 = time.perf_counter()
         packed = pack(rows, kv.columns, self.windows, self.dtype, self.device,
                       trim=self.layer_kinds is not None)  # masks [B, 1, T, L - start + T]
@@ -83,7 +100,8 @@ class TargetForward:
         else:
             sizes = packed.sizes if all_logits else [1] * len(rows)
             first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(packed.sizes)]
-            select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, sizes)])  # [N] flat node indices
+            # [N] flat node indices
+            select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, sizes)])
         starts = np.cumsum([0] + sizes[:-1])  # [B]
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)  # one transfer
         select_d, starts_d = both[:len(select)], both[len(select):]
@@ -91,25 +109,25 @@ class TargetForward:
         if self.layer_kinds is not None:
             kv.attend_from([packed.starts[k] for k in self.layer_kinds])
         try:
-            nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, exact=exact,
-                              argmax=argmax, attn=_attention_keywords(segments, prefill))  # [N, V]
+            nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, mode,
+                              attn=_attention_keywords(segments, prefill))  # [N, V]
         finally:
             if self.layer_kinds is not None:
                 kv.attend_from(None)
         spans = [(int(a), int(a) + n) for a, n in zip(starts, sizes)]
         return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
 
-    def prefill(self, tokens: list[int], chunk: int, exact: bool = True,
-                argmax: bool = True) -> tuple[BatchKV, NodeLogits]:
+    def prefill(self, tokens: list[int], chunk: int,
+                mode: OutputMode = OutputMode.EXACT) -> tuple[BatchKV, NodeLogits]:
         """A one-row cache holding ``tokens`` (run in causal chunks of ``chunk``), and the output-layer
-        result of the last token (``exact``, ``argmax`` as for :meth:`__call__`)."""
+        result (``mode``) of the last token."""
         row = BatchKV.empty_row(reserve=len(tokens))
         for start in range(0, len(tokens), chunk):
-            last = self.extend(row, tokens[start:start + chunk], exact, argmax)
+            last = self.extend(row, tokens[start:start + chunk], mode)
         return row, last
 
-    def prefill_rows(self, prompts: list[list[int]], exact: bool = True,
-                     argmax: bool = True) -> tuple[BatchKV, list[NodeLogits]]:
+    def prefill_rows(self, prompts: list[list[int]],
+                     mode: OutputMode = OutputMode.EXACT) -> tuple[BatchKV, list[NodeLogits]]:
         """Prefill several prompts from scratch in one forward (short prompts, back to back in one
         row, each attending only to itself: no padding): a cache whose row b holds prompt b, and
         per prompt the output-layer result of its last token ([1, V])."""
@@ -117,17 +135,16 @@ class TargetForward:
         lengths = [len(p) for p in prompts]
         ends = np.cumsum(lengths) - 1  # each prompt's last node
         segments = tuple((int(e) + 1 - n, int(e) + 1) for e, n in zip(ends, lengths))
-        out = self([StepRow.side_by_side(prompts)], row, all_logits=False, exact=exact, argmax=argmax, pick=[ends],
-                   segments=segments, prefill=True)
+        out = self([StepRow.side_by_side(prompts)], row, False, mode, pick=[ends], segments=segments,
+                   prefill=True)
         row.commit([list(range(sum(lengths)))])
         return row.split_row(lengths), [out.nodes[i:i + 1] for i in range(len(prompts))]
 
-    def extend(self, row: BatchKV, tokens: list[int], exact: bool = True, argmax: bool = True) -> NodeLogits:
+    def extend(self, row: BatchKV, tokens: list[int], mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
         """Run ``tokens`` as one causal chunk after the committed columns of the one-row cache
-        ``row`` and commit them; the output-layer result of the last token ([1, V])."""
+        ``row`` and commit them; the output-layer result (``mode``) of the last token ([1, V])."""
         cols = row.columns
-        last = self([StepRow.chain(row.lengths[0], tokens)], row, all_logits=False, exact=exact,
-                    argmax=argmax, prefill=True).logits[0]
+        last = self([StepRow.chain(row.lengths[0], tokens)], row, False, mode, prefill=True).logits[0]
         row.commit([list(range(cols, cols + len(tokens)))])
         return last
 

@@ -15,7 +15,8 @@ def _spy(engine) -> list:
     """Log of the engine's forwards: ("P", chunk tokens) per prefill chunk of one prompt, ("G", [prompt
     lengths]) per forward prefilling several short prompts together, ("D", rows) per decoding step."""
     log = []
-    extend, prefill_rows, decode = engine.target.extend, engine.target.prefill_rows, engine.decode_step
+    runner = engine.runner
+    extend, prefill_rows, decode = runner.extend, runner.prefill_rows, runner.step
 
     def spy_extend(row, tokens, **flags):
         log.append(("P", len(tokens)))
@@ -25,11 +26,11 @@ def _spy(engine) -> list:
         log.append(("G", [len(p) for p in prompts]))
         return prefill_rows(prompts, **flags)
 
-    def spy_decode(active, *a):
-        log.append(("D", len(active)))
-        return decode(active, *a)
+    def spy_decode(rows, *a):
+        log.append(("D", len(rows)))
+        return decode(rows, *a)
 
-    engine.target.extend, engine.target.prefill_rows, engine.decode_step = spy_extend, spy_prefill_rows, spy_decode
+    runner.extend, runner.prefill_rows, runner.step = spy_extend, spy_prefill_rows, spy_decode
     return log
 
 
@@ -154,13 +155,13 @@ def test_decode_steps_know_when_the_batch_is_only_draining(llama):
     """While a prompt waits for a slot the batch is refilled (every row's tokens count alike); once
     none waits it only drains, and the budget weighs rows by what they have left."""
     eng = Engine(llama, None, SpecConfig(method="logitspec", max_batch_size=2))
-    seen, decode = [], eng.decode_step
+    seen, draft = [], eng.policy.draft
 
-    def spy(active, kv, params, draining=False):
-        seen.append((len(active), draining))
-        return decode(active, kv, params, draining)
+    def spy(rows, draining=False):
+        seen.append((len(rows), draining))
+        return draft(rows, draining)
 
-    eng.decode_step = spy
+    eng.policy.draft = spy
     session = eng.open(Request(max_new_tokens=6))
     for p in repetitive_prompts(3, seed=2):
         session.submit(p)
@@ -246,8 +247,8 @@ def test_prefix_cache_reuses_a_block_prefix_and_evicts_by_bytes():
     refs = [hf_greedy(model, p, N_NEW) for p in (base, other)]
     cache = PrefixCache(max_bytes=1 << 24, block=8)
     eng = Engine(model, None, SpecConfig(method="logitspec", budget="fixed"), prefix_cache=cache, prefill_chunk=8)
-    if eng.target.head.screen is not None:  # one pass for one-row outputs from now on: every entry's
-        eng.target.head.screen.settle(1)    # scores of one dtype (the bfloat16 pass keeps bfloat16), one size
+    if eng.runner.head.screen is not None:  # one pass for one-row outputs from now on: every entry's
+        eng.runner.head.screen.settle(1)    # scores of one dtype (the bfloat16 pass keeps bfloat16), one size
     assert eng.generate([base], max_new_tokens=N_NEW)[0].token_ids == refs[0]
     log = _spy(eng)
     res = eng.generate([other], max_new_tokens=N_NEW)[0]

@@ -1,0 +1,118 @@
+"""The speculation policy without a model: hand-made rows, cost curves and verified paths drive its
+budget and its state machine (when it drafts, skips drafting, re-checks and explores)."""
+from dataclasses import dataclass, field
+
+import pytest
+
+from logitspec import policy as policy_module
+from logitspec.budget import CostCurve
+from logitspec.config import SpecConfig
+from logitspec.index import SequenceIndex
+from logitspec.policy import EXPLORE_NODES, RECHECK_EVERY, SpeculationPolicy
+
+STEEP = CostCurve([1, 64], [1.0, 631.0])  # every drafted node costs ten plain steps: trees never pay
+FREE = CostCurve([1, 64], [1.0, 1.0])  # drafted nodes cost nothing: every tree pays
+TIMES = {"draft_s": 1.0, "forward_s": 1.0, "verify_s": 0.0, "commit_s": 0.0}  # drafting: half a step
+
+
+@dataclass
+class Row:
+    """What drafting reads of a row (logitspec.policy.DraftRow), made by hand."""
+
+    tokens: list[int]
+    guesses: list[int] = field(default_factory=list)
+    streak: int = 0
+    remaining: int = 100
+    recent_rate: float = 1.0
+
+    def __post_init__(self):
+        self.sources = [SequenceIndex(self.tokens, 3, 1)]
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def _rows(n: int) -> list[Row]:
+    return [Row([1, 2, 3, 4, 5] * 4 + [1, 2, 3][: 1 + b % 3]) for b in range(n)]
+
+
+def _policy(curve: CostCurve, **config) -> SpeculationPolicy:
+    cfg = SpecConfig(**{"method": "logitspec", **config})
+    return SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=curve)
+
+
+def _run(policy: SpeculationPolicy, rows, steps: int):
+    """Drive ``steps`` steps, nothing drafted ever accepted; per step whether the drafter ran and
+    the draft nodes verified."""
+    drafted, draft = [], policy.drafter.draft
+    policy.drafter.draft = lambda *a: drafted.append(True) or draft(*a)
+    log = []
+    for _ in range(steps):
+        n = len(drafted)
+        trees = policy.draft(rows)
+        log.append((len(drafted) > n, sum(len(t) - 1 for t in trees)))
+        policy.observe(trees, [[0]] * len(trees), [r.streak for r in rows], TIMES)
+    return log
+
+
+def test_free_drafts_are_verified_and_learned_from():
+    policy = _policy(FREE)
+    rows = _rows(2)
+    trees = policy.draft(rows)
+    assert all(len(t) > 1 for t in trees) and policy.guess_count == policy.config.top_k
+    before = policy.acceptance.tries.sum()
+    streaks = policy.observe(trees, [[0, 1]] * 2, [0, 0], TIMES)
+    assert streaks == [1, 1] and policy.acceptance.tries.sum() > before
+    assert policy.stats()  # the budget's corrections for 2 rows are reported
+
+
+def test_trees_that_do_not_pay_are_not_verified():
+    policy = _policy(STEEP)
+    trees = policy.draft(_rows(1))
+    assert [len(t) for t in trees] == [1]  # the root alone: plain decoding
+
+
+def test_skipping_rechecks_on_schedule_and_explores():
+    """With trees that never pay: the first step drafts and chooses none; then only every
+    RECHECK_EVERY-th step drafts, the interval doubling up to MAX_RECHECK_EVERY; once the draft-free
+    steps pass EXPLORE_AFTER per row, a drafting step verifies EXPLORE_NODES nodes per row."""
+    log = _run(_policy(STEEP), _rows(1), 40)
+    drafting = [i for i, (d, _) in enumerate(log) if d]
+    assert drafting == [0, 2 * RECHECK_EVERY, 16, 17, 33, 34]
+    assert [i for i, (_, nodes) in enumerate(log) if nodes] == [16, 33]
+    assert all(nodes == EXPLORE_NODES for _, nodes in log if nodes)
+
+
+def test_cheap_drafting_is_never_skipped(monkeypatch):
+    """Drafting below SKIP_DRAFT_SHARE of a step's time: every step drafts (and chooses none)."""
+    monkeypatch.setattr(policy_module, "SKIP_DRAFT_SHARE", 0.9)
+    log = _run(_policy(STEEP), _rows(2), 12)
+    assert all(d for d, _ in log)
+
+
+def test_skipped_steps_compute_no_guesses():
+    policy = _policy(STEEP)
+    rows = _rows(1)
+    policy.observe(policy.draft(rows), [[0]], [0], TIMES)  # drafts, chooses none: the next steps skip
+    assert policy.draft(rows)[0].tokens.tolist() == [rows[0].tokens[-1]]
+    assert policy.guess_count == 0
+
+
+@pytest.mark.parametrize("method", ["ar", "pld"])
+def test_other_methods_never_prune(method):
+    policy = _policy(STEEP, method=method, budget="auto")
+    trees = policy.draft(_rows(1))
+    assert policy.guess_count == 0
+    assert [len(t) > 1 for t in trees] == [method == "pld"]
+
+
+def test_the_curve_is_measured_on_first_need_only():
+    calls = []
+    cfg = SpecConfig(method="logitspec")
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float,
+                               measure_curve=lambda: calls.append(1) or FREE)
+    rows = _rows(1)
+    for _ in range(3):
+        policy.observe(policy.draft(rows), [[0]], [0], TIMES)
+    assert calls == [1] and policy.cost_curve is FREE
