@@ -9,7 +9,6 @@ from typing import Sequence
 
 import numpy as np
 
-from . import rest
 from .config import SpecConfig
 from .index import NgramSource, retrieve_with_order
 from .tree import GUESS, DraftTree, TreeBuilder
@@ -119,6 +118,8 @@ class RestDrafter(Drafter):
         return self.config.rest_num_draft
 
     def draft(self, sources, context, guesses, budget):
+        from . import rest  # here, not at the top: `python -m logitspec.rest` must find it not yet imported
+
         c = self.config
         store, origin = next(((s, i) for i, s in enumerate(sources) if isinstance(s, rest.Datastore)), (None, 0))
         toks, parents, depths, span = rest.retrieve(store, context, min(budget, c.rest_num_draft), c.rest_max_span,

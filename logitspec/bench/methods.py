@@ -3,7 +3,9 @@
 A method is an engine method (any of :data:`logitspec.config.METHODS`) or an HF baseline (``hf``:
 ``model.generate(do_sample=False)``, ``hf-pld``: with ``prompt_lookup_num_tokens=10``). A variant
 overrides fields: ``logitspec@capacity=8@top_k=8`` (SpecConfig fields, plus ``history=N``: the engine
-keeps its answers, up to N tokens, as a draft source) or ``hf-pld@prompt_lookup_num_tokens=4``
+keeps its answers, up to N tokens, as a draft source, and ``datastore=DIR``: a REST datastore written by
+``python -m logitspec.rest build``, every prompt's reference: REST retrieves from it, the other methods
+look n-grams up in it after the prompt's own context) or ``hf-pld@prompt_lookup_num_tokens=4``
 (``generate`` keywords). ``ar`` is the reference.
 """
 from __future__ import annotations
@@ -19,8 +21,8 @@ from .samples import Decoding, run_samples
 
 REFERENCE = "ar"
 HF_METHODS = ("hf", "hf-pld")
-DEFAULT_METHODS = "ar,pld,logitspec,hf,hf-pld"
-ENGINE_OPTIONS = ("history",)  # variant keys that are Engine options, not SpecConfig fields
+DEFAULT_METHODS = "ar,pld,rest,logitspec,hf,hf-pld"
+ENGINE_OPTIONS = ("history", "datastore")  # variant keys that are Engine options, not SpecConfig fields
 
 
 @dataclass(frozen=True)
@@ -98,13 +100,27 @@ def _sync(device) -> None:
 class EngineRunner:
     """One of our engine's methods; one ``Engine.run`` call per unit."""
 
-    def __init__(self, model, tokenizer, config, decoding: Decoding = Decoding(), history: int = 0):
-        """``history``: tokens of the engine's own answers kept as a draft source (0: none)."""
+    def __init__(self, model, tokenizer, config, decoding: Decoding = Decoding(), history: int = 0,
+                 datastore: str | None = None):
+        """``history``: tokens of the engine's own answers kept as a draft source (0: none).
+        ``datastore``: a REST datastore directory, every prompt's reference (None: no reference)."""
         from ..engine import Engine
         from ..history import HistorySource
 
         self.engine = Engine(model, tokenizer, config, history=HistorySource(max_tokens=history) if history else None)
         self.decoding = decoding
+        self.reference = None
+        if datastore:
+            from ..rest import Datastore
+
+            self.reference = Datastore.load(datastore)
+
+    def _target(self):
+        """The engine, or a stand-in whose ``run`` passes the reference to it."""
+        if self.reference is None:
+            return self.engine
+        engine, ref = self.engine, self.reference
+        return type("WithReference", (), {"run": staticmethod(lambda *a, **kw: engine.run(*a, reference=ref, **kw))})()
 
     def run(self, prompts: list[list[int]], max_new_tokens: int,
             seeds: list[int] | None = None) -> tuple[float, list[dict]]:
@@ -112,7 +128,7 @@ class EngineRunner:
         dev = self.engine.target.device
         _sync(dev)
         t0 = time.perf_counter()
-        results = run_samples(self.engine, prompts, max_new_tokens, self.decoding, seeds).results
+        results = run_samples(self._target(), prompts, max_new_tokens, self.decoding, seeds).results
         _sync(dev)
         wall = time.perf_counter() - t0
         outs = []
@@ -223,6 +239,8 @@ def describe(runner) -> dict:
         return {"generate": {k: v for k, v in runner.kwargs.items() if v is not None}}
     eng = runner.engine
     out = {"config": asdict(eng.config)}
+    if runner.reference is not None:
+        out["datastore"] = getattr(runner.reference, "meta", {})
     curve = getattr(eng, "cost_curve", None)
     if curve is not None and hasattr(curve, "to_dict"):
         out["cost_curve"] = curve.to_dict()

@@ -134,7 +134,8 @@ def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int
         if not s.is_hf:
             fields = {k: v for k, v in s.overrides.items() if k not in ENGINE_OPTIONS}
             cfg = SpecConfig(method=s.base, **{**base_cfg, **fields})
-            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding, history=int(s.overrides.get("history", 0)))
+            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding, history=int(s.overrides.get("history", 0)),
+                                           datastore=s.overrides.get("datastore"))
     eos = runners[REFERENCE].engine.eos_ids
     for s in specs:
         if s.is_hf:
