@@ -86,6 +86,7 @@ def fill_synthetic(out: pathlib.Path) -> int:
     from pipeline.io.output import OutputStore
     from pipeline.job.config import JobConfig
     from pipeline.job.pending import pending, scan_ids
+    from pipeline.rows import OutputRow
 
     job = json.loads((out / "_job.json").read_text())
     store = OutputStore(out, pa.int64(), part_rows=10_000)
@@ -96,9 +97,9 @@ def fill_synthetic(out: pathlib.Path) -> int:
     row = {"sample": 0, "generation": "synthetic (not generated)", "finish_reason": "length",
            "n_prompt_tokens": 12, "n_new_tokens": 4, "steps": 4, "mean_accepted": 1.0,
            "accepted_lengths": [1, 1, 1, 1], "retrieval_success": 0.0, "wall_s": 0.0, "method": job["method"],
-           "model": job["model"], "error": None, "corpus": None}
+           "model": job["model"]}
     for i in missing.to_pylist():
-        store.add([{**row, "id": i}])
+        store.add([OutputRow(id=i, **row)])
     store.flush()
     store.close()
     return len(missing)
