@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import gc
 import json
 import math
@@ -290,7 +291,8 @@ def graph_engine_run(model, prompts, plan: Plan, method: str, **runner_kw) -> tu
     from logitspec.gpu import GraphRunner
 
     runner = GraphRunner(model, max_rows=plan.batch, max_len=256, **runner_kw)
-    engine = Engine(model, None, SpecConfig(method=method, max_batch_size=plan.batch, budget="fixed"), runner=runner)
+    config = SpecConfig(method=method, max_batch_size=plan.batch, budget="fixed")
+    engine = Engine(model, None, config, runner=runner)
     session = engine.open()
     for p in prompts:
         session.submit(p, Request(max_new_tokens=plan.new_tokens))
@@ -310,8 +312,8 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
         for dtype in (torch.float32,) if cpu else (torch.float32, torch.bfloat16):
             for attention in ("sdpa",) if cpu or dtype != torch.float32 else ("sdpa", "flex"):
                 if time.time() > deadline:
-                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention,
-                                  "skipped": True, "equal": 0, "of": 0, "ok": True})
+                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1],
+                                  "attention": attention, "skipped": True, "equal": 0, "of": 0, "ok": True})
                     continue
                 extra = {} if attention == "sdpa" else {"head_dim": 32}
                 ref_model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
@@ -321,13 +323,23 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
                 for method in ("ar", "logitspec"):
                     model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
                     outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
-                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention,
-                                  "method": method, "batch": plan.batch, "counters": counters,
-                                  "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1",
+                    cases.append({"family": family, "dtype": str(dtype).split(".")[-1],
+                                  "attention": attention, "method": method, "batch": plan.batch,
+                                  "counters": counters,
+                                  "reference": "generate" if dtype == torch.float32 else "ar bfloat16 b1",
                                   **compare(ref_model, prompts, ref, outs)})
                     del model
                 del ref_model
     return cases
+
+
+def _graph_step(runner, kv, lengths: list[int], toks: list[int], b: int, n: int):
+    """A step of ``b`` rows of ``n`` chained nodes (row r after ``lengths[r]`` cached tokens) as a
+    function: the runner's step and its argmax's transfer (the step's one wait). Never committed:
+    every call rewrites the same columns."""
+    kv.lengths = lengths[:b]
+    rows = [StepRow.chain(lengths[r], toks[lengths[r]:lengths[r] + n]) for r in range(b)]
+    return lambda: runner.step(rows, kv, OutputMode.GREEDY).nodes.argmax.tolist()
 
 
 def graph_timings(plan: Plan, deadline: float) -> dict:
@@ -350,18 +362,14 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
     cuda = device.type == "cuda"
     for attention in ("sdpa", "flex") if cuda else ("sdpa",):
         points = [(b, n) for b in plan.rows for n in nodes] if attention == "sdpa" else list(FLEX_POINTS)
-        runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention, row_buckets=plan.rows,
-                             node_buckets=tuple(nodes))
+        runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention,
+                             row_buckets=plan.rows, node_buckets=tuple(nodes))
         kv = runner.new_batch()
         runner.prefill_slot(toks[:lengths[-1]], chunk=2048)  # slot 0; the others copy it (their own lengths)
         kv.K[:, 1:most] = kv.K[:, :1]
         kv.V[:, 1:most] = kv.V[:, :1]
         res, first_s, skipped = {}, {}, []
-
-        def step(b, n):
-            kv.lengths = lengths[:b]  # steps are never committed: each rewrites the same columns
-            rows = [StepRow.chain(lengths[r], toks[lengths[r]:lengths[r] + n]) for r in range(b)]
-            return lambda: runner.step(rows, kv, OutputMode.GREEDY).nodes.argmax.tolist()  # the step's one wait
+        step = functools.partial(_graph_step, runner, kv, lengths, toks)
         for b, n in points:
             if time.time() > deadline:
                 skipped.append([b, n])
@@ -382,9 +390,9 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
             "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
             "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
             "first_call_s": first_s, "skipped": skipped, "counters": after,
-            "repeat": {"graphs": after["graphs"] - before["graphs"], "captures": after["captures"] - before["captures"],
-                       "allocations": after["allocations"] - before["allocations"],
-                       "cuda_allocations_per_step": round((alloc1 - alloc0) / max(1, len(res)), 1) if cuda else None},
+            "repeat": {**{k: after[k] - before[k] for k in ("graphs", "captures", "allocations")},
+                       "cuda_allocations_per_step": round((alloc1 - alloc0) / max(1, len(res)), 1)
+                       if cuda else None},
             "kv_gib": round(kv.bytes / 2 ** 30, 2)}
         del runner, kv
         gc.collect()
@@ -415,7 +423,7 @@ def environment(plan: Plan) -> dict:
 
 
 def part_names(plan: Plan) -> list[str]:
-    return ["lossless", "device_paths", "graph_lossless", "graph_timing"] + [f"curve_{name}" for name in plan.shapes]
+    return ["lossless", "device_paths", "graph_lossless", "graph_timing"] + [f"curve_{n}" for n in plan.shapes]
 
 
 def run_part(name: str, plan: Plan, deadline: float) -> dict:
@@ -504,7 +512,8 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     if read["graph_lossless"] is not None:
         cases = read["graph_lossless"]["cases"]
         graph.update(lossless_ok=read["graph_lossless"]["ok"], lossless_equal=sum(c["equal"] for c in cases),
-                     lossless_total=sum(c["of"] for c in cases), lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
+                     lossless_total=sum(c["of"] for c in cases),
+                     lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
     if read["graph_timing"] is not None:
         graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
     if graph:

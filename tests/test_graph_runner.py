@@ -3,6 +3,7 @@ commit, and lossless decoding against HF generate and the eager TargetForward.""
 import numpy as np
 import pytest
 import torch
+from tiny_models import FAMILIES, VOCAB, hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.cache import BatchKV
@@ -12,7 +13,6 @@ from logitspec.request import Request
 from logitspec.target import TargetForward
 from logitspec.tree import DraftTree
 from logitspec.verify import greedy_accept
-from tiny_models import FAMILIES, VOCAB, hf_greedy, repetitive_prompts, tiny_model
 
 N_NEW = 14
 
@@ -124,10 +124,13 @@ def _tree_run(family, attention="sdpa", steps_max=40, seed=0):
         for _ in range(steps_max):
             if min(len(o) for o in out) >= N_NEW:
                 break
-            trees = [_random_tree(rng, o[-1], ref[len(o):], int(rng.integers(1, 12))) for o, ref in zip(out, refs)]
-            fwd = runner([StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)], kv, all_logits=True)
+            trees = [_random_tree(rng, o[-1], ref[len(o):], int(rng.integers(1, 12)))
+                     for o, ref in zip(out, refs)]
+            fwd = runner([StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)], kv,
+                         all_logits=True)
             cols = ekv.columns  # before the forward appends the step's columns
-            efwd = eager([StepRow.from_tree(ekv.lengths[b], t) for b, t in enumerate(trees)], ekv, all_logits=True)
+            efwd = eager([StepRow.from_tree(ekv.lengths[b], t) for b, t in enumerate(trees)], ekv,
+                         all_logits=True)
             diffs.append((fwd.nodes.scores - efwd.nodes.scores).abs().max().item())
             paths, epaths = [], []
             for b, t in enumerate(trees):
@@ -185,8 +188,11 @@ def test_repeated_shapes_build_nothing():
     with torch.inference_mode():
         kv = runner.new_kv()
         roots = [int(runner.prefill_slot(p).argmax[0]) for p in prompts]
-        step = lambda n: runner([StepRow.chain(kv.lengths[b], [roots[b]] * n) for b in range(2)], kv,  # noqa: E731
-                                all_logits=True)
+
+        def step(n):
+            rows = [StepRow.chain(kv.lengths[b], [roots[b]] * n) for b in range(2)]
+            return runner(rows, kv, all_logits=True)
+
         step(3)  # warm-up: bucket (2 rows, 4 nodes)
         before, allocs = dict(runner.counters), runner.kv.allocations
         for n in (3, 4, 2, 4):  # the same buckets (nodes 3, 4 -> 4; 2 -> 2 is new)

@@ -4,4 +4,5 @@ from .runner import GraphRunner, default_runner, greedy_chains
 from .slots import SlotKV, SlotLayer
 from .step import NODE_BUCKETS, ROW_BUCKETS, bucket
 
-__all__ = ["GraphRunner", "default_runner", "SlotKV", "SlotLayer", "greedy_chains", "bucket", "ROW_BUCKETS", "NODE_BUCKETS"]
+__all__ = ["GraphRunner", "default_runner", "SlotKV", "SlotLayer", "greedy_chains", "bucket", "ROW_BUCKETS",
+           "NODE_BUCKETS"]

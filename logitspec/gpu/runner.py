@@ -60,17 +60,19 @@ class GraphRunner:
         if self.capture and self.device.type != "cuda":
             raise ValueError("capture needs a CUDA device")
         cfg = model.config.get_text_config(decoder=True)
-        self.groups = int(cfg.num_attention_heads) // int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        heads = int(cfg.num_attention_heads)
+        self.groups = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)
         self.hidden_size = int(cfg.hidden_size)
         self.row_buckets = tuple(b for b in row_buckets if b < max_rows) + (max_rows,)
         self.node_buckets = tuple(node_buckets)
         self.key_block, self.flex_block, self.warmup = key_block, flex_block, warmup
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
-        model.set_attn_implementation(NAME)  # the eager path's attention is unchanged (graph_attention delegates)
+        # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
+        model.set_attn_implementation(NAME)
         self.kv = SlotKV(int(cfg.num_hidden_layers), max_rows, max_len, self.device)
         self._buffers: dict[tuple[int, int], StepBuffers] = {}
         self._flex: dict[tuple[int, int], FlexMasks] = {}
-        self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> the step (a graph's replay, or the function)
+        self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
         self._pool = None
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0}
 
@@ -125,7 +127,8 @@ class GraphRunner:
         T = buf.T
         first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(sizes)]
         counts = sizes if all_logits else [1] * len(rows)
-        select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, counts)])  # [N] into the [R, T] batch
+        # [N]: the nodes' flat positions in the [R, T] batch
+        select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, counts)])
         starts = np.cumsum([0] + counts[:-1])
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)
         select_d, starts_d = both[:len(select)], both[len(select):]
@@ -147,11 +150,14 @@ class GraphRunner:
         return (lambda: self._forward(buf, key_len)), buf.hidden
 
     def _fill(self, rows: list[StepRow], kv: SlotKV) -> tuple[StepBuffers, int]:
-        R, T = bucket(len(rows), self.row_buckets), bucket(max(len(r.tokens) for r in rows), self.node_buckets)
+        R = bucket(len(rows), self.row_buckets)
+        T = bucket(max(len(r.tokens) for r in rows), self.node_buckets)
         need = max(kv.lengths) + T
         if need > kv.max_len:
             raise ValueError(f"a row needs {need} columns (nodes padded to {T}); slots hold {kv.max_len}")
-        key_len = kv.max_len if self.attention == "flex" else min(-(-need // self.key_block) * self.key_block, kv.max_len)
+        key_len = kv.max_len  # flex: the block lists end each row
+        if self.attention == "sdpa":
+            key_len = min(-(-need // self.key_block) * self.key_block, kv.max_len)
         buf = self._buffers_for(R, T)
         buf.fill(rows, kv.lengths)
         return buf, key_len
@@ -170,8 +176,8 @@ class GraphRunner:
                 part = list(tokens[start:start + chunk])
                 kv.for_prefill(slot, start, len(part))
                 p = pack([StepRow.chain(start, part)], start, self.windows, self.dtype, self.device)
-                out = self.head.decoder(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask, cache=kv.hf,
-                                        use_cache=True, prefill=True)
+                out = self.head.decoder(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask,
+                                        cache=kv.hf, use_cache=True, prefill=True)
                 kv.lengths[slot] = start + len(part)
         except Exception:
             kv.lengths.pop()
@@ -199,10 +205,11 @@ class GraphRunner:
         if flex is not None:
             masks = flex.update()
         else:
-            masks = {kind: sdpa_mask_for(buf, key_len, w, self.groups, self.dtype) for kind, w in self.windows.items()}
+            masks = {kind: sdpa_mask_for(buf, key_len, w, self.groups, self.dtype)
+                     for kind, w in self.windows.items()}
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
-        out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask, cache=self.kv.hf,
-                                use_cache=True, graph_step=True)
+        out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask,
+                                cache=self.kv.hf, use_cache=True, graph_step=True)
         buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
 
     def _step_for(self, buf: StepBuffers, key_len: int):

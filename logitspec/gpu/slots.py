@@ -108,7 +108,7 @@ class SlotKV:
             self.allocate(k.shape[1], k.shape[3], k.dtype, v.shape[3])
         if k.shape[1] != self.K.shape[2] or k.shape[3] != self.K.shape[4] or k.dtype != self.K.dtype:
             raise ValueError(f"layer {layer}: keys {tuple(k.shape)} {k.dtype} do not fit the slot storage "
-                             f"{tuple(self.K.shape)} {self.K.dtype} (layers of different shapes are not supported)")
+                             f"{tuple(self.K.shape)} {self.K.dtype} (layers of other shapes: unsupported)")
         K, V = self.K[layer], self.V[layer]  # [slots, heads, max_len, dim]
         kind = self._mode[0]
         if kind == "prefill":

@@ -123,7 +123,8 @@ class FlexMasks:
         from torch.nn.attention.flex_attention import BlockMask
 
         if max_len % block:
-            raise ValueError(f"flex attention needs a slot length ({max_len}) divisible by its block ({block})")
+            raise ValueError(f"flex attention needs a slot length ({max_len}) divisible by its block "
+                             f"({block})")
         self.buf, self.block, self.windows = buf, block, windows
         dev = buf.ids.device
         nb = max_len // block
@@ -181,10 +182,12 @@ def graph_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     R, H, T, D = query.shape
     KV = key.shape[1]
     if not isinstance(attention_mask, torch.Tensor):  # a BlockMask
-        out = flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=KV != H)
+        out = flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling,
+                                 enable_gqa=KV != H)
         return out.transpose(1, 2).contiguous(), None
     q = query.reshape(R, KV, (H // KV) * T, D)  # head h = kv * G + g, as repeat_kv orders them
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
     return out.reshape(R, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
