@@ -8,10 +8,10 @@ import struct
 import time
 
 import pytest
+from test_models import _tiny_llama, _write_tiny_gguf
 
 from logitspec.models import InvalidModelFileError, ModelNotFoundError, resolve_model_path
 from logitspec.models.gguf import check_gguf_file, read_gguf_metadata
-from test_models import _tiny_llama, _write_tiny_gguf
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ def tiny_gguf(tmp_path_factory):
 
 
 def _refused(path, cache, *patterns):
-    """resolve_model_path refuses ``path`` quickly with one InvalidModelFileError naming it; nothing cached."""
+    """resolve_model_path refuses ``path`` at once with one InvalidModelFileError naming it; no cache."""
     t0 = time.monotonic()
     with pytest.raises(InvalidModelFileError) as info:
         resolve_model_path(str(path))

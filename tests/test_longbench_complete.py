@@ -7,7 +7,8 @@ import pathlib
 
 import pytest
 
-from logitspec.evaluation import longbench, longbench_v2 as v2, make_data_v2, scoring
+from logitspec.evaluation import longbench, make_data_v2, scoring
+from logitspec.evaluation import longbench_v2 as v2
 from logitspec.evaluation.longbench import Example, LongBenchFormatError
 from logitspec.evaluation.sweep_report import build_report, report_markdown
 from logitspec.evaluation.sweep_rows import official_stop_length, stop_strings, sweep_rows
@@ -28,9 +29,9 @@ class CharTokenizer:
 
 
 def _row(name, key_id, config, text, error=None):
-    return {"key": f"{name}/{key_id}", "dataset": name, "config": config, "generation": text, "token_ids": [1, 2],
-            "n_prompt_tokens": 10, "n_new_tokens": 2, "steps": 2, "prefill_s": 0.1, "run_share_s": 0.2,
-            "peak_rss_bytes": None, "error": error}
+    return {"key": f"{name}/{key_id}", "dataset": name, "config": config, "generation": text,
+            "token_ids": [1, 2], "n_prompt_tokens": 10, "n_new_tokens": 2, "steps": 2, "prefill_s": 0.1,
+            "run_share_s": 0.2, "peak_rss_bytes": None, "error": error}
 
 
 # ------------------------------------------------------------------------------ exact sum (eval.py's loop)
@@ -60,8 +61,8 @@ def test_percent_does_not_use_sum(monkeypatch):
 # ------------------------------------------------------------------------------------ LongBench-E buckets
 
 def _e_example(i, length, answer="blue"):
-    return Example(name="hotpotqa_e", input="q", context="c", answers=(answer,), all_classes=None, length=length,
-                   dataset="hotpotqa", language="en", id=str(i))
+    return Example(name="hotpotqa_e", input="q", context="c", answers=(answer,), all_classes=None,
+                   length=length, dataset="hotpotqa", language="en", id=str(i))
 
 
 def test_report_gives_longbench_e_scores_per_length_bucket():
@@ -90,7 +91,8 @@ def test_longbench_e_empty_bucket_is_null_not_nan():
     data = {"hotpotqa_e": [_e_example(0, 100), _e_example(1, 5000)]}
     rows = [_row("hotpotqa_e", i, "ar", "blue") for i in range(2)]
     report = build_report(rows, data, CONFIGS[:1])
-    assert report["datasets"]["hotpotqa_e"]["ar"]["length_scores"] == {"0-4k": 100.0, "4-8k": 100.0, "8k+": None}
+    buckets = report["datasets"]["hotpotqa_e"]["ar"]["length_scores"]
+    assert buckets == {"0-4k": 100.0, "4-8k": 100.0, "8k+": None}
     json.dumps(report, allow_nan=False)
     assert "| ar | 100.00 | 100.00 | - |" in report_markdown(report)
 
@@ -99,8 +101,9 @@ def test_longbench_e_empty_bucket_is_null_not_nan():
 
 def test_samsum_rows_have_no_stop_string_and_a_leading_newline_scores_the_next_line():
     assert stop_strings("samsum") == stop_strings("samsum_e") == ()
-    ex = Example(name="samsum", input="Dialogue: A: hi\nSummary: ", context="ctx", answers=("Ann greets Bob.",),
-                 all_classes=None, length=5, dataset="samsum", language="en", id="0")
+    ex = Example(name="samsum", input="Dialogue: A: hi\nSummary: ", context="ctx",
+                 answers=("Ann greets Bob.",), all_classes=None, length=5, dataset="samsum", language="en",
+                 id="0")
     (row,) = sweep_rows({"samsum": [ex]}, CharTokenizer(), 10_000)
     assert row.stop == () and row.max_new_tokens == 128
     # a generation that begins with a newline: the official run goes on to the next line and scores it
@@ -123,8 +126,9 @@ def test_official_stop_length_is_the_newline_token_after_the_first():
 # ------------------------------------------------------------------------------------------ LongBench v2
 
 def _v2_obj(i, answer="B", difficulty="easy", length="short", **kw):
-    obj = {"_id": f"id{i}", "domain": "Single-Document QA", "sub_domain": "Academic", "difficulty": difficulty,
-           "length": length, "question": " Which one? ", "choice_A": " one ", "choice_B": "two",
+    obj = {"_id": f"id{i}", "domain": "Single-Document QA", "sub_domain": "Academic",
+           "difficulty": difficulty, "length": length, "question": " Which one? ", "choice_A": " one ",
+           "choice_B": "two",
            "choice_C": "three", "choice_D": "four", "answer": answer, "context": "\n The text. \n"}
     obj.update(kw)
     return obj
@@ -134,7 +138,8 @@ def test_v2_extract_answer_as_pred_py():
     assert v2.extract_answer("The correct answer is (C)") == "C"
     assert v2.extract_answer("**The correct answer is (B)**") == "B"  # '*' removed first
     assert v2.extract_answer("The correct answer is D.") == "D"
-    assert v2.extract_answer("The correct answer is A, not (B). The correct answer is (B)") == "B"  # paren first
+    # the parenthesised form first, anywhere in the response
+    assert v2.extract_answer("The correct answer is A, not (B). The correct answer is (B)") == "B"
     assert v2.extract_answer("the correct answer is (A)") is None  # case-sensitive, as pred.py
     assert v2.extract_answer("The correct answer is (E)") is None
     assert v2.extract_answer("Answer: A") is None
@@ -144,10 +149,12 @@ def test_v2_prompt_is_the_0shot_template_with_stripped_fields():
     e = v2.example_v2_from_json(_v2_obj(0), "longbench_v2")
     prompt = v2.format_v2_prompt(e)
     assert prompt == ("Please read the following text and answer the question below.\n\n<text>\nThe text.\n"
-                      "</text>\n\nWhat is the correct answer to this question: Which one?\nChoices:\n(A) one\n"
+                      "</text>\n\nWhat is the correct answer to this question: Which one?\n"
+                      "Choices:\n(A) one\n"
                       "(B) two\n(C) three\n(D) four\n\nFormat your response as follows: "
                       "\"The correct answer is (insert answer here)\".")
-    assert v2.format_v2_prompt(e, "0shot_no_context").startswith("What is the correct answer to this question: ")
+    no_context = v2.format_v2_prompt(e, "0shot_no_context")
+    assert no_context.startswith("What is the correct answer to this question: ")
     with pytest.raises(ValueError, match="unknown LongBench v2 template"):
         v2.format_v2_prompt(e, "cot")
 
@@ -160,8 +167,9 @@ def test_v2_truncation_keeps_head_and_tail_decoded_once():
 
 
 def test_v2_scores_as_result_py():
-    objs = [_v2_obj(0, "A", "easy", "short"), _v2_obj(1, "B", "hard", "short"), _v2_obj(2, "C", "hard", "medium"),
-            _v2_obj(3, "D", "hard", "long"), _v2_obj(4, "A", "easy", "long"), _v2_obj(5, "A", "hard", "long")]
+    objs = [_v2_obj(0, "A", "easy", "short"), _v2_obj(1, "B", "hard", "short"),
+            _v2_obj(2, "C", "hard", "medium"), _v2_obj(3, "D", "hard", "long"),
+            _v2_obj(4, "A", "easy", "long"), _v2_obj(5, "A", "hard", "long")]
     examples = [v2.example_v2_from_json(o, "longbench_v2") for o in objs]
     responses = ["The correct answer is (A)", "The correct answer is B", "I think (C)",
                  "The correct answer is (D)", "The correct answer is (B)", ""]
@@ -179,9 +187,9 @@ def test_v2_reader_json_array_and_jsonl_and_clean_refusals(tmp_path):
     d = tmp_path / "data"
     d.mkdir()
     (d / "longbench_v2.json").write_text(json.dumps([_v2_obj(0), _v2_obj(1, "C")]))
-    (d / "hotpotqa.jsonl").write_text(json.dumps({"input": "q", "context": "c", "answers": ["a"], "length": 1,
-                                                  "dataset": "hotpotqa", "language": "en", "all_classes": None,
-                                                  "_id": "x"}) + "\n")
+    v1 = {"input": "q", "context": "c", "answers": ["a"], "length": 1, "dataset": "hotpotqa",
+          "language": "en", "all_classes": None, "_id": "x"}
+    (d / "hotpotqa.jsonl").write_text(json.dumps(v1) + "\n")
     (d / "meta.json").write_text("{}")
     assert longbench.list_datasets(d) == ["hotpotqa", "longbench_v2"]
     data = longbench.read_directory(d)
@@ -202,8 +210,9 @@ def test_v2_reader_json_array_and_jsonl_and_clean_refusals(tmp_path):
 
 
 def test_v2_sweep_rows_and_report():
+    kinds = [("A", "easy", "short"), ("B", "hard", "long"), ("C", "hard", "long")]
     examples = [v2.example_v2_from_json(_v2_obj(i, a, d, n), "longbench_v2")
-                for i, (a, d, n) in enumerate([("A", "easy", "short"), ("B", "hard", "long"), ("C", "hard", "long")])]
+                for i, (a, d, n) in enumerate(kinds)]
     rows = sweep_rows({"longbench_v2": examples}, CharTokenizer(), 10_000, chat_template=True)
     assert [r.key for r in rows] == ["longbench_v2/id0", "longbench_v2/id1", "longbench_v2/id2"]
     assert rows[0].prompt == v2.format_v2_prompt(examples[0]) and rows[0].chat and rows[0].stop == ()
@@ -217,8 +226,10 @@ def test_v2_sweep_rows_and_report():
     report = build_report(out, {"longbench_v2": examples}, CONFIGS)
     ar, ls = report["datasets"]["longbench_v2"]["ar"], report["datasets"]["longbench_v2"]["logitspec"]
     assert ar["score"] == ar["v2"]["overall"] == round(100 * 2 / 3, 1)
-    assert (ar["v2"]["easy"], ar["v2"]["hard"], ar["v2"]["long"], ar["v2"]["medium"]) == (100.0, 50.0, 50.0, None)
-    assert ls["v2"]["unanswered"] == 1 and ls["score"] == 100.0  # the error row is not scored (pred.py skips it)
+    assert (ar["v2"]["easy"], ar["v2"]["hard"], ar["v2"]["long"]) == (100.0, 50.0, 50.0)
+    assert ar["v2"]["medium"] is None
+    # the error row is not scored (pred.py writes no row for a failed query)
+    assert ls["v2"]["unanswered"] == 1 and ls["score"] == 100.0
     md = report_markdown(report)
     assert "LongBench v2 accuracy" in md and "| ar | 66.7 | 100.0 | 50.0 | 100.0 | - | 50.0 | 0 | 0 |" in md
     json.dumps(report, allow_nan=False)

@@ -14,8 +14,15 @@ import pytest
 import torch
 
 from logitspec import models
-from logitspec.models import builtin, gguf, paths
-from logitspec.models import ModelNotFoundError, default_cache_dir, load_model, resolve_model_path
+from logitspec.models import (
+    ModelNotFoundError,
+    builtin,
+    default_cache_dir,
+    gguf,
+    load_model,
+    paths,
+    resolve_model_path,
+)
 
 TINY = dict(
     vocab_size=128,

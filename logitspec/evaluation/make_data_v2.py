@@ -47,15 +47,16 @@ def _kv(e: Example, rng: random.Random) -> tuple[str, list[str]]:
 
 
 def _retrieval(e: Example, rng: random.Random) -> tuple[str, list[str]]:
-    labels = sorted({f"Paragraph {n}" for n in re.findall(r"^Paragraph (\d+):", e.context, re.M)} - {e.answers[0]})
+    found = {f"Paragraph {n}" for n in re.findall(r"^Paragraph (\d+):", e.context, re.M)}
+    labels = sorted(found - {e.answers[0]})
     return (f'Which paragraph is this abstract from: "{e.input}"?', rng.sample(labels, 3))
 
 
 def _count(e: Example, rng: random.Random) -> tuple[str, list[str]]:
     n = int(e.answers[0])
     near = [str(k) for k in (n - 2, n - 1, n + 1, n + 2, n + 3) if k > 0]
-    return ("Some of the paragraphs above repeat others word for word. How many different paragraphs are there?",
-            rng.sample(near, 3))
+    return ("Some of the paragraphs above repeat others word for word. "
+            "How many different paragraphs are there?", rng.sample(near, 3))
 
 
 def _fact(e: Example, rng: random.Random) -> tuple[str, list[str]]:
@@ -65,7 +66,8 @@ def _fact(e: Example, rng: random.Random) -> tuple[str, list[str]]:
     elif answer in _CITIES:
         pool = sorted(set(_CITIES) - {answer})
     else:  # a made-up code name of three syllables
-        pool = sorted({"".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize() for _ in range(40)} - {answer})
+        codes = {"".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize() for _ in range(40)}
+        pool = sorted(codes - {answer})
     return e.input, rng.sample(pool, 3)
 
 

@@ -68,7 +68,7 @@ def _dataset_scores(scored: list, preds: list[str], rows: list[dict]) -> dict:
     accuracy overall, by difficulty and by length; ``score`` is the overall accuracy)."""
     if not scored:
         return {"score": None}
-    if isinstance(scored[0], ExampleV2):  # pred.py writes no row for a failed query: an error row is unanswered
+    if isinstance(scored[0], ExampleV2):  # pred.py writes no row for a failed query: error rows not scored
         responses = [None if r["error"] is not None else (r["generation"] or "") for r in rows]
         v2 = score_v2(scored, responses)
         return {"score": v2["overall"], "v2": v2}
@@ -98,7 +98,8 @@ def _compare(cell: dict, base: dict, rows: list[dict], base_rows: list[dict], mi
         same += equal
         if not equal and len(mismatches) < MAX_MISMATCHES:
             mismatches.append({"dataset": r["dataset"], "config": r["config"], "key": r["key"],
-                               "error": r["error"] or (b or {}).get("error") or (None if b else "no baseline row")})
+                               "error": (r["error"] or (b or {}).get("error")
+                                         or (None if b else "no baseline row"))})
     cell["identical_rows"] = same
     cell["identical"] = same == len(rows) == len(base_rows)
     cell["same_score"] = cell["score"] == base["score"]
@@ -150,9 +151,10 @@ def _breakdown(cells: dict) -> str:
         counts = first["length_counts"]
         head = ("\nLongBench-E score by length (`eval.py --e`; rows per bucket: "
                 + ", ".join(f"{b} {n}" for b, n in counts.items()) + ")\n\n"
-                "| configuration | " + " | ".join(LENGTH_BUCKETS) + " |\n" + "|---" * (1 + len(LENGTH_BUCKETS)) + "|\n")
-        lines = [f"| {n} | " + " | ".join(_fmt(c.get("length_scores", {}).get(b)) for b in LENGTH_BUCKETS) + " |"
-                 for n, c in cells.items()]
+                "| configuration | " + " | ".join(LENGTH_BUCKETS) + " |\n"
+                + "|---" * (1 + len(LENGTH_BUCKETS)) + "|\n")
+        lines = [f"| {n} | " + " | ".join(_fmt(c.get("length_scores", {}).get(b)) for b in LENGTH_BUCKETS)
+                 + " |" for n, c in cells.items()]
         return head + "\n".join(lines) + "\n"
     if "v2" in first:
         groups = ("overall", "easy", "hard", "short", "medium", "long")

@@ -50,7 +50,8 @@ def input_limit(max_context: int, max_new_tokens: int, max_length: int | None = 
     return limit
 
 
-def sweep_rows(data: Mapping[str, Sequence[Example | ExampleV2]], tokenizer: TokenizerLike, max_context: int, *,
+def sweep_rows(data: Mapping[str, Sequence[Example | ExampleV2]], tokenizer: TokenizerLike,
+               max_context: int, *,
                max_new_cap: int | None = None, max_length: int | None = None,
                chat_template: bool = False) -> list[SweepRow]:
     """The rows of every example, dataset by dataset in file order (``ValueError`` on a repeated key).
@@ -74,13 +75,15 @@ def sweep_rows(data: Mapping[str, Sequence[Example | ExampleV2]], tokenizer: Tok
             if v2:  # pred.py sends the prompt as a chat user message
                 full = v2_spec.format_v2_prompt(e)
                 prompt = v2_spec.truncate_v2(full, tokenizer, limit)
-                rows.append(SweepRow(key=key, dataset=name, example_id=e.id, prompt=prompt, max_new_tokens=max_new,
-                                     stop=(), chat=chat_template, truncated=prompt != full))
+                rows.append(SweepRow(key=key, dataset=name, example_id=e.id, prompt=prompt,
+                                     max_new_tokens=max_new, stop=(), chat=chat_template,
+                                     truncated=prompt != full))
                 continue
             full = spec.prompt.format(context=e.context, input=e.input)
             prompt = build_prompt(name, e.context, e.input, tokenizer, limit)
-            rows.append(SweepRow(key=key, dataset=name, example_id=e.id, prompt=prompt, max_new_tokens=max_new,
-                                 stop=stop_strings(name), chat=spec.chat and chat_template,
+            rows.append(SweepRow(key=key, dataset=name, example_id=e.id, prompt=prompt,
+                                 max_new_tokens=max_new, stop=stop_strings(name),
+                                 chat=spec.chat and chat_template,
                                  truncated=prompt != full))
     return rows
 
