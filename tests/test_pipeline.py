@@ -1028,6 +1028,47 @@ def test_samples_have_their_own_stable_seeds(tiny):
     assert later[0].generation == text[2]
 
 
+def test_request_columns_give_rows_their_own_settings_each_as_decoded_alone(tmp_path, tiny):
+    """``--request-columns max_new_tokens,seed``: a row's own values replace the job's (a null keeps the
+    job's); each row's samples equal decoding it alone with its settings, in one batch and in a streaming
+    session; a bad value makes that row an error row before any replica sees it."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+    from pipeline.job.pending import chunk_rows, pending, stream_chunks
+    from pipeline.replica.streaming import StreamingRows
+    from pipeline.replica.worker import RowGenerator
+
+    rows = [{"id": 0, "prompt": "Hello there", "max_new_tokens": 3, "seed": None},
+            {"id": 1, "prompt": "Lorem ipsum dolor", "max_new_tokens": None, "seed": 9},
+            {"id": 2, "prompt": "Once upon a time", "max_new_tokens": 5, "seed": 4},
+            {"id": 3, "prompt": "A bad row", "max_new_tokens": 0, "seed": None},
+            {"id": 4, "prompt": "The job's settings", "max_new_tokens": None, "seed": None}]
+    inp = _write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = _cfg(tiny, inp, tmp_path / "out", max_new_tokens=12, temperature=0.8, seed=3, num_samples=2,
+               max_batch_size=4, request_columns=("max_new_tokens", "seed"))
+    data = scan_ids(open_input(cfg))
+    todo = pending(data, None, cfg.num_samples)
+    got = [x for c in stream_chunks(data, cfg, todo.todo) for x in chunk_rows(c, cfg, None, {})]
+    assert [p for _, p in got[:3]] == [None] * 3 and got[4][1] is None
+    assert "--request-columns: max_new_tokens must be >= 1" in got[3][1]
+    inputs = [r for r, p in got if p is None]
+    job = cfg.request
+    assert [r.request for r in inputs] == [job.with_(max_new_tokens=3), job.with_(seed=9),
+                                           job.with_(max_new_tokens=5, seed=4), None]
+    model, tok = load_model(tiny)
+    batch, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(inputs)
+    stream, _ = StreamingRows(RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen))(inputs)
+    assert [(r.id, r.sample) for r in batch] == [(i, s) for i in (0, 1, 2, 4) for s in (0, 1)]
+    for k, r in enumerate(inputs):
+        own = dataclasses.replace(cfg.gen, request=r.request or job)
+        alone, _ = RowGenerator(Engine(model, tok, own.spec_config()), own)([dataclasses.replace(r, request=None)])
+        mine = batch[2 * k:2 * k + 2]
+        assert [x.generation for x in mine] == [x.generation for x in stream[2 * k:2 * k + 2]] \
+            == [x.generation for x in alone], r.id
+        assert all(x.error is None and x.n_new_tokens <= own.request.max_new_tokens for x in mine)
+    assert max(x.n_new_tokens for x in batch[6:]) > 5  # the job's 12 where the row sets none
+
+
 def test_pending_keys_per_sample():
     """Which (id, sample) pairs a resume still has to do: whole rows, and the missing samples of rows
     partly written; keys of other ids or samples beyond --num-samples do not count."""

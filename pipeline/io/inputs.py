@@ -256,6 +256,8 @@ def open_input(cfg: JobConfig) -> InputSource:
             "--messages-column" if cfg.messages_column else "--prompt-column")
     if cfg.corpus_column:
         require(cfg.corpus_column, "--corpus-column")
+    for col in cfg.request_columns:
+        require(col, "--request-columns")
     source = InputSource(str(path), files, roles, cfg.limit)
     if source.has_ids:
         require(cfg.id_column, "--id-column")

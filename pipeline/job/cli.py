@@ -15,7 +15,14 @@ from logitspec.config import METHODS
 from logitspec.request import Request, add_request_flags, request_from_args
 
 from ..errors import ConfigError
-from .config import DEFAULT_MAX_NEW_TOKENS, DTYPES, GenerationSpec, JobConfig, parse_reference
+from .config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DTYPES,
+    REQUEST_COLUMNS,
+    GenerationSpec,
+    JobConfig,
+    parse_reference,
+)
 
 log = logging.getLogger("pipeline.job.cli")
 
@@ -49,6 +56,10 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     io.add_argument("--messages-column", default=None,
                     help="chat messages column (list of {role, content}); used instead of the prompt when "
                          "not null")
+    io.add_argument("--request-columns", default="", metavar="COLS",
+                    help=f"comma-separated input columns ({', '.join(REQUEST_COLUMNS)}) holding a row's own "
+                         "decoding setting in place of the job's (null: the job's); seed is the row's base "
+                         "seed")
     io.add_argument("--corpus-column", default=None, help="column naming the reference corpus a row uses")
     io.add_argument("--split", default=None, help="split of a saved DatasetDict")
     io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
@@ -140,7 +151,9 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         id_column=args.id_column,
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split,
         limit=args.limit,
-        references=tuple(parse_reference(r) for r in args.reference), actors=args.actors, tp=args.tp,
+        references=tuple(parse_reference(r) for r in args.reference),
+        request_columns=tuple(c.strip() for c in args.request_columns.split(",") if c.strip()),
+        actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,

@@ -17,6 +17,9 @@ from ..errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_NEW_TOKENS = 64  # the job's --max-new-tokens
+# decoding settings a row may carry in an input column of the same name (--request-columns): the ones a
+# batch's rows may differ in (the engine's sampling settings are still one per batch)
+REQUEST_COLUMNS = ("max_new_tokens", "seed")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -86,6 +89,8 @@ class JobConfig:
     limit: int | None = None  # only the first N input rows (the job's input is then those rows)
     # (name, path) pairs; name "default" when given without a name
     references: tuple[tuple[str, str], ...] = ()
+    # input columns holding a row's own decoding settings (REQUEST_COLUMNS); a null keeps the job's
+    request_columns: tuple[str, ...] = ()
     actors: int = 1
     # tensor-parallel shards per replica: N actors on one node (pipeline/replica/tp.py); resources per shard
     tp: int = 1
@@ -139,6 +144,10 @@ class JobConfig:
         if self.references and self.corpus_column and "default" in names and len(names) == 1:
             raise ConfigError("with --corpus-column, name the reference after the corpus it serves: "
                               "--reference NAME=PATH")
+        bad = [c for c in self.request_columns if c not in REQUEST_COLUMNS]
+        if bad or len(set(self.request_columns)) != len(self.request_columns):
+            raise ConfigError(f"--request-columns takes distinct names among {', '.join(REQUEST_COLUMNS)}, "
+                              f"got {', '.join(self.request_columns)}")
         if {self.prompt_column, self.id_column} & {self.messages_column, self.corpus_column} - {None}:
             raise ConfigError("the id, prompt, messages and corpus columns must differ")
 

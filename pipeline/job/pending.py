@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from logitspec.request import Request
+
 from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type
 from ..io.row_checks import row_problem, row_prompt
@@ -138,7 +140,28 @@ def prompt_problems(t: pa.Table, cfg: JobConfig) -> list:
                 problems[i] = row_problem(None, m, True)
     if PROBLEM in t.column_names:
         problems = [p or q for p, q in zip(t.column(PROBLEM).to_pylist(), problems)]
+    if cfg.request_columns:
+        problems = [p or q for p, (_, q) in zip(problems, row_requests(t, cfg))]
     return problems
+
+
+def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str | None]]:
+    """Per row, its own :class:`Request` from its ``--request-columns`` values (None where they are all
+    null: the job's applies) and why they cannot be used (None if they can)."""
+    columns = [(c, t.column(c).to_pylist()) for c in cfg.request_columns]
+    out = []
+    for k in range(t.num_rows):
+        given = {c: values[k] for c, values in columns if values[k] is not None}
+        if not given:
+            out.append((None, None))
+        elif any(not isinstance(v, int) or isinstance(v, bool) for v in given.values()):
+            out.append((None, f"--request-columns: {', '.join(given)} must be integers, got {given}"))
+        else:
+            try:
+                out.append((cfg.request.with_(**given), None))
+            except ValueError as e:
+                out.append((None, f"--request-columns: {e}"))
+    return out
 
 
 @dataclass
@@ -154,7 +177,7 @@ def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterat
     """The rows with ``todo`` set, read from the input in order, one scanner batch at a time."""
     roles = index.source.roles
     cols = [c for c in (roles["id"] if not index.generated_ids else None, cfg.prompt_column,
-                        cfg.messages_column, cfg.corpus_column) if c]
+                        cfg.messages_column, cfg.corpus_column, *cfg.request_columns) if c]
     offset = 0
     for t in index.source.batches(cols):
         n = t.num_rows
@@ -192,6 +215,8 @@ def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing
     messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows
     corpora = t.column(cfg.corpus_column).to_pylist() if cfg.corpus_column else [default_corpus] * t.num_rows
     every = range(cfg.num_samples)
-    for rid, p, m, c, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, chunk.problems):
+    requests = [q for q, _ in row_requests(t, cfg)] if cfg.request_columns else [None] * t.num_rows
+    for rid, p, m, c, q, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, requests,
+                                        chunk.problems):
         prompt = None if problem else row_prompt(p, m, use_messages)
-        yield InputRow(rid, prompt, c, tuple(missing.get(rid, every))), problem
+        yield InputRow(rid, prompt, c, tuple(missing.get(rid, every)), q), problem

@@ -44,6 +44,7 @@ def job_record(cfg: JobConfig) -> dict:
     return {"model": g.model, "method": g.method, "request": record_request(g.request), "chat": g.chat,
             "dtype": g.dtype, "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
             "messages_column": cfg.messages_column, "corpus_column": cfg.corpus_column,
+            "request_columns": list(cfg.request_columns),
             "references": {n: p for n, p in cfg.references}}
 
 
@@ -57,7 +58,8 @@ LEGACY_REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "see
 
 def upgrade_record(previous: dict) -> dict:
     """A ``_job.json`` of this version from one written before the request had a type (its decoding
-    settings as loose fields), so that such an output still resumes; others are returned unchanged."""
+    settings as loose fields) or before ``--request-columns``, so that such an output still resumes."""
+    previous = {"request_columns": [], **previous}  # written before rows could carry settings: none did
     if "request" in previous or not all(k in previous for k in LEGACY_REQUEST_FIELDS):
         return previous
     loose = {k: previous[k] for k in LEGACY_REQUEST_FIELDS}
