@@ -23,6 +23,7 @@ from . import allocator
 from .budget import CostCurve
 from .cache import GrowingLayer
 from .device import elapsed
+from .head import OutputMode
 from .kernels import skinny
 from .masks import StepRow
 from .target import TargetForward
@@ -187,7 +188,7 @@ def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCu
     times = {n: [] for n in nodes}
     for rep in range(warmup + reps):
         for n in nodes:
-            dt = elapsed(lambda: target.head.output(x[:n], exact=False), target.device)
+            dt = elapsed(lambda: target.head.output(x[:n], OutputMode.GREEDY), target.device)
             if rep >= warmup:
                 times[n].append(dt)
     return CostCurve(list(nodes), [min(times[n]) for n in nodes])
@@ -210,7 +211,7 @@ def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: i
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
             step = [StepRow.chain(kv.lengths[r], chains[r][:n]) for r in range(rows)]
-            dt = elapsed(lambda: target(step, kv, all_logits=True, exact=False), target.device)
+            dt = elapsed(lambda: target(step, kv, all_logits=True, mode=OutputMode.GREEDY), target.device)
             kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
                 times[n].append(dt)
@@ -229,7 +230,7 @@ def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
     for _ in range(n - 1):
         cols = kv.columns  # where the step's one new column per row lands
         step = [StepRow.chain(kv.lengths[r], c[-1:]) for r, c in enumerate(chains)]
-        out = target(step, kv, all_logits=True, exact=False)
+        out = target(step, kv, all_logits=True, mode=OutputMode.GREEDY)
         kv.commit([[cols]] * kv.rows)
         for c, t in zip(chains, out.nodes.argmax.tolist()):
             c.append(int(t))

@@ -158,21 +158,12 @@ class Engine:
         """Generate for every prompt; results in input order. Arguments as :meth:`run`."""
         return self.run(prompts, request, **kwargs).results
 
-    def open(self, defaults: Request | None = None, *legacy, apply_chat_template: bool = False, seed: int = 0,
-             **old) -> Session:
+    def open(self, defaults: Request | None = None, *, apply_chat_template: bool = False,
+             seed: int = 0) -> Session:
         """A :class:`~logitspec.session.Session`: ``submit`` prompts at any time (each with its own
         :class:`~logitspec.request.Request`, ``defaults`` where it has none), ``step`` to advance the
         batch and collect finished results. ``seed``: the session's base seed (a request without one
-        is seeded ``seed`` + its request id).
-
-        Transitional: the old settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-        ``seed``, ``stop``, positional or by keyword) are still accepted and make ``defaults``."""
-        if legacy or old or (defaults is not None and not isinstance(defaults, Request)):
-            names = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "apply_chat_template")
-            given = dict(zip(names, (defaults, *legacy)), **old)
-            seed = int(given.pop("seed", seed) or 0)
-            apply_chat_template = bool(given.pop("apply_chat_template", apply_chat_template))
-            defaults = Request(**{k: v for k, v in given.items() if v is not None})
+        is seeded ``seed`` + its request id)."""
         return Session(self.parts, defaults or Request(), seed, apply_chat_template)
 
     @torch.inference_mode()

@@ -442,12 +442,8 @@ class Head:
                          **extra)
         return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
 
-    def output(self, h: torch.Tensor, mode: OutputMode = OutputMode.EXACT, *, exact: bool | None = None,
-               argmax: bool = True) -> NodeLogits:
-        """The output layer over final hidden states ``h`` [N, H] (needs ``fast``). ``exact`` and
-        ``argmax``: the former flags (transitional; :meth:`OutputMode.of`)."""
-        if exact is not None:
-            mode = OutputMode.of(exact, argmax)
+    def output(self, h: torch.Tensor, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
+        """The output layer (``mode``) over final hidden states ``h`` [N, H] (needs ``fast``)."""
         if self.screen is not None:  # a bfloat16 model's logits: float32 products of its (widened) weights
             h = h.float()
             if mode is not OutputMode.EXACT:

@@ -117,17 +117,13 @@ class Session:
         self._next_id = 0
 
     # ------------------------------------------------------------------ api
-    def submit(self, prompt, request: Request | None = None, *, reference=None, **old) -> int:
+    def submit(self, prompt, request: Request | None = None, *, reference=None) -> int:
         """Queue ``prompt`` (string, chat messages or token ids) with its settings (``request``; None:
         the session's defaults); its request id (0, 1, ... in submission order). A request without a
         seed is seeded with the session's seed + its request id; sample j uses :func:`sample_seed`
         (seed, j). ``reference``: an n-gram source consulted after the sequence's own context.
-        ValueError for bad input, before any forward.
-
-        Transitional: ``n``, ``seed`` and ``max_new_tokens`` keywords override the request's."""
+        ValueError for bad input, before any forward."""
         request = request or self.defaults
-        if old:
-            request = request.with_(**{k: v for k, v in old.items() if k in ("n", "seed", "max_new_tokens")})
         if request.stop and self.parts.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         ids = self.parts.encode(prompt, self.apply_chat_template)

@@ -81,15 +81,12 @@ class TargetForward:
     def __call__(self, rows: list[StepRow], kv: BatchKV, all_logits: bool,
                  mode: OutputMode = OutputMode.EXACT,
                  pick: list[np.ndarray] | None = None, segments: tuple[tuple[int, int], ...] | None = None,
-                 prefill: bool = False, *, exact: bool | None = None, argmax: bool = True) -> ForwardResult:
+                 prefill: bool = False) -> ForwardResult:
         """One forward over ``rows`` (row b of ``kv`` gains ``len(rows[b].tokens)`` columns plus
         padding); per row, the output layer's results (``mode``) for all its nodes, or its last node
         only, or (``pick``) the nodes ``pick[b]``. ``segments`` (prompts side by side in one row) and
-        ``prefill`` (every row a causal chunk): see :mod:`logitspec.attention`. ``exact``,
-        ``argmax``: the former flags (transitional: :meth:`OutputMode.of`). Queues the work on
+        ``prefill`` (every row a causal chunk): see :mod:`logitspec.attention`. Queues the work on
         the model's device without waiting for it."""
-        if exact is not None:
-            mode = OutputMode.of(exact, argmax)
         t0 = time.perf_counter()
         packed = pack(rows, kv.columns, self.windows, self.dtype, self.device,
                       trim=self.layer_kinds is not None)  # masks [B, 1, T, L - start + T]

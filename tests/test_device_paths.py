@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from logitspec import Engine, SpecConfig
-from logitspec.head import Head, NodeLogits
+from logitspec.head import Head, NodeLogits, OutputMode
 from logitspec.kernels import onednn, rms_norm
 from logitspec import attention as attention_module
 from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
@@ -157,7 +157,7 @@ def test_bfloat16_head_logits_are_float32_products_of_the_widened_weights():
     scale = ref.abs().max()
     assert (exact.scores.double() - ref).abs().max() <= 1e-5 * scale
     assert (torch.mm(h, head.weight.T).double() - ref).abs().max() > 1e-3 * scale
-    assert torch.equal(head.output(h, exact=False).argmax, exact.scores.argmax(dim=1))
+    assert torch.equal(head.output(h, OutputMode.GREEDY).argmax, exact.scores.argmax(dim=1))
 
 
 def test_masks_off_cpu_have_aligned_rows():
