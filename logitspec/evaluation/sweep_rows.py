@@ -89,7 +89,7 @@ def sweep_rows(data: Mapping[str, Sequence[Example | ExampleV2]], tokenizer: Tok
 
 
 def stop_strings(name: str) -> tuple[str, ...]:
-    """The stop strings a dataset's rows give the engine: none for any LongBench dataset.
+    r"""The stop strings a dataset's rows give the engine: none for any LongBench dataset.
 
     samsum (``stop_at_newline``): LongBench's ``pred.py`` stops on the newline *token* and only after
     the first new token (``eos_token_id=[eos, <"\n" token>]``, ``min_length=context_length + 1``),
