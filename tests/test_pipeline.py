@@ -347,7 +347,7 @@ def test_job_record_with_loose_decoding_settings_still_resumes(tmp_path):
     store.prepare(now, overwrite=False, upgrade=upgrade_record)
     assert store.keys() == {(0, 0)}
     store.close()
-    with pytest.raises(ConfigError, match="other settings .*request: was .*'temperature': 0.7"):
+    with pytest.raises(ConfigError, match="other settings .request.temperature: was 0.7, now 0.8"):
         OutputStore(out, pa.int64()).prepare(record("--temperature", "0.8"), overwrite=False, upgrade=upgrade_record)
     json.loads((out / "_job.json").read_text())["temperature"]  # the record on disk is left as it was
 
@@ -661,7 +661,7 @@ def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_se
     s3 = run_job(_cfg(tiny, inp, out, messages_column="messages", temperature=0.8, seed=7))
     assert s3["rows"]["skipped_already_done"] == 20 and s3["replicas"]["started"] == 0 and s3["complete"]
     # other settings on the same output: refused, naming the difference
-    with pytest.raises(ConfigError, match="temperature: was 0.8, now 0.0"):
+    with pytest.raises(ConfigError, match="request.temperature: was 0.8, now 0.0"):
         run_job(_cfg(tiny, inp, out, messages_column="messages", seed=7))
     s4 = run_job(_cfg(tiny, inp, out, messages_column="messages", seed=7, overwrite=True, limit=4))
     assert s4["rows"]["skipped_already_done"] == 0 and s4["rows"]["done_now"] == 4

@@ -165,9 +165,9 @@ class OutputStore:
             raise ConfigError(f"cannot read {job_path}: {e}; use --overwrite to start over") from None
         if upgrade is not None:
             previous = upgrade(previous)
-        diff = {k: (previous.get(k), v) for k, v in job.items() if previous.get(k) != v}
+        diff = differences(previous, job)
         if diff:
-            lines = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in diff.items())
+            lines = "; ".join(diff)
             raise ConfigError(f"{self.root} holds output of a job with other settings ({lines}); "
                               f"use --overwrite to start over or choose another --output")
 
@@ -300,6 +300,21 @@ class OutputStore:
         path = self.root / SUMMARY_FILE
         atomic_write_json(path, summary)
         return path
+
+def differences(previous: dict, now: dict, prefix: str = "") -> list[str]:
+    """``"key: was A, now B"`` for every setting of ``now`` that ``previous`` holds otherwise; nested
+    settings (the request) by their own names (``request.temperature: was 0.8, now 0.0``)."""
+    out = []
+    for k, v in now.items():
+        was = previous.get(k)
+        if was == v:
+            continue
+        if isinstance(v, dict) and isinstance(was, dict):
+            out += differences(was, v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: was {was!r}, now {v!r}")
+    return out
+
 
 def read_generations(output: str | os.PathLike) -> pa.Table:
     """All rows of a job's output directory as one table (either layout)."""
