@@ -239,3 +239,27 @@ def test_rest_sampling_emits_the_target_distribution():
     stat, df = chi2(counts, np.array([cells[k] for k in keys]), n)
     assert stat < chi2_limit(df), (stat, df)
     assert sum(r.stats["accepted_lengths"][1] > 1 for r in res) > n // 10  # the walk followed drafts
+
+
+def test_bench_runs_rest_with_and_without_a_datastore(tmp_path):
+    """``rest`` (the context as datastore) and ``rest@datastore=DIR`` rows in ``logitspec bench``: lossless,
+    and the datastore recorded in the method's configuration."""
+    import torch
+
+    from logitspec.bench import bench, parse_methods
+    from test_bench import _tiny_model, _tiny_questions
+
+    assert "rest" in [s.name for s in parse_methods("ar,rest")]
+    qs = _tiny_questions()
+    Datastore.build([list(t) for q in qs for t in q.turns]).save(tmp_path / "ds")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        summary = bench((_tiny_model(), None), qs, tmp_path / "out", methods=f"rest@budget=fixed,rest@budget=fixed@datastore={tmp_path / 'ds'}",
+                        max_new_tokens=8, warmup_tokens=4, progress=False)
+    finally:
+        torch.set_num_threads(before)
+    plain, named = "rest@budget=fixed", f"rest@budget=fixed@datastore={tmp_path / 'ds'}"
+    assert summary["methods"][plain]["lossless"] == 1.0 and summary["methods"][named]["lossless"] == 1.0
+    assert summary["method_configs"][named]["datastore"]["documents"] == 4
+    assert "datastore" not in summary["method_configs"][plain]
