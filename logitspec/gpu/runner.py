@@ -182,6 +182,8 @@ class GraphRunner:
         except Exception:
             kv.lengths.pop()
             raise
+        finally:
+            kv.end_step()
         return self.head.output(out.last_hidden_state[0, -1:], mode)
 
     # ------------------------------------------------------------------ buckets and graphs
@@ -211,6 +213,7 @@ class GraphRunner:
         out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask,
                                 cache=self.kv.hf, use_cache=True, graph_step=True)
         buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
+        self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
 
     def _step_for(self, buf: StepBuffers, key_len: int):
         key = (buf.R, buf.T, key_len)
@@ -273,15 +276,24 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
     return [o[:new_tokens] for o in out]
 
 
-def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True, **kw):
-    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA (``max_rows``
-    slots of ``max_len`` columns: default the model's context, capped at 8192), the eager
-    :class:`~logitspec.target.TargetForward` elsewhere."""
+def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
+                   memory_share: float = 0.5, **kw):
+    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA, the eager
+    :class:`~logitspec.target.TargetForward` elsewhere. ``max_len`` (default: the model's context,
+    at most 8192, plus the largest node bucket) is cut so that the slots take at most
+    ``memory_share`` of the device's free memory."""
     first = next(model.parameters())
     if first.device.type != "cuda" or not fast_head:
         return TargetForward(model, fast_head=fast_head)
     cfg = model.config.get_text_config(decoder=True)
     if max_len is None:
         max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
-        max_len = -(-max_len // 128) * 128  # flex attention's block
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    per_column = 2 * int(cfg.num_hidden_layers) * heads * head_dim * first.element_size()  # keys and values
+    free = torch.cuda.mem_get_info(first.device)[0]
+    max_len = min(max_len, int(memory_share * free) // (per_column * max_rows))
+    max_len = max_len // 128 * 128  # flex attention's block
+    if max_len < 128 + max(NODE_BUCKETS):
+        raise ValueError(f"{max_rows} slots leave room for {max_len} columns each")
     return GraphRunner(model, max_rows=max_rows, max_len=max_len, **kw)

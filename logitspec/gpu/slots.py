@@ -103,6 +103,10 @@ class SlotKV:
         self._mode = ("step", rows, write_cols)
         self.key_len = key_len
 
+    def end_step(self) -> None:
+        """No write mode until the next :meth:`for_prefill` / :meth:`for_step`."""
+        self._mode = ("none",)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.K is None:
             self.allocate(k.shape[1], k.shape[3], k.dtype, v.shape[3])

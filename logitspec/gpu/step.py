@@ -49,11 +49,15 @@ class StepBuffers:
         self.lens = self.ints[4 * R * T:]  # [R]
         self.node = torch.arange(T, device=device)  # [T]
         self.hidden: torch.Tensor | None = None  # [R * T, hidden]: the forward's output, written in place
+        # the last fill's copies: the host staging buffers are rewritten only once they are done
+        self._copied = torch.cuda.Event() if pin else None
 
     def fill(self, rows, lengths: list[int]) -> None:
         """Write ``rows`` (:class:`~logitspec.masks.StepRow`, row b against ``lengths[b]`` committed
         columns) and pads into the host staging buffers, then copy them to the device (no wait)."""
         R, T = self.R, self.T
+        if self._copied is not None:
+            self._copied.synchronize()  # (an engine step has waited for its acceptance by now: free)
         h = self._host_ints.numpy()
         planes = h[:4 * R * T].reshape(4, R, T)
         planes[0] = 0
@@ -77,6 +81,8 @@ class StepBuffers:
             lens[b] = L
         self.ints.copy_(self._host_ints, non_blocking=True)
         self.anc.copy_(self._host_anc, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def write_cols(self) -> torch.Tensor:
         """[R, T] int64: the cache column each node is written at (``lens[b] + i``), on the device."""
@@ -136,8 +142,8 @@ class FlexMasks:
 
             def mask_mod(b, h, q, kv, window=window):
                 return visible(buf, b, q, kv, window)
-            q_block = max(16, 1 << (buf.T - 1).bit_length())  # one query block holds the row's nodes
-            kwargs = dict(BLOCK_SIZE=(q_block, block), mask_mod=mask_mod, seq_lengths=(buf.T, max_len))
+            # one query block (the default 128 rows) holds a row's T nodes
+            kwargs = dict(BLOCK_SIZE=(128, block), mask_mod=mask_mod, seq_lengths=(buf.T, max_len))
             try:
                 bm = BlockMask.from_kv_blocks(num, idx, compute_q_blocks=False, **kwargs)
             except TypeError:  # older torch: no compute_q_blocks (the transposed blocks serve backward only)
@@ -166,6 +172,13 @@ def flex(device: torch.device):
     if device.type == "cpu":
         return flex_attention
     if "compiled" not in _FLEX:
+        import torch._dynamo
+
+        # one compile per (rows, nodes) bucket and kind: dozens, past dynamo's default of 8 per function
+        # (past it, flex attention would fall back to its unfused eager form)
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 256))
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["compiled"]
 
