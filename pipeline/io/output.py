@@ -128,8 +128,7 @@ class OutputStore:
         earlier version in this one's form (or refuses it). A directory of the earlier layout is moved to
         this one.
         """
-        if self.root.exists() and not self.root.is_dir():
-            raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
+        self.check_directory(overwrite)  # before anything is written into it
         self.lock = OutputLock(self.root)  # a second job on this directory stops here
         try:
             self._prepare_locked(job, overwrite, upgrade)
@@ -191,14 +190,38 @@ class OutputStore:
         (self.root / LEGACY_SUMMARY_FILE).unlink(missing_ok=True)
         _fsync_dir(self.root)
 
+    def check_directory(self, overwrite: bool) -> None:
+        """Refuse (:class:`ConfigError`, naming the path) an output this job cannot use, before anything is
+        written into it: a path that is not a directory or cannot be written, and a ``part-*.parquet``
+        that is not a complete part of a job like this one (unreadable, or without the job's columns;
+        only file footers are read). With ``overwrite`` an unreadable part is left to be deleted, but a
+        readable Parquet file of another kind is still refused: it is not this job's to delete."""
+        check_writable(self.root)
+        for f in self.part_files():
+            try:
+                names = set(pq.read_schema(f).names)
+            except (OSError, pa.ArrowException) as e:
+                if overwrite:
+                    continue
+                raise ConfigError(f"cannot read the existing part file {f}: {e}; it is not a complete part "
+                                  f"of this job: delete it or use --overwrite") from None
+            lacking = [c for c in self.required_columns() if c not in names]
+            if lacking:
+                raise ConfigError(f"{f} was not written by this job (no column {', '.join(lacking)}); "
+                                  f"move it out of {self.root} or choose another --output")
+
+    def required_columns(self) -> list[str]:
+        """Columns every part of this job has held since its first version (``sample``, ``corpus`` and
+        ``accepted_from`` came later and are filled in when absent)."""
+        return [c for c in ("id", "generation", "error", "n_new_tokens", "steps") if c in self.schema.names]
+
     def part_files(self) -> list[pathlib.Path]:
         """The part files (also any of the earlier layout not moved yet)."""
         return sorted(self.root.glob(PART_GLOB)) + sorted((self.root / LEGACY_PARTS_DIR).glob(PART_GLOB))
 
     def inspect(self, job: dict, upgrade: Callable[[dict], dict] | None = None) -> None:
         """What :meth:`prepare` checks and reads (job record, ids written), without writing or locking."""
-        if self.root.exists() and not self.root.is_dir():
-            raise ConfigError(f"--output {str(self.root)!r} exists and is not a directory")
+        self.check_directory(overwrite=False)
         if not self.root.is_dir():
             return
         for name in (JOB_FILE, LEGACY_JOB_FILE):
@@ -300,6 +323,18 @@ class OutputStore:
         path = self.root / SUMMARY_FILE
         atomic_write_json(path, summary)
         return path
+
+
+def check_writable(root: pathlib.Path) -> None:
+    """:class:`ConfigError` unless ``root`` is a writable directory or can be made one."""
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--output {str(root)!r} exists and is not a directory")
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--output {str(root)!r} cannot be made: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output {str(root)!r} is not writable ({existing}: permission denied)")
+
 
 def differences(previous: dict, now: dict, prefix: str = "") -> list[str]:
     """``"key: was A, now B"`` for every setting of ``now`` that ``previous`` holds otherwise; nested

@@ -196,15 +196,21 @@ def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterat
         offset += n
 
 
-def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending) -> tuple[int, int]:
-    """(rows, keys) still to do that will be error rows without reaching a replica (for ``--dry-run``)."""
+def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending, examples: int = 10
+                   ) -> tuple[int, int, list[dict]]:
+    """(rows, keys) still to do that will be error rows without reaching a replica, and the first
+    ``examples`` of those rows as ``{"id", "reason"}`` (for ``--dry-run``)."""
     rows = keys = 0
+    first: list[dict] = []
     for c in stream_chunks(index, cfg, todo.todo):
         for i, p in enumerate(c.problems):
             if p is not None:
                 rows += 1
-                keys += len(todo.missing.get(c.ids[i].as_py(), range(cfg.num_samples)))
-    return rows, keys
+                rid = c.ids[i].as_py()
+                keys += len(todo.missing.get(rid, range(cfg.num_samples)))
+                if len(first) < examples:
+                    first.append({"id": rid, "reason": p})
+    return rows, keys, first
 
 
 def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing: dict) -> Iterator[tuple]:

@@ -144,11 +144,12 @@ def dry_run_report(cfg: JobConfig, plan: JobPlan, t0: float) -> dict:
     import resource
 
     todo = plan.todo
-    rejected, rejected_keys = count_problems(plan.data, cfg, todo)
+    rejected, rejected_keys, examples = count_problems(plan.data, cfg, todo)
     return {"input": plan.data.source.source, "output": str(plan.store.root), "rows": len(plan.data),
             "num_samples": cfg.num_samples, "already_done": todo.done,
             "to_generate": todo.keys - rejected_keys,
             "rows_to_generate": todo.rows - rejected, "rejected_before_generation": rejected_keys,
+            "rejected_rows": {"count": rejected, "first": examples},
             "batches": math.ceil((todo.rows - rejected) / cfg.rows_per_batch),
             "rows_per_batch": cfg.rows_per_batch,
             "replicas": cfg.actors, "actors": cfg.actors * cfg.tp,

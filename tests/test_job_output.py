@@ -1,0 +1,122 @@
+"""The output directory as a user meets it: foreign files and unwritable paths refused before anything is
+written, ``--dry-run`` catching the same and naming the rows it rejects, the lock removed at the end and a
+stale one taken over."""
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tiny_models import save_tiny_text_model
+
+from pipeline.errors import ConfigError
+from pipeline.io.lock import LOCK_FILE, OutputLock
+from pipeline.io.output import OutputStore
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-text-llama")
+    save_tiny_text_model(path)
+    return str(path)
+
+
+def _jsonl(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _snapshot(root: pathlib.Path) -> dict:
+    return {f.name: f.stat().st_mtime_ns for f in root.iterdir()}
+
+
+def _no_ray(monkeypatch):
+    import pipeline.job.run
+
+    def no_ray(cfg):
+        raise AssertionError("this job must be refused before Ray starts")
+
+    monkeypatch.setattr(pipeline.job.run, "connect_ray", no_ray)
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_foreign_part_file_is_refused_before_anything_is_written(tmp_path, tiny, capsys, monkeypatch, dry):
+    from pipeline.job.cli import main
+
+    _no_ray(monkeypatch)
+    inp = _jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello"} for i in range(3)])
+    out = tmp_path / "out"
+    out.mkdir()
+    pq.write_table(pa.table({"x": [1, 2], "text": ["a", "b"]}), out / "part-0001.parquet")
+    before = _snapshot(out)
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "-q"] + (["--dry-run"] if dry else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'part-0001.parquet'} was not written by this job (no column id" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert _snapshot(out) == before  # no _job.json, no _job.lock
+    if not dry:  # --overwrite does not delete a file that is not this job's either
+        assert main(argv + ["--overwrite"]) == 2 and _snapshot(out) == before
+
+
+@pytest.mark.parametrize("dry", [False, True])
+def test_output_that_cannot_be_made_is_refused(tmp_path, tiny, capsys, monkeypatch, dry):
+    from pipeline.job.cli import main
+
+    _no_ray(monkeypatch)
+    inp = _jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    argv = ["--input", str(inp), "--output", str(blocker / "out"), "--model", tiny, "-q"]
+    assert main(argv + (["--dry-run"] if dry else [])) == 2
+    assert f"cannot be made: {blocker} is not a directory" in capsys.readouterr().err
+    assert blocker.read_text() == "not a directory\n"
+
+
+def test_unwritable_output_is_refused(tmp_path, monkeypatch):
+    import os
+
+    root = tmp_path / "ro"
+    root.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if pathlib.Path(p) == root else real(p, mode))
+    store = OutputStore(root / "out", pa.int64())
+    for check in (lambda: store.inspect({"model": "m"}), lambda: store.prepare({"model": "m"}, False)):
+        with pytest.raises(ConfigError, match=f"is not writable \\({root}: permission denied"):
+            check()
+    assert list(root.iterdir()) == []
+
+
+def test_dry_run_names_the_rows_it_rejects(tmp_path, tiny, capsys, monkeypatch):
+    from pipeline.job.cli import main
+
+    _no_ray(monkeypatch)
+    rows = [{"id": i, "prompt": "Hello" if i % 3 else ""} for i in range(40)]
+    inp = _jsonl(tmp_path / "in.jsonl", rows)
+    argv = ["--input", str(inp), "--output", str(tmp_path / "out"), "--model", tiny, "-q", "--dry-run"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rejected = plan["rejected_rows"]
+    assert rejected["count"] == 14 == plan["rejected_before_generation"]
+    assert [r["id"] for r in rejected["first"]] == list(range(0, 30, 3))
+    assert all("empty" in r["reason"] for r in rejected["first"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_lock_is_removed_at_the_end_and_a_stale_one_taken_over(tmp_path, caplog):
+    store = OutputStore(tmp_path, pa.int64())
+    store.prepare({"model": "m"}, overwrite=False)
+    assert (tmp_path / LOCK_FILE).exists()
+    store.close()
+    assert not (tmp_path / LOCK_FILE).exists()
+    stale = {"pid": 999999999, "host": "gone", "started": "2026-01-01T00:00:00+0000"}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale) + "\n")  # left by a SIGKILLed job
+    with caplog.at_level(logging.INFO, logger="pipeline.io.lock"):
+        lock = OutputLock(tmp_path)
+    assert "taking over" in caplog.text and "999999999" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] != 999999999
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
