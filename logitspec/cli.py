@@ -1,7 +1,8 @@
 """``logitspec``: one command for everything a user runs.
 
-The engine's commands (``generate``, ``bench``, ``calibrate``, ``throughput``) and the Ray pipeline's
-(``job``, ``eval``, ``build-index``: the programs of ``jobs/*.py``, same flags). The pipeline's are
+The engine's commands (``generate``, ``bench``, ``calibrate``, ``throughput``, ``analyses``,
+``rest-build``) and the Ray pipeline's (``job``, ``eval``, ``build-index``: the programs of ``jobs/*.py``,
+same flags; ``report``: a finished job's run report). The pipeline's are
 imported only when run, so this package still imports nothing of Ray or of :mod:`pipeline`.
 """
 from __future__ import annotations
@@ -13,43 +14,90 @@ import sys
 
 from . import allocator
 from .config import METHODS, SpecConfig
-from .request import Request
+from .helpfmt import METHOD_HELP, DefaultsHelpFormatter
+from .request import add_request_flags, request_from_args
 
 
 def _add_generate(sub) -> None:
     text = "generate a continuation for one or more prompts"
-    p = sub.add_parser("generate", help=text, description=f"Generate: {text}, with the engine in this process.")
+    p = sub.add_parser("generate", help=text, formatter_class=DefaultsHelpFormatter,
+                       description=f"Generate: {text}, with the engine in this process. Each prompt's text "
+                       "follows a header line; a statistics line (tokens, tokens/s, MAT, accepted draft "
+                       "tokens) follows it (--json: one JSON object per sample instead).")
     p.add_argument("prompts", nargs="+", help="prompt text(s)")
-    p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
-    p.add_argument("--method", default="logitspec", choices=METHODS)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--model", default="default", help="'default' (the embedded Gemma 3 270M), a HF model "
+                   "dir, a .gguf file or a cached HF id")
+    p.add_argument("--method", default="logitspec", choices=METHODS, help=METHOD_HELP)
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
-    p.add_argument("--max-batch-size", type=int, default=1)
+    p.add_argument("--max-batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
+    add_request_flags(p, max_new_tokens=64)
     p.set_defaults(func=_generate)
+
+
+def stats_line(r) -> str:
+    """A generation's statistics in one line: tokens, tokens/s, MAT and accepted draft tokens."""
+    s, tokens = r.stats, len(r.token_ids)
+    wall = s.get("wall_s") or 0.0
+    lengths = s.get("accepted_lengths") or []
+    drafted = sum(max(a - 1, 0) for a in lengths)
+    rate = f"{tokens / wall:.1f} tok/s" if wall else "- tok/s"
+    return (f"[{tokens} tokens, {rate}, MAT {s.get('mean_accepted', 0.0):.2f} over {s.get('steps', 0)} "
+            f"steps, {drafted} accepted draft tokens, {r.finish_reason}]")
 
 
 def _generate(args) -> int:
     config = SpecConfig(method=args.method, max_batch_size=args.max_batch_size)  # validates first
+    request = request_from_args(args)  # ValueError (exit 2) before the model loads
     from .engine import Engine
     from .models import load_model
 
     model, tok = load_model(args.model)
     engine = Engine(model, tok, config)
-    request = Request(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                      top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
     results = engine.generate(args.prompts, request, apply_chat_template=args.chat)
-    for r in results:
+    n = request.n
+    for k, r in enumerate(results):
         if args.json:
-            print(json.dumps({"token_ids": r.token_ids, "text": r.text, "finish_reason": r.finish_reason,
-                              "stats": r.stats}))
-        else:
-            print(r.text)
+            print(json.dumps({"prompt": k // n, "sample": k % n, "token_ids": r.token_ids, "text": r.text,
+                              "finish_reason": r.finish_reason, "stats": r.stats}))
+            continue
+        sample = f", sample {k % n + 1}/{n}" if n > 1 else ""
+        print(f"=== prompt {k // n + 1}/{len(args.prompts)}{sample} ===")
+        print(r.text)
+        print(stats_line(r))
+    return 0
+
+
+def _add_analyses(sub) -> None:
+    from .bench.analyses import add_arguments
+
+    text = "the paper's two analyses: next-next token in the top-k of the last logits, retrieval success"
+    p = sub.add_parser("analyses", help=text, formatter_class=DefaultsHelpFormatter,
+                       description=f"Analyses: {text} (as python -m logitspec.bench.analyses).")
+    add_arguments(p)
+    p.set_defaults(func=_analyses)
+
+
+def _add_rest_build(sub) -> None:
+    from .rest import add_build_arguments
+
+    text = "build a REST datastore (for --method rest) from local text or code"
+    p = sub.add_parser("rest-build", help=text, description=f"Rest-build: {text}, with its build time and "
+                       "size (as python -m logitspec.rest build).")
+    add_build_arguments(p)
+    p.set_defaults(func=_rest_build)
+
+
+def _rest_build(args) -> int:
+    from .rest import run_build
+
+    return run_build(args)
+
+
+def _analyses(args) -> int:
+    from .bench.analyses import run_from_args
+
+    run_from_args(args)
     return 0
 
 
@@ -59,7 +107,9 @@ PIPELINE_COMMANDS = {
            "(as jobs/generate.py)",
     "eval": "evaluation sweep on Ray: methods x engine settings on LongBench-format data, scored, one report "
             "(as jobs/eval.py)",
-    "build-index": "prebuild a reference corpus's n-gram index for the job's --reference (as jobs/build_index.py)",
+    "build-index": "prebuild a reference corpus's n-gram index for the job's --reference "
+                   "(as jobs/build_index.py)",
+    "report": "write a finished job's run report (_report.md and plots) into its output directory",
 }
 
 
@@ -69,6 +119,8 @@ def _pipeline_main(command: str):
         from pipeline.job.cli import main
     elif command == "eval":
         from pipeline.sweep.cli import main
+    elif command == "report":
+        from pipeline.run_report import main
     else:
         from pipeline.io.build_index import main
     return main
@@ -83,9 +135,11 @@ def _add_pipeline_commands(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="logitspec", description="One command for everything a user runs: the "
-                                     "engine's (generate, bench, calibrate, throughput) and the Ray pipeline's.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser = argparse.ArgumentParser(
+        prog="logitspec", description="One command for everything a user runs: the engine's (generate, "
+        "bench, calibrate, throughput, analyses, rest-build) and the Ray pipeline's (job, eval, build-index, "
+        "report).")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     from .bench.calibrate_cli import add_calibrate_command
@@ -95,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_command(sub)
     add_calibrate_command(sub)
     add_throughput_command(sub)
+    _add_analyses(sub)
+    _add_rest_build(sub)
     _add_pipeline_commands(sub)
     return parser
 

@@ -410,36 +410,49 @@ def _load_tokenizer(spec: str):
     return AutoTokenizer.from_pretrained(str(resolve_model_path(spec)), local_files_only=True)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m logitspec.rest build (--from-python-stdlib | --from-table PATH --column COL)
-    --model SPEC --out DIR``: build a datastore, report its build time, tokens and size on disk."""
-    ap = argparse.ArgumentParser(prog="python -m logitspec.rest", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="build a REST datastore from local text or code")
+def add_build_arguments(b: argparse.ArgumentParser) -> None:
+    """The options of ``build`` (also ``logitspec rest-build``: then call :func:`run_build`)."""
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--from-python-stdlib", action="store_true", help="this Python's standard library sources")
+    src.add_argument("--from-python-stdlib", action="store_true",
+                     help="this Python's standard library sources")
     src.add_argument("--from-table", metavar="PATH", help="a Parquet / Arrow / JSONL / CSV table")
     b.add_argument("--column", default="text", help="the table's text column (default: text)")
-    b.add_argument("--max-files", type=int, default=None, help="stdlib: the first N files only")
-    b.add_argument("--model", default="default", help="whose tokenizer (a logitspec model spec; default: default)")
+    b.add_argument("--max-files", type=int, default=None,
+                   help="stdlib: the first N files only (default: all)")
+    b.add_argument("--model", default="default",
+                   help="whose tokenizer (a logitspec model spec; default: default)")
     b.add_argument("--out", required=True, help="output directory")
-    args = ap.parse_args(argv)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    """Build the datastore ``args`` name, print its build time, tokens and size on disk; 2 if no text."""
     t0 = time.perf_counter()
-    texts = python_stdlib_texts(args.max_files) if args.from_python_stdlib else table_texts(args.from_table, args.column)
+    stdlib = args.from_python_stdlib
+    texts = python_stdlib_texts(args.max_files) if stdlib else table_texts(args.from_table, args.column)
     if not texts:
         print("no text found", file=sys.stderr)
         return 2
     read_s = time.perf_counter() - t0
     tok = _load_tokenizer(args.model)
     store = build_datastore(texts, tok)
-    store.meta.update({"source": "python-stdlib" if args.from_python_stdlib else f"{args.from_table}#{args.column}",
+    store.meta.update({"source": "python-stdlib" if stdlib else f"{args.from_table}#{args.column}",
                        "model": args.model, "read_s": round(read_s, 3)})
     size = store.save(args.out)
     m = store.meta
-    print(f"datastore {args.out}: {m['documents']} documents, {m['tokens']} tokens, {size / 2**20:.1f} MiB on disk; "
-          f"build {m['build_s']:.1f} s (tokenize {m['tokenize_s']:.1f} s, suffix array {m['index_s']:.1f} s), "
+    print(f"datastore {args.out}: {m['documents']} documents, {m['tokens']} tokens, "
+          f"{size / 2**20:.1f} MiB on disk; build {m['build_s']:.1f} s (tokenize {m['tokenize_s']:.1f} s, "
+          f"suffix array {m['index_s']:.1f} s), "
           f"read {read_s:.1f} s")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m logitspec.rest build (--from-python-stdlib | --from-table PATH --column COL)
+    --model SPEC --out DIR``: build a datastore, report its build time, tokens and size on disk."""
+    ap = argparse.ArgumentParser(prog="python -m logitspec.rest", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_build_arguments(sub.add_parser("build", help="build a REST datastore from local text or code"))
+    return run_build(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

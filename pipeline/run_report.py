@@ -598,10 +598,10 @@ def write_report_quietly(output_dir) -> pathlib.Path | None:
     return path
 
 
-def main(argv=None) -> int:
-    """``python -m pipeline.run_report OUT``: write OUT's report, print its path; exit 2 on a directory
-    that is not a job's output."""
-    p = argparse.ArgumentParser(prog="logitspec report", description="Write a generation job's run report "
+def main(argv=None, prog: str = "python -m pipeline.run_report") -> int:
+    """``python -m pipeline.run_report OUT`` (and ``logitspec report OUT``): write OUT's report, print its
+    path; exit 2 on a directory that is not a job's output."""
+    p = argparse.ArgumentParser(prog=prog, description="Write a generation job's run report "
                                 f"({REPORT_FILE} and plots under {PLOTS_DIR}/) into its output directory.")
     p.add_argument("output", help="the job's --output directory")
     args = p.parse_args(argv)

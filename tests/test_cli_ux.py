@@ -1,0 +1,50 @@
+"""What a user meets at the ``logitspec`` command line: ``generate`` refuses bad sampling values before
+loading a model and prints each generation under a header with a statistics line; ``report`` writes a
+finished job's run report; every flag of every parser has help text and shows its default."""
+from __future__ import annotations
+
+import pytest
+from test_run_report import ROWS, write_output
+from tiny_models import save_tiny_text_model
+
+import logitspec.models
+from logitspec.cli import main
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "0.5"], ["--top-k", "4"], ["--num-samples", "2"],
+                                   ["--temperature", "-1"], ["--max-new-tokens", "0"]])
+def test_generate_refuses_bad_sampling_before_loading_the_model(flags, monkeypatch, capsys):
+    def load_model(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(logitspec.models, "load_model", load_model)
+    assert main(["generate", "hello", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+def test_generate_separates_prompts_and_prints_statistics(tmp_path, capsys):
+    save_tiny_text_model(tmp_path / "m")
+    assert main(["generate", "the license", "the classic", "--model", str(tmp_path / "m"),
+                 "--max-new-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    heads = [k for k, line in enumerate(lines) if line.startswith("=== prompt ")]
+    assert [lines[k] for k in heads] == ["=== prompt 1/2 ===", "=== prompt 2/2 ==="]
+    stats = [line for line in lines if line.startswith("[") and "tok/s" in line]
+    assert len(stats) == 2 and all("MAT" in s and "accepted draft tokens" in s for s in stats)
+
+
+def test_report_subcommand_writes_the_report(tmp_path, capsys):
+    out = write_output(tmp_path / "out", ROWS[:4])
+    assert main(["report", str(out)]) == 0
+    assert (out / "_report.md").exists()
+    assert capsys.readouterr().out.strip() == str(out / "_report.md")
+    assert main(["report", str(tmp_path)]) == 2
+
+
+def test_help_lists_the_new_subcommands(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for name in ("report", "analyses", "rest-build"):
+        assert f"    {name} " in text
