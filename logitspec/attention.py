@@ -56,7 +56,8 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if prefill and plain and gemm_attention.applies(query, key, attention_mask):
         scale = scaling if scaling is not None else D ** -0.5
         return _causal_blocks(query, key, value, attention_mask, scale, groups, gemm=True)
-    if prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout and query.device.type == "cpu":
+    if (prefill and T > PREFILL_BLOCK and attention_mask is not None and not dropout
+            and query.device.type == "cpu"):
         return _causal_blocks(query, key, value, attention_mask, scaling, groups)
     if groups == 1 or T == 1 or attention_mask is None or dropout:
         if attention_mask is not None and query.device.type != "cpu":
@@ -81,7 +82,8 @@ def _causal_blocks(query, key, value, mask, scaling, groups, gemm: bool = False)
     outs = []
     for a in range(0, T, PREFILL_BLOCK):
         b = min(a + PREFILL_BLOCK, T)
-        first = (mask[:, 0, a] == 0).any(0)  # [S]: columns the block's first row sees (in any row of the batch)
+        # [S]: columns the block's first row sees (in any row of the batch)
+        first = (mask[:, 0, a] == 0).any(0)
         last = (mask[:, 0, b - 1] == 0).any(0)  # [S]
         lo = int(first.int().argmax())
         hi = last.numel() - int(last.flip(0).int().argmax())
@@ -90,8 +92,8 @@ def _causal_blocks(query, key, value, mask, scaling, groups, gemm: bool = False)
                                                  mask[:, :, a:b, lo:hi], scaling))  # [B, b - a, H, D]
             continue
         outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi], attn_mask=mask[:, :, a:b, lo:hi], scale=scaling,
-            enable_gqa=groups > 1).transpose(1, 2))  # [B, b - a, H, D]
+            query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi], attn_mask=mask[:, :, a:b, lo:hi],
+            scale=scaling, enable_gqa=groups > 1).transpose(1, 2))  # [B, b - a, H, D]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.contiguous(), None  # [B, T, H, D]
 

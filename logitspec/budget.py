@@ -21,7 +21,6 @@ import numpy as np
 
 from .tree import DraftTree
 
-
 # acceptance-rate states by the drafted tokens a row's previous step accepted: 0, 1, 2-3, 4-7, >= 8.
 # Inside a long copied span whole chains are accepted, and pooling those steps with ones that took 2
 # tokens made a chain's deep nodes look like poor bets (measured: docs/longbench_report.md)
@@ -158,7 +157,8 @@ class CostCurve:
         forward of more work does not cost less), and the budget would take it for free drafting:
         a calibration run here measured 16 rows x 2 tokens at 171 ms and 16 x 1 at 204."""
         def rising(c: "CostCurve", floor=None) -> "CostCurve":
-            secs = np.maximum.accumulate([max(t, floor(n)) if floor else t for n, t in zip(c.tokens, c.seconds)])
+            secs = np.maximum.accumulate([max(t, floor(n)) if floor else t for n, t in zip(c.tokens,
+                                                                                           c.seconds)])
             return CostCurve(c.tokens, secs.tolist())
         one = rising(self)
         batches, below = {}, one
@@ -223,7 +223,8 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     for width in range(1, 1 + max((len(p) for p in top), default=0)):
         cand = [p[:width] for p in top]
         rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
-        vals = np.concatenate(cand) * w[rows] * token_scale  # [M]: each node's expected tokens, weighted by its row
+        # [M]: each node's expected tokens, weighted by its row
+        vals = np.concatenate(cand) * w[rows] * token_scale
         order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
         gain = base + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
         full = padded_decoder(cost, B, width, columns)

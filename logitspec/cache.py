@@ -123,7 +123,8 @@ class GrowingLayer(DynamicLayer):
 def new_cache(reserve: int = 0) -> Cache:
     """An empty cache whose layers are :class:`GrowingLayer`, created as the model first writes them
     (``reserve``: with room for that many columns at their first growth)."""
-    return Cache(layer_class_to_replicate=functools.partial(GrowingLayer.reserving, reserve) if reserve else GrowingLayer)
+    return Cache(layer_class_to_replicate=functools.partial(GrowingLayer.reserving, reserve) if reserve
+                 else GrowingLayer)
 
 
 class BatchKV:
@@ -159,7 +160,8 @@ class BatchKV:
         for layer in self.hf.layers:
             if type(layer) is not GrowingLayer:
                 raise TypeError(f"unsupported cache layer {type(layer).__name__}; BatchKV needs GrowingLayer")
-            if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:  # [rows, heads, cols, dim]
+            # [rows, heads, cols, dim]
+            if layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
                 yield layer
 
     def attend_from(self, starts: list[int] | None) -> None:
@@ -222,7 +224,8 @@ class BatchKV:
         moves = [(d, s) for d, s in enumerate(order) if d != s]
         self.lengths = [self.lengths[r] for r in order]
         keep = max(self.lengths)
-        dst, src = (to_device(np.asarray(x, dtype=np.int64), self._device()) for x in zip(*moves)) if moves else (None, None)
+        dst, src = (to_device(np.asarray(x, dtype=np.int64), self._device())
+                    for x in zip(*moves)) if moves else (None, None)
         for layer in self._layers():
             layer.move_rows(dst, src, n, keep)
         return order
@@ -265,7 +268,8 @@ class BatchKV:
         if len({len(x) for x, _ in src_layers}) != 1:
             raise ValueError("add_rows: every source row needs the same layers (none may be empty)")
         held = list(self._layers()) if self.rows else []  # this cache's layers, none while it is empty
-        idx = [to_device(np.asarray(rows, dtype=np.int64), layers[0].keys.device) for layers, rows in src_layers]
+        idx = [to_device(np.asarray(rows, dtype=np.int64), layers[0].keys.device)
+               for layers, rows in src_layers]
         total = self.rows + len(added)
         spare = max(self.max_rows - total, 0)
         stacked = []  # the new buffers, while this cache is empty
@@ -278,8 +282,8 @@ class BatchKV:
             if in_place:
                 held[i].append_rows(new, width)
             elif held:  # one new buffer, the held rows then the added; this layer's old buffers go now
-                held[i].adopt(*_stack_rows([(held[i].keys, held[i].values)] + new, width, row_room=spare), width,
-                              rows=total)
+                held[i].adopt(*_stack_rows([(held[i].keys, held[i].values)] + new, width, row_room=spare),
+                              width, rows=total)
             else:
                 stacked.append(_stack_rows(new, width, row_room=spare))
         if not held:
@@ -303,7 +307,8 @@ class BatchKV:
         """A compact one-row copy of the first ``n`` committed columns of ``row``."""
         assert 0 <= n <= self.lengths[row]
         out = BatchKV()
-        out.hf = _cache_of([(x.keys[row:row + 1, :, :n], x.values[row:row + 1, :, :n]) for x in self._layers()], room=0)
+        out.hf = _cache_of([(x.keys[row:row + 1, :, :n], x.values[row:row + 1, :, :n])
+                            for x in self._layers()], room=0)
         out.lengths = [n]
         return out
 
@@ -325,7 +330,8 @@ def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 64) -
     return _cache_holding([_stack_rows([kv], n, room) for kv in layers], n)
 
 
-def _cache_holding(buffers: list[tuple[torch.Tensor, torch.Tensor]], n: int, rows: int | None = None) -> Cache:
+def _cache_holding(buffers: list[tuple[torch.Tensor, torch.Tensor]], n: int,
+                   rows: int | None = None) -> Cache:
     """A cache whose layer i adopts ``buffers[i]`` (keys, values) [row capacity, heads, capacity,
     dim], the first ``rows`` rows (default all) and ``n`` columns cached."""
     hf = new_cache()
@@ -349,8 +355,8 @@ def _stack_rows(blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int,
     return bufs
 
 
-def _write_rows(bufs: tuple[torch.Tensor, torch.Tensor], start: int, blocks: list[tuple[torch.Tensor, torch.Tensor]],
-                width: int) -> int:
+def _write_rows(bufs: tuple[torch.Tensor, torch.Tensor], start: int,
+                blocks: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> int:
     """Write ``blocks`` ((keys, values) [rows, heads, cols <= width, dim]) into the key and value
     buffers ``bufs`` from row ``start`` on, zeroing each block's columns past its own up to
     ``width``; returns the row after the last written."""

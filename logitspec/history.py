@@ -17,7 +17,8 @@ from .index import SequenceIndex, lookup_each
 class HistorySource:
     """Finished answers as an n-gram source, bounded to ``max_tokens`` tokens (oldest dropped first)."""
 
-    def __init__(self, max_tokens: int = 100_000, max_ngram: int = 3, min_ngram: int = 1, max_answers: int = 256):
+    def __init__(self, max_tokens: int = 100_000, max_ngram: int = 3, min_ngram: int = 1,
+                 max_answers: int = 256):
         """``max_answers``: answers a lookup scans at most (newest first), bounding its cost."""
         if max_tokens < 1 or max_answers < 1:
             raise ValueError(f"max_tokens and max_answers must be >= 1, got {max_tokens}, {max_answers}")

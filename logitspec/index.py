@@ -91,7 +91,8 @@ class CorpusIndex:
         for n in range(min_ngram, max_ngram + 1):
             if len(tokens) < n + 1:
                 continue
-            win = np.lib.stride_tricks.sliding_window_view(tokens, n)[:-1]  # [m, n]; drop last (no continuation)
+            # [m, n]; drop last (no continuation)
+            win = np.lib.stride_tricks.sliding_window_view(tokens, n)[:-1]
             ends = np.arange(n - 1, n - 1 + len(win), dtype=np.int64)
             ok = (win >= 0).all(axis=1) & (tokens[ends + 1] >= 0)
             h = cls._hash(win[ok])

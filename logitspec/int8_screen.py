@@ -61,9 +61,11 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def to_u8(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def to_u8(x: torch.Tensor, lo: torch.Tensor,
+          hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x`` rounded to 8 bits over [lo, hi] (which hold 0; tensors broadcasting against ``x``):
-    (codes 0..255 as float32, step, zero point), ``x ~ (codes - zero) * step``; an empty range takes step 1."""
+    (codes 0..255 as float32, step, zero point), ``x ~ (codes - zero) * step``; an empty range takes step
+    1."""
     step = (hi - lo) / 255
     step = torch.where(step > 0, step, torch.ones_like(step))
     zero = torch.round(-lo / step)
@@ -76,14 +78,16 @@ class Int8Pass:
 
     def __init__(self, weight: torch.Tensor, sample: torch.Tensor, slack: float):
         if not usable(weight):
-            raise ValueError(f"the int8 pass needs a float32 CPU weight [V, H] with V % 16 == 0 and H % 4 == 0, "
+            raise ValueError(f"the int8 pass needs a float32 CPU weight [V, H] with V % 16 == 0 and H % "
+                             f"4 == 0, "
                              f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
         self.ext = skinny.extension()
         peak = sample.detach().abs().amax(dim=0).float()  # [H]
         floor = peak[peak > 0].min() if (peak > 0).any() else torch.ones(())
         s = torch.where(peak > 0, peak, floor).sqrt()  # [H] channel scales
         self.inv_scale = 1.0 / s  # [H]: x' = x * inv_scale
-        w = weight * s[None, :]  # [V, H] W' = W * s (float32 rounding: within the slack, see the module's note)
+        # [V, H] W' = W * s (float32 rounding: within the slack, see the module's note)
+        w = weight * s[None, :]
         q, step = int8_rows(w)  # [V, H], [V]
         self.packed = self.ext.int8_pack(q)  # [V/16, H/4, 16, 4]
         self.colsum = q.sum(dim=1, dtype=torch.int32)  # [V]
@@ -97,17 +101,19 @@ class Int8Pass:
         row's largest ``a_v - e_v``, a lower bound of its float32 maximum."""
         xs = x * self.inv_scale  # [N, H] x'
         # per row over its range, which holds 0 (so the zero point is a code): [N, H], [N, 1], [N, 1]
-        codes, xstep, zero = to_u8(xs, xs.amin(dim=1, keepdim=True).clamp(max=0), xs.amax(dim=1, keepdim=True).clamp(min=0))
+        codes, xstep, zero = to_u8(xs, xs.amin(dim=1, keepdim=True).clamp(max=0),
+                                   xs.amax(dim=1, keepdim=True).clamp(min=0))
         rounded = (codes - zero) * xstep  # [N, H] x~ (exact in float32: small integers times the step)
         up = 1 + 1e-5
         coef = torch.stack([rounded.norm(dim=1) * up, (rounded - xs).norm(dim=1) * up,
                             self.slack * x.norm(dim=1) * up], dim=1).contiguous()  # [N, 3]
         scores, floor = self.ext.int8_scores(codes.to(torch.uint8).contiguous(), xstep.flatten().contiguous(),
-                                             zero.flatten().to(torch.int32).contiguous(), self.packed, self.colsum,
-                                             self.step, coef, self.norms)
+                                             zero.flatten().to(torch.int32).contiguous(), self.packed,
+                                             self.colsum, self.step, coef, self.norms)
         return scores, coef, floor
 
-    def candidates(self, scores: torch.Tensor, coef: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(self, scores: torch.Tensor, coef: torch.Tensor,
+                   floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, tokens) [K] each: per row the tokens whose ``a_v + e_v`` reaches ``floor``: the
         float32 argmax is among them."""
         return tuple(self.ext.bounded_candidates(scores, coef, self.norms, floor))

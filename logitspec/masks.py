@@ -112,7 +112,8 @@ def pack(rows: list[StepRow], cache_len: int, windows: dict[str, int | None], dt
     ids, pos, depths, parents = ints[:4 * B * T].view(4, B, T)
     visible = to_device(vis, device)  # [B, T, T]
     # a node at position p >= its row's prefix sees columns > p - window: none before min(prefix) - window + 1
-    starts = {kind: max(0, int(prefix.min()) - w + 1) if trim and w is not None else 0 for kind, w in windows.items()}
+    starts = {kind: max(0, int(prefix.min()) - w + 1) if trim and w is not None else 0
+              for kind, w in windows.items()}
     mask = attention_masks(ints[4 * B * T:], pos, visible, cache_len, windows, dtype, starts)
     return PackedStep(ids, pos, depths, parents, visible, mask, [len(r.tokens) for r in rows], starts)
 

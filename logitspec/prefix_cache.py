@@ -105,7 +105,8 @@ class PrefixCache:
     def store(self, ids: list[int], kind: int, row: BatchKV, last: Any, index: int = 0) -> None:
         """Keep a compact copy of row ``index`` of ``row`` (holding ``ids``) and ``last``."""
         key = (kind, tuple(ids))
-        nbytes = len(ids) * row.column_bytes + sum(t.nbytes for t in vars(last).values() if isinstance(t, torch.Tensor))
+        nbytes = len(ids) * row.column_bytes + sum(t.nbytes for t in vars(last).values()
+                                                   if isinstance(t, torch.Tensor))
         if key in self._entries or nbytes > self.max_bytes:  # checked before copying anything
             return
         copy = row.row_prefix(index, len(ids))

@@ -38,7 +38,8 @@ class SequenceStats:
         self.last_emit_t = t
 
     def add_step(self, emitted: int, retrieved: bool, tree_size: int = 0, draft_s: float = 0.0,
-                 pack_s: float = 0.0, forward_s: float = 0.0, verify_s: float = 0.0, commit_s: float = 0.0) -> None:
+                 pack_s: float = 0.0, forward_s: float = 0.0, verify_s: float = 0.0,
+                 commit_s: float = 0.0) -> None:
         self.accepted_lengths.append(emitted)
         self.tree_sizes.append(tree_size)
         self.retrieved_steps += bool(retrieved)
@@ -68,5 +69,6 @@ class SequenceStats:
             "forward_s": self.forward_s,
             "verify_s": self.verify_s,
             "commit_s": self.commit_s,
-            "wall_s": self.prefill_s + self.draft_s + self.pack_s + self.forward_s + self.verify_s + self.commit_s,
+            "wall_s": self.prefill_s + self.draft_s + self.pack_s + self.forward_s + self.verify_s
+            + self.commit_s,
         }

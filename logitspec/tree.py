@@ -85,7 +85,8 @@ class DraftTree:
         keep = sorted(set(int(k) for k in keep) | {0})
         new = {old: i for i, old in enumerate(keep)}
         parents = [-1] + [new[int(self.parents[k])] for k in keep[1:]]  # KeyError: not ancestor-closed
-        pick = lambda a: None if a is None else a[keep]
+        def pick(a):
+            return None if a is None else a[keep]
         return DraftTree(self.tokens[keep], np.asarray(parents, dtype=np.int64), self.retrieved,
                          pick(self.kinds), pick(self.offsets), pick(self.origins))
 
@@ -111,7 +112,8 @@ class TreeBuilder:
     def full(self) -> bool:
         return len(self.tokens) - 1 >= self.capacity
 
-    def add_chain(self, chain, parent: int = 0, kind: int = 1, origin: int = 0, first_origin: int | None = None) -> int:
+    def add_chain(self, chain, parent: int = 0, kind: int = 1, origin: int = 0,
+                  first_origin: int | None = None) -> int:
         """Insert ``chain`` below ``parent``; returns the number of new nodes (stops at capacity).
         New nodes are tagged with ``kind``, their offset in the chain and ``origin`` (the chain's
         first token with ``first_origin`` when given, e.g. a logit guess continued by retrieval)."""

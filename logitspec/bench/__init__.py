@@ -11,5 +11,6 @@ from .questions import DEFAULT_QUESTIONS, PromptBuilder, Question, load_question
 from .results import rerender, write_outputs
 from .run import bench, run_bench
 
-__all__ = ["DEFAULT_METHODS", "DEFAULT_QUESTIONS", "REFERENCE", "MethodSpec", "PromptBuilder", "Question", "bench",
+__all__ = ["DEFAULT_METHODS", "DEFAULT_QUESTIONS", "REFERENCE", "MethodSpec", "PromptBuilder", "Question",
+           "bench",
            "load_questions", "parse_methods", "rerender", "run_bench", "select_questions", "write_outputs"]

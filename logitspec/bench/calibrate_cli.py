@@ -14,7 +14,8 @@ def add_calibrate_command(sub) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--context", type=int, default=None,
                    help="cached tokens before the measured forward (default: 256 on CPU, 1024 on a GPU)")
-    p.add_argument("--device", default="cpu", help="e.g. cuda: batch sizes 8, 32, 64 with 1-64 tokens per row")
+    p.add_argument("--device", default="cpu",
+                   help="e.g. cuda: batch sizes 8, 32, 64 with 1-64 tokens per row")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--plot", default=None, help="write the curve as a PNG here")
@@ -43,9 +44,11 @@ def calibrate_command(args) -> int:
 def curve_table(curve) -> str:
     """Markdown tables: ms per forward by new tokens (one row), then by new tokens per row per batch size."""
     lines = ["| new tokens | forward ms | x one token |", "|---|---|---|"]
-    lines += [f"| {n} | {s * 1000:.1f} | {s / curve.seconds[0]:.2f} |" for n, s in zip(curve.tokens, curve.seconds)]
+    lines += [f"| {n} | {s * 1000:.1f} | {s / curve.seconds[0]:.2f} |" for n, s in zip(curve.tokens,
+                                                                                       curve.seconds)]
     for b, c in curve.batches.items():
-        lines += ["", f"{b} rows:", "| new tokens per row | forward ms | x one token per row |", "|---|---|---|"]
+        lines += ["", f"{b} rows:", "| new tokens per row | forward ms | x one token per row |",
+                  "|---|---|---|"]
         lines += [f"| {n} | {s * 1000:.1f} | {s / c.seconds[0]:.2f} |" for n, s in zip(c.tokens, c.seconds)]
     return "\n".join(lines)
 

@@ -17,7 +17,8 @@ DESCRIPTION = "Spec-Bench tables for our methods and the baselines users would p
 def add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="Spec-Bench speedup / MAT tables for our methods and HF baselines",
                        description=DESCRIPTION)
-    p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a cached HF id")
+    p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a "
+                                                      "cached HF id")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated (default {DEFAULT_METHODS}); variants as name@field=value[@...], "
                         "e.g. logitspec@capacity=8 or hf-pld@prompt_lookup_num_tokens=4; ar always runs")
@@ -27,7 +28,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--categories", default=None,
                    help="comma-separated categories or tasks to keep (e.g. mt_bench,translation,writing)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default 64)")
-    p.add_argument("--max-batch-size", type=int, default=1, help="engine batch size; a unit is that many questions")
+    p.add_argument("--max-batch-size", type=int, default=1, help="engine batch size; a unit is that many "
+                                                                 "questions")
     p.add_argument("--capacity", type=int, default=None, help="SpecConfig.capacity for the engine methods")
     p.add_argument("--guesses", type=int, default=None,
                    help="SpecConfig.top_k for the engine methods: LogitSpec's next-next guesses per step")
@@ -65,13 +67,15 @@ def bench_command(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    summary = bench(args.model, args.questions, args.out, methods, per_task, categories, max_new_tokens=max_new,
-                    max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.guesses, decoding=decoding,
-                    warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens, progress=not args.no_progress,
-                    resume=args.resume,
+    summary = bench(args.model, args.questions, args.out, methods, per_task, categories,
+                    max_new_tokens=max_new,
+                    max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.guesses,
+                    decoding=decoding,
+                    warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens,
+                    progress=not args.no_progress, resume=args.resume,
                     command=_command_line(args, per_task, max_new, methods),
-                    settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS), "per_task": per_task,
-                              "categories": categories, "quick": args.quick})
+                    settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS),
+                              "per_task": per_task, "categories": categories, "quick": args.quick})
     print(_console_table(summary))
     print(f"wrote {args.out}/results.jsonl, summary.json, report.md, speedup.png, accept_hist.png")
     return 0
@@ -105,7 +109,8 @@ def _console_table(summary: dict) -> str:
     lines = ["method".ljust(24) + "".join(TASK_LABELS.get(c, c)[:9].rjust(10) for c in cols)
              + "MAT".rjust(7) + "lossless".rjust(10)]
     for m, v in summary["methods"].items():
-        cells = "".join((f"{v['speedup'][c]:.2f}x" if v["speedup"].get(c) is not None else "-").rjust(10) for c in cols)
+        cells = "".join((f"{v['speedup'][c]:.2f}x" if v["speedup"].get(c) is not None else "-").rjust(10)
+                        for c in cols)
         mat = v["mat"].get("overall")
         ll = v["lossless"]
         lines.append(m[:23].ljust(24) + cells + (f"{mat:.2f}" if mat is not None else "-").rjust(7)

@@ -11,9 +11,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 # Spec-Bench's task order; the eight MT-bench categories form one task.
 TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                       "humanities")
 # data, not code: Spec-Bench's file beside the repository (a clear error when it is missing)
-DEFAULT_QUESTIONS = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench" / "question.jsonl"
+DEFAULT_QUESTIONS = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "spec_bench"
+                     / "question.jsonl")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Question:
         return "mt_bench" if self.category in MT_BENCH_CATEGORIES else self.category
 
 
-def load_questions(path=None, per_task: int | None = None, categories: Sequence[str] | None = None) -> list[Question]:
+def load_questions(path=None, per_task: int | None = None,
+                   categories: Sequence[str] | None = None) -> list[Question]:
     """Rows of a Spec-Bench ``question.jsonl``, in file order, grouped by task (Spec-Bench's order).
 
     ``categories`` keeps rows whose category or task is listed; ``per_task`` then keeps the first N

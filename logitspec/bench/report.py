@@ -40,7 +40,8 @@ def units(records: Iterable[dict]) -> dict[str, dict]:
     """
     out: dict[str, dict] = defaultdict(dict)
     for r in records:
-        u = out[r["method"]].setdefault(_unit_key(r), {"task": r["task"], "tokens": 0, "wall": 0.0, "shared": None})
+        u = out[r["method"]].setdefault(_unit_key(r), {"task": r["task"], "tokens": 0, "wall": 0.0,
+                                                       "shared": None})
         u["tokens"] += int(r["new_tokens"])
         if r.get("unit_wall_time") is not None:
             u["shared"] = float(r["unit_wall_time"])
@@ -162,7 +163,8 @@ def summarize(records: Sequence[dict], reference: str = "ar", methods: Sequence[
             "speedup_total": sp.get(m, {}).get("total_ratio", {}),
             "speedup_specbench": sp.get(m, {}).get("specbench", {}),
             "mat": {**{t: mat(v) for t, v in by_task.items()}, "overall": mat(rs)},
-            "tokens_per_s": {**{t: _tps(v, m) for t, v in by_task.items()}, "overall": tokens / wall if wall else None},
+            "tokens_per_s": {**{t: _tps(v, m) for t, v in by_task.items()}, "overall": tokens / wall if wall
+                             else None},
             "retrieval_success": _weighted(rs, "retrieval_success") if drafts else None,
             "mean_tree_size": tree,
             "lossless": same.get(m),
@@ -178,7 +180,8 @@ def summarize(records: Sequence[dict], reference: str = "ar", methods: Sequence[
 
 def _sources_table(ms: dict) -> list[str]:
     """Report lines: per method, the share of its accepted draft tokens each source supplied."""
-    sources = {m: v["accepted_from"] for m, v in ms.items() if v.get("accepted_from") and any(v["accepted_from"].values())}
+    sources = {m: v["accepted_from"] for m, v in ms.items() if v.get("accepted_from")
+               and any(v["accepted_from"].values())}
     if not sources:
         return []
     names = list(next(iter(sources.values())))
@@ -227,7 +230,8 @@ def render_report(summary: dict) -> str:
         lines += [f"Code: {summary['code']}.", ""]
     mach = summary.get("machine", {})
     if mach:
-        lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in mach.items() if v not in (None, "")) + ".")
+        lines.append("Machine: " + ", ".join(f"{k} {v}" for k, v in mach.items() if v not in (None, ""))
+                     + ".")
         lines.append("")
     if summary.get("started"):
         load = summary.get("load_average") or {}
@@ -235,7 +239,8 @@ def render_report(summary: dict) -> str:
                   f"{load.get('start')} at the start, {load.get('end')} at the end.", ""]
     counts = summary.get("question_turns_per_task", {})
     lines.append(
-        f"{summary.get('questions', '?')} questions, {sum(counts.values()) if counts else '?'} question-turns ("
+        f"{summary.get('questions', '?')} questions, {sum(counts.values()) if counts else '?'} "
+        f"question-turns ("
         + ", ".join(f"{TASK_LABELS.get(t, t)} {counts.get(t, '?')}" for t in tasks)
         + f"), {s.get('decoding', 'greedy')}, max_new_tokens {s.get('max_new_tokens', '?')}, "
         f"batch size {s.get('max_batch_size', 1)}, reference `{summary.get('reference', 'ar')}`. "
@@ -248,14 +253,17 @@ def render_report(summary: dict) -> str:
         lines.append(f"| `{m}` | " + " | ".join(_f(v["speedup"].get(c), "{:.2f}x") for c in cols)
                      + f" | {_f(v['mat'].get('overall'))} | {_f(v['tokens_per_s'].get('overall'))} |")
     lines += ["", "## Mean accepted tokens per target forward (MAT)", "",
-              "| Method | " + " | ".join(TASK_LABELS.get(c, c) for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+              "| Method | " + " | ".join(TASK_LABELS.get(c, c) for c in cols) + " |", "|---" * (len(cols) + 1)
+              + "|"]
     for m, v in ms.items():
         lines.append(f"| `{m}` | " + " | ".join(_f(v["mat"].get(c)) for c in cols) + " |")
     lines += ["", "## Details", "",
               "Speedup (totals) = total tokens / total time relative to the reference's; Spec-Bench = its "
-              "`speed.py` (mean speed / reference mean speed). " + _lossless_note(s) + " Time split = share of "
+              "`speed.py` (mean speed / reference mean speed). " + _lossless_note(s) + " Time split = "
+                                                                                       "share of "
               "wall time (engine methods only).", "",
-              "| Method | speedup (totals) | speedup (Spec-Bench) | retrieval success | mean tree size | lossless "
+              "| Method | speedup (totals) | speedup (Spec-Bench) | retrieval success | mean tree size | "
+              "lossless "
               "| " + " | ".join(SPLIT_COLUMNS) + " |", "|---" * (6 + len(SPLIT_COLUMNS)) + "|"]
     for m, v in ms.items():
         ts = v.get("time_split") or {}
@@ -278,13 +286,15 @@ def render_report(summary: dict) -> str:
             shares = [h.get(str(i), 0) / total for i in range(1, top)]
             shares.append(sum(n for k, n in h.items() if int(k) >= top) / total)
             lines.append(f"| `{m}` | " + " | ".join(_f(x, "{:.1%}") for x in shares) + " |")
-    curves = {m: c["cost_curve"] for m, c in (summary.get("method_configs") or {}).items() if c.get("cost_curve")}
+    curves = {m: c["cost_curve"] for m, c in (summary.get("method_configs") or {}).items()
+              if c.get("cost_curve")}
     if curves:
         lines += ["", "## Forward cost curves used by the auto draft budget", "",
                   "Seconds per forward adding n tokens, as the engine loaded or measured them "
                   "(`method_configs` in summary.json holds every method's full configuration).", ""]
         for m, c in curves.items():
-            lines.append(f"- `{m}`: " + ", ".join(f"n={n}: {t:.3f}" for n, t in zip(c["tokens"], c["seconds"])))
+            lines.append(f"- `{m}`: " + ", ".join(f"n={n}: {t:.3f}" for n, t in zip(c["tokens"],
+                                                                                    c["seconds"])))
     plots = summary.get("plots") or []
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]

@@ -37,7 +37,8 @@ def rerender(out_dir) -> dict:
     meta = out / "summary.json"
     summary = json.loads(meta.read_text(encoding="utf-8")) if meta.is_file() else {"reference": REFERENCE}
     ref = summary.get("reference", REFERENCE)
-    names = (summary.get("settings") or {}).get("methods") or list(dict.fromkeys(r["method"] for r in records))
+    names = (summary.get("settings") or {}).get("methods") or list(dict.fromkeys(r["method"]
+                                                                                 for r in records))
     done = [r for r in records if r["method"] == ref and r.get("sample", 0) == 0]  # one per question-turn
     counts: dict[str, int] = {}
     for r in done:
@@ -64,17 +65,19 @@ def resumable(out: pathlib.Path, summary: dict, names: list[str]) -> dict:
     meta = out / "summary.json"
     if meta.is_file():
         old = json.loads(meta.read_text(encoding="utf-8")).get("settings", {})
-        for key in ("methods", "max_new_tokens", "max_batch_size", "capacity", "top_k", "temperature", "top_p",
-                    "sampling_top_k", "num_samples", "seed"):
+        for key in ("methods", "max_new_tokens", "max_batch_size", "capacity", "top_k", "temperature",
+                    "top_p", "sampling_top_k", "num_samples", "seed"):
             if old.get(key, DEFAULTS.get(key)) != summary["settings"].get(key, DEFAULTS.get(key)):
-                raise ValueError(f"cannot resume {out}: its {key} was {old[key]!r}, now {summary['settings'][key]!r}")
+                raise ValueError(f"cannot resume {out}: its {key} was {old[key]!r}, now "
+                                 f"{summary['settings'][key]!r}")
     by_key: dict = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             r = json.loads(line)
         except ValueError:
             continue  # a line cut short when the run died
-        by_key.setdefault((r["question_id"], r.get("turn", 0)), {}).setdefault(r["method"], {})[r.get("sample", 0)] = r
+        by_key.setdefault((r["question_id"], r.get("turn", 0)), {}).setdefault(r["method"],
+                                                                               {})[r.get("sample", 0)] = r
     n = summary["settings"].get("num_samples", 1)
     return {k: {m: [rs[j] for j in range(n)] for m, rs in v.items()} for k, v in by_key.items()
             if all(len(v.get(m, ())) == n for m in names)}

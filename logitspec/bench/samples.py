@@ -46,7 +46,8 @@ class Decoding:
             return "greedy"
         parts = [f"temperature {self.temperature:g}", f"top-p {self.top_p:g}"]
         parts += [f"top-k {self.top_k}"] if self.top_k else []
-        return "sampled (" + ", ".join(parts) + f"), {self.num_samples} sample(s) per prompt, seed {self.seed}"
+        return ("sampled (" + ", ".join(parts)
+                + f"), {self.num_samples} sample(s) per prompt, seed {self.seed}")
 
 
 def add_decoding_options(p) -> None:
@@ -55,11 +56,13 @@ def add_decoding_options(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (needs --temperature > 0)")
     p.add_argument("--top-k", type=int, default=0,
                    help="sample among the k most likely tokens (needs --temperature > 0; 0: all). The number "
-                        "of LogitSpec guesses is --guesses in bench, a method variant (logitspec@top_k=8) elsewhere")
+                        "of LogitSpec guesses is --guesses in bench, a method variant (logitspec@top_k=8) "
+                        "elsewhere")
     p.add_argument("--num-samples", type=int, default=1,
                    help="samples per prompt (needs --temperature > 0); each is a record, seeded alike for "
                         "every method")
-    p.add_argument("--seed", type=int, default=0, help="first sampling seed (prompt k: seed + N k; its samples: "
+    p.add_argument("--seed", type=int, default=0, help="first sampling seed (prompt k: seed + N k; its "
+                                                       "samples: "
                    "logitspec.session.sample_seed of that)")
 
 
@@ -78,7 +81,8 @@ def decoding_options(d: Decoding) -> list[str]:
     return out + (["--seed", str(d.seed)] if d.seed else [])
 
 
-def run_samples(engine, prompts: list, max_new_tokens: int, decoding: Decoding, seeds: list[int] | None = None):
+def run_samples(engine, prompts: list, max_new_tokens: int, decoding: Decoding,
+                seeds: list[int] | None = None):
     """``engine.run`` on ``decoding.num_samples`` samples of every prompt, one prefill shared by a
     prompt's samples: the :class:`~logitspec.engine.EngineRun`'s results are prompt-major (sample j
     of prompt i at ``i * num_samples + j``, seeded ``sample_seed(seeds[i], j)``; ``seeds`` default:

@@ -62,7 +62,8 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
                   for k, e in engines.items()}
     baselines = baselines or {}
     ids = [tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompts] if baselines else []
-    contenders.update({(name, b): _baseline_round(r, b, batch_prompts(ids, b * prompts_per_slot), prompts_per_slot > 1)
+    contenders.update({(name, b): _baseline_round(r, b, batch_prompts(ids, b * prompts_per_slot),
+                                                  prompts_per_slot > 1)
                        for (name, b), r in baselines.items()})
     tps = {k: [] for k in contenders}
     outputs, mats = {}, {}
@@ -133,17 +134,20 @@ def render(table: dict) -> str:
     for row in table.values():
         vs, paired = (f"{row[k]:.2f}x" if row.get(k) else "-" for k in ("vs_ar", "vs_ar_paired"))
         mat = f"{row['mat']:.2f}" if row["mat"] is not None else "-"
-        lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | {paired} | "
+        lines.append(f"| {row['batch_size']} | {row['method']} | {row['tokens_per_s']:.2f} | {vs} | "
+                     f"{paired} | "
                      f"{mat} | {row['same_as_ar']} |")
     against = [r for r in table.values() if r.get("our_best")]
     if against:
-        lines += ["", "| batch | our best | baseline | our best / baseline, medians | per round: median (min-max) "
+        lines += ["", "| batch | our best | baseline | our best / baseline, medians | per round: median "
+                      "(min-max) "
                       "| rounds ours ahead |", "|---|---|---|---|---|---|"]
         for row in against:
             per = row["our_best_per_round"]
             spread = f"{statistics.median(per):.2f}x ({min(per):.2f}-{max(per):.2f})" if per else "-"
             ratio = f"{row['vs_our_best']:.2f}x" if row["vs_our_best"] else "-"
-            lines.append(f"| {row['batch_size']} | {row['our_best']} | {row['method']} | {ratio} | {spread} | "
+            lines.append(f"| {row['batch_size']} | {row['our_best']} | {row['method']} | {ratio} | "
+                         f"{spread} | "
                          f"{sum(x > 1 for x in per)} of {len(per)} |")
     return "\n".join(lines)
 
@@ -158,13 +162,15 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--methods", default="ar,logitspec",
                    help="engine methods and variants (logitspec@capacity=8); ar is always run")
     p.add_argument("--batch-sizes", default="1,4,8")
-    p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
+    p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: "
+                                                     f"{DEFAULT_QUESTIONS})")
     p.add_argument("--per-task", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompts-per-slot", type=int, default=1,
                    help="batch size b runs b x N prompts (1: one static batch, done when its slowest row is; "
-                        "more: rows are refilled as they finish, as in a job; vLLM likewise, one engine start-up "
+                        "more: rows are refilled as they finish, as in a job; vLLM likewise, one engine "
+                        "start-up "
                         "per batch size)")
     p.add_argument("--out", default=None, help="write the table as JSON here")
     p.add_argument("--baselines", default="", help="other engines to run on the same prompts: 'vllm' (vLLM's "
@@ -172,7 +178,8 @@ def add_throughput_command(sub) -> None:
     p.add_argument("--vllm-python", default=None, help="python of vLLM's environment (default "
                    "~/.cache/logitspec/vllm-venv/bin/python)")
     p.add_argument("--vllm-methods", default="plain,ngram",
-                   help=f"vLLM methods to run, of {','.join(vllm_baseline.METHODS)} (ngram: 5 drafted tokens; "
+                   help=f"vLLM methods to run, of {','.join(vllm_baseline.METHODS)} (ngram: 5 drafted "
+                        f"tokens; "
                         "suffix needs arctic-inference in vLLM's environment)")
     add_decoding_options(p)
     p.set_defaults(func=_main)
@@ -183,13 +190,15 @@ def _main(args) -> int:
 
     specs = parse_methods(args.methods)  # fails fast on a typo; variants as in bench: logitspec@capacity=8
     if any(s.is_hf or set(s.overrides) & set(ENGINE_OPTIONS) for s in specs):
-        raise ValueError(f"throughput runs this engine's methods and SpecConfig variants only, got {args.methods!r}")
+        raise ValueError(f"throughput runs this engine's methods and SpecConfig variants only, got "
+                         f"{args.methods!r}")
     methods = [s.name for s in specs]
     configs = {s.name: SpecConfig(method=s.base, **s.overrides) for s in specs}
     sizes = parse_sizes(args.batch_sizes)
     baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
     if set(baselines) - set(BASELINES):
-        raise ValueError(f"unknown baselines {sorted(set(baselines) - set(BASELINES))}; known: {', '.join(BASELINES)}")
+        raise ValueError(f"unknown baselines {sorted(set(baselines) - set(BASELINES))}; known: "
+                         f"{', '.join(BASELINES)}")
     vllm_methods = vllm_baseline.parse_methods(args.vllm_methods) if baselines else []
     vllm_python = None
     if "vllm" in baselines:
@@ -206,7 +215,8 @@ def _main(args) -> int:
     prompts = first_turns(args.questions, args.per_task, max_chars=1500)
     model, tok = load_model(args.model, dtype=args.dtype)
     with contextlib.ExitStack() as stack:
-        runners = _start_vllm(stack, vllm_python, vllm_methods, model, tok, sizes, args) if vllm_python else {}
+        runners = _start_vllm(stack, vllm_python, vllm_methods, model, tok, sizes,
+                              args) if vllm_python else {}
         t0 = time.perf_counter()
         table = run(model, tok, prompts, methods, sizes, args.max_new_tokens, args.rounds, configs, decoding,
                     args.prompts_per_slot, baselines=runners)
@@ -226,8 +236,8 @@ def _start_vllm(stack, python, methods, model, tok, sizes, args) -> dict:
 
     warm = warmup_question(tok, model.config.get_text_config(decoder=True).vocab_size).turns[0]
     warm_ids = tok(warm).input_ids if isinstance(warm, str) else list(warm)
-    return vllm_baseline.start_runners(python, model.config._name_or_path, methods, sizes, args.max_new_tokens,
-                                       warm_ids, stack, threads=torch.get_num_threads(),
+    return vllm_baseline.start_runners(python, model.config._name_or_path, methods, sizes,
+                                       args.max_new_tokens, warm_ids, stack, threads=torch.get_num_threads(),
                                        slots=args.prompts_per_slot > 1, dtype=args.dtype)
 
 

@@ -65,7 +65,8 @@ def runner_env(python: pathlib.Path, threads: int) -> dict[str, str]:
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     have = allocator.preloads(env)
     tcmalloc = None if any("tcmalloc" in p for p in have) else allocator.library()
-    preload = [p for p in (tcmalloc, *sorted(glob.glob(str(python.parent.parent / "lib" / "libiomp5.so")))[:1])
+    preload = [p for p in (tcmalloc,
+                           *sorted(glob.glob(str(python.parent.parent / "lib" / "libiomp5.so")))[:1])
                if p and p not in have]
     if have or preload:
         env["LD_PRELOAD"] = ":".join(have + preload)
@@ -81,8 +82,8 @@ class Runner:
     without an answer. Close it (or use it as a context manager) to end the child."""
 
     def __init__(self, python, model_dir, method: str, max_new_tokens: int, max_num_seqs: int,
-                 warmup: list[int], threads: int = 2, dtype: str = "float32", max_model_len: int | None = None,
-                 timeout: float = 1800):
+                 warmup: list[int], threads: int = 2, dtype: str = "float32",
+                 max_model_len: int | None = None, timeout: float = 1800):
         self.method, self._timeout, self._rounds = method, timeout, 0
         self._tmp = tempfile.TemporaryDirectory(prefix="logitspec-vllm-")
         self._lines: queue.Queue = queue.Queue()
@@ -146,7 +147,8 @@ class Runner:
             try:
                 line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise TimeoutError(f"vLLM runner ({self.method}) gave no answer in {self._timeout:.0f} s") from None
+                raise TimeoutError(
+                    f"vLLM runner ({self.method}) gave no answer in {self._timeout:.0f} s") from None
             if line is None:
                 self._failed()
             if line.startswith(vllm_runner.MARK) and line.split(maxsplit=1)[1].strip() == str(reply):
@@ -170,8 +172,8 @@ def start_runners(python, model_dir, methods, batch_sizes, max_new_tokens: int, 
         for group in ([[b] for b in batch_sizes] if slots else [list(batch_sizes)]):
             log(f"vLLM {m}: starting in {python} ...")
             try:
-                r = stack.enter_context(Runner(python, model_dir, m, max_new_tokens, max(group), warmup, threads,
-                                               dtype, max_model_len))
+                r = stack.enter_context(Runner(python, model_dir, m, max_new_tokens, max(group), warmup,
+                                               threads, dtype, max_model_len))
             except (RuntimeError, TimeoutError, OSError) as e:
                 print(f"vLLM {m} skipped: {e}", file=sys.stderr)
                 break

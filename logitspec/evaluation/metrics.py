@@ -41,7 +41,8 @@ __all__ = [
 
 _EN_PUNCTUATION = frozenset(string.punctuation)
 # LongBench's Chinese punctuation list (full-width forms, CJK brackets, dashes, quotes, ellipsis, '.')
-_CN_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+_CN_PUNCTUATION = ("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃"
+                   "》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
 _ZH_PUNCTUATION = _EN_PUNCTUATION | frozenset(_CN_PUNCTUATION)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _NUMBER = re.compile(r"\d+")

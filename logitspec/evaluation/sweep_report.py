@@ -175,19 +175,22 @@ def _breakdown(cells: dict) -> str:
 def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
     """The report as markdown: one table per dataset and one overall, then the lossless check."""
     head = ("| configuration | score | rows (errors) | tok/s | decode tok/s | prefill tok/s | prefill share "
-            "| MAT | decode step ms | longest step gap s | decode x | end-to-end x | (same prefill) | peak RSS GiB "
+            "| MAT | decode step ms | longest step gap s | decode x | end-to-end x | (same prefill) | peak "
+            "RSS GiB "
             "| identical to ar |\n" + "|---" * 15 + "|\n")
 
     def table(cells: dict) -> str:
         lines = []
         for name, c in cells.items():
-            ident = "-" if "identical" not in c else ("yes" if c["identical"] else f"NO ({c['identical_rows']})")
+            ident = "-" if "identical" not in c else ("yes" if c["identical"]
+                                                      else f"NO ({c['identical_rows']})")
             lines.append(f"| {name} | {_fmt(c['score'])} | {c['rows']} ({c['errors']}) | "
                          f"{_fmt(c['tokens_per_s'], 1)} | {_fmt(c['decode_tokens_per_s'], 1)} | "
                          f"{_fmt(c['prefill_tokens_per_s'], 0)} | {_fmt(c['prefill_share'], 0, 100, '%')} | "
                          f"{_fmt(c['mat'])} | {_fmt(c['decode_step_s'], 0, 1000)} | "
                          f"{_fmt(c.get('max_step_gap_s'), 1)} | "
-                         f"{_fmt(c.get('decode_speedup'), 2, 1, 'x')} | {_fmt(c.get('e2e_speedup'), 2, 1, 'x')} | "
+                         f"{_fmt(c.get('decode_speedup'), 2, 1, 'x')} | "
+                         f"{_fmt(c.get('e2e_speedup'), 2, 1, 'x')} | "
                          f"{_fmt(c.get('e2e_speedup_same_prefill'), 2, 1, 'x')} | "
                          f"{_fmt(c['peak_rss_bytes'], 2, 2**-30)} | "
                          f"{ident} |")
@@ -200,7 +203,8 @@ def report_markdown(report: dict, title: str = "Evaluation sweep") -> str:
     check = report["lossless"]
     verdict = ("every lossless configuration gave its `ar` baseline's tokens on every row and the same scores"
                if check["all_identical"] and check["all_scores_equal"] else
-               f"MISMATCH: identical text {check['all_identical']}, equal scores {check['all_scores_equal']}; "
+               f"MISMATCH: identical text {check['all_identical']}, equal scores "
+               f"{check['all_scores_equal']}; "
                f"first rows: {check['mismatches'][:5]}")
     if not check["compared_cells"]:
         verdict = "nothing to compare (no `ar` baseline in the sweep)"

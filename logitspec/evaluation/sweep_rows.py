@@ -36,7 +36,8 @@ class SweepRow:
     truncated: bool
 
     def as_dict(self) -> dict:
-        return {"key": self.key, "dataset": self.dataset, "example_id": self.example_id, "prompt": self.prompt,
+        return {"key": self.key, "dataset": self.dataset, "example_id": self.example_id,
+                "prompt": self.prompt,
                 "max_new_tokens": self.max_new_tokens, "stop": list(self.stop), "chat": self.chat,
                 "truncated": self.truncated}
 

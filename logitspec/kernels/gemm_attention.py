@@ -22,8 +22,8 @@ ENABLED = True  # False: prefill attention goes back to SDPA (for side-by-side m
 
 def applies(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
     """Whether :func:`attention` runs these inputs: float32 on CPU with an additive mask, whole groups
-    of query heads per key head (a tensor-parallel shard may hold no heads, or fewer query heads than key heads),
-    oneDNN present and :data:`ENABLED`."""
+    of query heads per key head (a tensor-parallel shard may hold no heads, or fewer query heads than key
+    heads), oneDNN present and :data:`ENABLED`."""
     H, KV = query.shape[1], key.shape[1]
     return (query.device.type == "cpu" and query.dtype == torch.float32 and mask is not None
             and mask.dtype == torch.float32 and 0 < KV <= H and H % KV == 0 and ENABLED

@@ -12,15 +12,16 @@ compute each node exactly as a one-token step would. oneDNN takes a different pa
 row on some shapes, so one row is computed as two (the row twice); whether the rest is invariant
 depends on the CPU and the thread count, so :func:`batch_invariant` checks each weight shape once
 per process (row counts 2 to 512, bitwise comparison, on :func:`probe` inputs that make any other
-summation order show in nearly every output) and only shapes that pass are swapped. Elsewhere the skinny kernel (:mod:`logitspec.kernels.skinny`) or ``F.linear`` stays.
+summation order show in nearly every output) and only shapes that pass are swapped. Elsewhere the skinny
+kernel (:mod:`logitspec.kernels.skinny`) or ``F.linear`` stays.
 
 bfloat16 (AMX or AVX-512 BF16, float32 sums): on a Sapphire Rapids class CPU every product of 1 to
 32 rows gave each row the bits it gets alone, and 33 rows or more other bits on all of Gemma 3's
-shapes (``F.linear`` parts from 12 rows on; on plain random inputs the 256 x 640 shape hid it). Such shapes are computed :data:`CHUNK_ROWS` rows per
-call (a 2400-row prefill product 2-3x dearer than in one call, still 2-6x cheaper than float32's),
-except in calls of exactly the larger row counts (multiples of 32 up to 1024, :func:`piece_sizes`,
-checked per shape) where one call gives every row its chunked bits again, split into the fewest
-calls (:func:`spans`). Which counts do is not monotone: on Gemma 3's shapes here, from 353 rows on
+shapes (``F.linear`` parts from 12 rows on; on plain random inputs the 256 x 640 shape hid it). Such shapes
+are computed :data:`CHUNK_ROWS` rows per call (a 2400-row prefill product 2-3x dearer than in one call, still
+2-6x cheaper than float32's), except in calls of exactly the larger row counts (multiples of 32 up to 1024,
+:func:`piece_sizes`, checked per shape) where one call gives every row its chunked bits again, split into the
+fewest calls (:func:`spans`). Which counts do is not monotone: on Gemma 3's shapes here, from 353 rows on
 for 2048 x 640, 512-640 and 687+ (with holes) for 1024 x 640, 640+ for 640 x 1024, none for
 640 x 2048 (K = 2048).
 
@@ -117,7 +118,8 @@ def batch_invariant(out_features: int, in_features: int, threads: int, dtype: to
     counts = sorted(set(CHECK_ROWS) | set(range(1, chunk + 2)))
     w, x = probe(out_features, in_features, max(counts), dtype, out_features * 7919 + in_features)
     packed = pack(w)
-    rows = sorted(set(range(34)) | set(range(0, max(counts), 7)) | {n - 1 for n in counts} | {n // 2 for n in counts})
+    rows = sorted(set(range(34)) | set(range(0, max(counts), 7)) | {n - 1 for n in counts}
+                  | {n // 2 for n in counts})
     with torch.inference_mode():
         alone = {i: linear(x[i:i + 1], packed) for i in rows}  # [1, O] each
         for n in counts:
@@ -175,10 +177,12 @@ def piece_sizes(out_features: int, in_features: int, threads: int, dtype: torch.
     return tuple(ok)
 
 
-def rows_per_call(out_features: int, in_features: int, threads: int, dtype: torch.dtype = torch.float32) -> int | None:
+def rows_per_call(out_features: int, in_features: int, threads: int,
+                  dtype: torch.dtype = torch.float32) -> int | None:
     """The ``chunk`` that makes this weight shape's products batch-invariant here: 0 (any row count
     in one call), :data:`CHUNK_ROWS`, or None (neither: leave the shape to other kernels)."""
-    return next((c for c in (0, CHUNK_ROWS) if batch_invariant(out_features, in_features, threads, dtype, c)), None)
+    return next((c for c in (0, CHUNK_ROWS) if batch_invariant(out_features, in_features, threads, dtype, c)),
+                None)
 
 
 def dtypes() -> tuple[torch.dtype, ...]:
@@ -219,7 +223,8 @@ def use_onednn_linears(model: nn.Module) -> int:
     chunks = {k: rows_per_call(k[0], k[1], threads, k[2]) for k in kinds}
     refused = sorted(str(k) for k, c in chunks.items() if c is None)
     if refused:
-        logger.info("oneDNN linears not batch-invariant here for weight shapes %s: left to other kernels", refused)
+        logger.info("oneDNN linears not batch-invariant here for weight shapes %s: left to other kernels",
+                    refused)
     skip += [m.weight for m in linears if chunks.get((*m.weight.shape, m.weight.dtype)) is None]
     n = swap_linears(model, OneDnnLinear, 0, skip_weights=skip)
     for m in model.modules():

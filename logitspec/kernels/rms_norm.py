@@ -117,7 +117,8 @@ def fused_class(base: type) -> type:
 
     return type(f"Fused{base.__name__}", (base,), {
         "forward": forward, "__reduce_ex__": __reduce_ex__, "__module__": __name__,
-        "__doc__": f"{base.__name__} computed by logitspec's fused kernel for CPU inputs of its weight's dtype."})
+        "__doc__": f"{base.__name__} computed by logitspec's fused kernel for CPU inputs of its "
+                   f"weight's dtype."})
 
 
 def use_fused_rms_norms(model: nn.Module) -> int:

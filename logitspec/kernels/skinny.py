@@ -41,9 +41,10 @@ _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
 # the screen's candidate search of head.ScreenedArgmax, the fused RMS norm of kernels.rms_norm and
 # the int8 screen pass of logitspec.int8_screen
-_OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n for n in ("decode_attention.cpp", "screen.cpp",
-                                                                                 "rms_norm.cpp", "int8_screen.cpp"))
-_HEADERS = (pathlib.Path(__file__).with_name("csrc") / "vec8.h",)  # their hash is a build flag: an edit rebuilds
+_OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n
+                       for n in ("decode_attention.cpp", "screen.cpp", "rms_norm.cpp", "int8_screen.cpp"))
+# their hash is a build flag: an edit rebuilds
+_HEADERS = (pathlib.Path(__file__).with_name("csrc") / "vec8.h",)
 _EXT_NAME = "logitspec_skinny_linear"
 
 _lock = threading.Lock()
@@ -100,7 +101,8 @@ def sources_digest() -> str:
     with (:func:`logitspec.calibrate.kernel_fingerprint`), so an edited kernel is measured afresh."""
     import hashlib
 
-    return hashlib.sha1(b"".join(f.read_bytes() for f in (_SOURCE, *_OTHER_SOURCES, *_HEADERS))).hexdigest()[:12]
+    return hashlib.sha1(b"".join(f.read_bytes() for f in (_SOURCE, *_OTHER_SOURCES,
+                                                          *_HEADERS))).hexdigest()[:12]
 
 
 def _load():
@@ -119,9 +121,10 @@ def _load():
                 d = build_dir()
                 d.mkdir(parents=True, exist_ok=True)
                 with _venv_ninja_first():
-                    _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), *map(str, _OTHER_SOURCES)], build_directory=str(d),
-                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp",
-                                              f"-DLOGITSPEC_HEADERS={_headers_hash()}"],
+                    _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), *map(str, _OTHER_SOURCES)],
+                                build_directory=str(d),
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
+                                              "-fopenmp", f"-DLOGITSPEC_HEADERS={_headers_hash()}"],
                                 extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as e:  # compiler missing, headers missing, build error, ...
                 reason = f"build failed: {type(e).__name__}: {str(e).strip()[-800:]}"
@@ -138,8 +141,8 @@ def available() -> bool:
 
 def extension():
     """The compiled extension (``skinny_linear``, ``skinny_linear_f16``, ``decode_attention``,
-    ``screen_candidates``, ``rescore``, ``rms_norm``, ``top_tokens``), built on first call; None when it cannot be
-    (see :func:`unavailable_reason`)."""
+    ``screen_candidates``, ``rescore``, ``rms_norm``, ``top_tokens``), built on first call; None when it
+    cannot be (see :func:`unavailable_reason`)."""
     return _load()
 
 

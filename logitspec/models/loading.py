@@ -135,7 +135,8 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating torch dtype or its name (float32, bfloat16, float16), got {dtype!r}")
+        raise ValueError(f"dtype must be a floating torch dtype or its name (float32, bfloat16, float16), "
+                         f"got {dtype!r}")
     return dtype
 
 
@@ -156,8 +157,8 @@ def load_model(
     here (:mod:`logitspec.kernels.onednn`), else with :mod:`logitspec.kernels.skinny` (exact float32,
     same weights; a few rows cost about one row) when that kernel builds here, and its RMS norms in
     one fused pass (:mod:`logitspec.kernels.rms_norm`); in bfloat16, with oneDNN's bfloat16 GEMM where
-    it is batch-invariant here (else transformers' path, which is not) and the same fused norms. ``trust_remote_code``:
-    let ``transformers`` run Python code shipped with the model (off unless asked).
+    it is batch-invariant here (else transformers' path, which is not) and the same fused norms.
+    ``trust_remote_code``: let ``transformers`` run Python code shipped with the model (off unless asked).
     ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
@@ -189,16 +190,18 @@ def load_model(
         left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
                 and m is not model.get_output_embeddings()] if dtype == torch.bfloat16 else []
         if left:
-            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here (no oneDNN "
-                           "bfloat16 GEMM, or it failed the check), so speculative and batched outputs may part "
-                           "from plain decoding's at near-ties; float32 is exact here", len(left), left[0])
+            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here "
+                           "(no oneDNN bfloat16 GEMM, or it failed the check), so speculative and batched "
+                           "outputs may part from plain decoding's at near-ties; float32 is exact here",
+                           len(left), left[0])
     tokenizer = None
     if _has_tokenizer_files(path):
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, linears swapped=%s, tokenizer=%s, in %.1f s",
-        type(model).__name__,
+        "loaded %s (spec %r) from %s: %.0fM params, %s, %s, attn=%s, linears swapped=%s, tokenizer=%s, "
+        "in %.1f s", type(model).__name__,
         os.fspath(spec),
         path,
         n_params / 1e6,
