@@ -7,7 +7,7 @@ import sys
 
 from logitspec import allocator
 from pipeline.replica import faults
-from pipeline.replica.actor_env import actor_runtime_env
+from pipeline.replica.actor_env import QUIET_BARS, actor_runtime_env
 
 PROBE = ("import os; from logitspec import allocator; allocator.reexec_with_tcmalloc(); "
          "print(allocator.loaded(), os.environ.get('LOGITSPEC_TCMALLOC'))")
@@ -42,8 +42,12 @@ def test_actors_get_the_fault_variable_and_the_preload(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv(allocator.ENV, raising=False)
     monkeypatch.setenv(faults.ENV, "row:7")
+    for name in QUIET_BARS:
+        monkeypatch.delenv(name, raising=False)
     got = actor_runtime_env()["env_vars"]
-    assert got == {faults.ENV: "row:7", **allocator.preload_env()}
+    assert got == {faults.ENV: "row:7", **allocator.preload_env(), **QUIET_BARS}
     monkeypatch.delenv(faults.ENV)
     monkeypatch.setenv(allocator.ENV, "0")
-    assert actor_runtime_env() is None
+    assert actor_runtime_env() == {"env_vars": QUIET_BARS}  # progress bars off in actors' log files
+    monkeypatch.setenv("TQDM_DISABLE", "0")  # unless the user says otherwise
+    assert actor_runtime_env() == {"env_vars": {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}}

@@ -120,3 +120,22 @@ def test_lock_is_removed_at_the_end_and_a_stale_one_taken_over(tmp_path, caplog)
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] != 999999999
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_start_up_warning_only_for_replicas_waiting_to_be_placed():
+    from pipeline.replica.scheduler import unplaced
+
+    assert unplaced([True, True]) is None  # every replica is loading the model: nothing to warn about
+    assert unplaced([True, False]) == "1 of 2 replica(s) not placed yet"
+    assert unplaced([None]) == "1 replica(s) (loading or not placed yet)"  # it cannot tell: warn as before
+
+
+def test_progress_says_the_model_is_loading_until_generation_starts():
+    from pipeline.job.progress import Progress
+
+    p = Progress(30, 0, 30, interval=10)
+    assert p.line().startswith("rows 0/30")  # before replicas start (never logged then)
+    p.starting(2)
+    assert p.line() == "loading the model on 2 replica(s) ... (0 s)"
+    p.t_gen = p.t_load
+    assert p.line().startswith("rows 0/30 (this run 0/30")

@@ -21,6 +21,8 @@ class Progress:
         self.t_start = time.perf_counter()
         self.t_gen: float | None = None  # first batch sent
         self._last_log = 0.0
+        self.loading = 0  # replicas started, none ready yet: say so instead of a progress line of zeros
+        self.t_load: float | None = None
 
     def add(self, rows: list) -> None:
         """Count output rows (:class:`~pipeline.rows.OutputRow` or :class:`~pipeline.rows.SweepOutputRow`)."""
@@ -41,8 +43,14 @@ class Progress:
     def mat(self) -> float | None:
         return self.tokens / self.steps if self.steps else None
 
+    def starting(self, replicas: int) -> None:
+        """Replicas are starting: until the first batch is sent, the line says the model is loading."""
+        self.loading, self.t_load = replicas, time.perf_counter()
+
     def line(self) -> str:
         now = time.perf_counter()
+        if self.t_gen is None and self.loading and self.t_load is not None:
+            return f"loading the model on {self.loading} replica(s) ... ({now - self.t_load:.0f} s)"
         gen = now - self.t_gen if self.t_gen else 0.0
         finished = self.done + self.failed
         tps = self.tokens / gen if gen > 0 else 0.0

@@ -43,6 +43,30 @@ def set_up_job(spec: GenerationSpec, device: str, reference_refs: dict) -> tuple
                   make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history))
 
 
+LOADING_NAMESPACE = "logitspec-loading"  # Ray's internal key-value store: actor id -> "loading" marks
+
+
+def mark_loading(actor_id: str | None) -> None:
+    """Say (in Ray's key-value store) that this actor's process runs: it was placed and loads the model."""
+    with contextlib.suppress(Exception):  # best effort: only the start-up warning reads it
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(actor_id, b"1", namespace=LOADING_NAMESPACE)
+
+
+def is_loading(actor_id: str, forget: bool = False) -> bool | None:
+    """Whether the actor marked itself loading (None: the store cannot tell); ``forget`` drops the mark."""
+    try:
+        from ray.experimental import internal_kv
+
+        if forget:
+            internal_kv._internal_kv_del(actor_id, namespace=LOADING_NAMESPACE)
+            return None
+        return bool(internal_kv._internal_kv_exists(actor_id, namespace=LOADING_NAMESPACE))
+    except Exception:  # noqa: BLE001
+        return None
+
+
 class EngineWorker:
     """The actor: sets up one generator in its process, then turns batches of rows into output rows
     with it. What it generates with is its ``setup`` (the job's by default; the evaluation sweep passes
@@ -52,6 +76,7 @@ class EngineWorker:
         """``setup(spec, device, reference_refs) -> (generator, info)``; ``generator(rows, history)``
         returns ``(output rows, batch stats)``."""
         t0 = time.perf_counter()
+        mark_loading(ray.get_runtime_context().get_actor_id())  # placed: no start-up warning about resources
         import torch
 
         torch.set_num_threads(threads)
@@ -131,9 +156,14 @@ class ActorReplica:
     def info(self) -> ray.ObjectRef:
         return self.actor.info.remote()
 
+    def loading(self) -> bool | None:
+        """Whether the actor's process runs (placed, loading the model); False: still waiting to be placed."""
+        return is_loading(self.actor._actor_id.hex())
+
     def kill(self) -> None:
         with contextlib.suppress(Exception):  # already gone
             ray.kill(self.actor, no_restart=True)
+        is_loading(self.actor._actor_id.hex(), forget=True)
 
 
 def make_replica_factory(spec: GenerationSpec, resources: ReplicaResources, reference_refs: dict, tp: int = 1,

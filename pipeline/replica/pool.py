@@ -61,6 +61,9 @@ def connect_ray(cfg) -> dict:
     # Ray runs workers at nice 15 by default, below every other process of a shared machine, though
     # the actors do all of this job's work. A local Ray is ours: nice 0 (unless set by the user).
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Ray 2.5x turns token auth on for a new local cluster and warns about it on every run unless the
+    # mode is set: set it to what Ray does anyway (token; the user's own RAY_AUTH_MODE wins), no warning
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
     return {"started_here": True, "address": "local"}
 

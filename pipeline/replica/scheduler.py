@@ -223,15 +223,18 @@ class Scheduler:
         return self.stats
 
     def _warn_if_stuck(self, t0: float) -> None:
-        """No replica up for a while: usually the cluster lacks the resources asked for (or a slow first
-        load)."""
+        """No replica up for a while: warn when some are still waiting to be placed (the cluster lacks the
+        resources asked for), not while they load the model (the progress line says so)."""
         now = time.perf_counter()
         if any(s.ready for s in self.slots.values()) or now - t0 < 60 or now - self._last_stuck_log < 60:
             return
         self._last_stuck_log = now
-        log.warning("no replica ready after %.0f s; waiting (cluster resources available now: %s)",
-                    now - t0, {k: v for k, v in ray.available_resources().items()
-                               if k in ("CPU", "GPU", "memory")})
+        waiting = unplaced([_loading(s.replica) for s in self.slots.values() if not s.ready])
+        if waiting is None:
+            return
+        log.warning("no replica ready after %.0f s: %s waiting for resources (cluster resources available "
+                    "now: %s)", now - t0, waiting, {k: v for k, v in ray.available_resources().items()
+                                                    if k in ("CPU", "GPU", "memory")})
 
     def _on_ready(self, ref, t0: float) -> None:
         name = self.ready_refs.pop(ref)
@@ -283,3 +286,20 @@ class Scheduler:
                 self.queue.appendleft(Batch(self._new_key(), [row], split=True))
         else:
             self.on_failed_rows(batch.rows, msg)
+
+
+def _loading(replica) -> bool | None:
+    """Whether a replica's process has started loading the model (None: it cannot tell)."""
+    loading = getattr(replica, "loading", None)
+    return loading() if loading is not None else None
+
+
+def unplaced(loading: list[bool | None]) -> str | None:
+    """What the start-up warning says of the replicas not ready (``loading``: each one's
+    :func:`_loading`), or None when every one is loading the model (nothing to warn about)."""
+    if all(x is True for x in loading):
+        return None
+    known = [x for x in loading if x is not None]
+    if len(known) < len(loading):
+        return f"{len(loading)} replica(s) (loading or not placed yet)"
+    return f"{sum(not x for x in known)} of {len(loading)} replica(s) not placed yet"
