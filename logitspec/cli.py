@@ -120,7 +120,7 @@ def _pipeline_main(command: str):
     elif command == "eval":
         from pipeline.sweep.cli import main
     elif command == "report":
-        from pipeline.run_report import main
+        from pipeline.job.report import main
     else:
         from pipeline.io.build_index import main
     return main
