@@ -1,4 +1,4 @@
-"""The run report of a generation job's output directory (pipeline/run_report.py), on hand-made output."""
+"""The run report of a generation job's output directory (pipeline/job/report/), on hand-made output."""
 from __future__ import annotations
 
 import importlib
@@ -9,7 +9,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.run_report import (
+from pipeline.job.report import (
     PLOTS,
     PLOTS_DIR,
     REPORT_FILE,
