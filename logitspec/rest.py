@@ -155,7 +155,8 @@ class Datastore:
                 break
         return out
 
-    def longest_match(self, context: Sequence[int], max_span: int = MAX_SPAN, min_span: int = MIN_SPAN) -> int:
+    def longest_match(self, context: Sequence[int], max_span: int = MAX_SPAN,
+                      min_span: int = MIN_SPAN) -> int:
         """The length of the longest suffix of ``context`` (``min_span``..``max_span`` tokens) that
         occurs in the datastore, 0 if none. Binary search over the length: a suffix that occurs
         makes every shorter one occur."""
@@ -210,7 +211,8 @@ class Datastore:
         mode = "r" if mmap else None
         # plain ndarray views of the read-only mappings: slicing a np.memmap costs twice as much, and
         # a lookup slices a few hundred times
-        tokens, suffixes = (np.load(d / name, mmap_mode=mode).view(np.ndarray) for name in ("tokens.npy", "suffixes.npy"))
+        tokens, suffixes = (np.load(d / name, mmap_mode=mode).view(np.ndarray)
+                            for name in ("tokens.npy", "suffixes.npy"))
         return cls(tokens, suffixes, int(meta.get("depth", SORT_DEPTH)), meta)
 
 
@@ -314,7 +316,8 @@ def retrieve(store: "Datastore | None", context: Sequence[int], n_nodes: int, ma
         return empty, empty, empty, 0
     if store is None:
         span, starts = context_matches(context, max_span, min_span)
-        conts = gather(np.asarray(context, dtype=np.int64), starts[:max_matches], continuation) if span else None
+        conts = gather(np.asarray(context, dtype=np.int64), starts[:max_matches],
+                       continuation) if span else None
     else:
         span, conts = store.longest_match(context, max_span, min_span), None
         while span >= min_span:  # the longest suffix with a non-empty continuation, as REST's loop over spans
@@ -348,7 +351,8 @@ def build_datastore(texts: Iterable[str], tokenizer, depth: int = SORT_DEPTH, ba
     t1 = time.perf_counter()
     store = Datastore.build(docs, depth)
     t2 = time.perf_counter()
-    store.meta.update({"tokenize_s": round(t1 - t0, 3), "index_s": round(t2 - t1, 3), "build_s": round(t2 - t0, 3),
+    store.meta.update({"tokenize_s": round(t1 - t0, 3), "index_s": round(t2 - t1, 3),
+                       "build_s": round(t2 - t0, 3),
                        "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
                        "vocab_size": len(tokenizer), "bytes": store.nbytes})
     return store
@@ -396,7 +400,8 @@ def table_texts(path: str | os.PathLike, column: str) -> list[str]:
         else:
             raise ValueError(f"{str(p)!r}: not a table (.parquet, .arrow, .jsonl, .csv)")
         if column not in table.column_names:
-            raise ValueError(f"{str(p)!r} has no column {column!r} (columns: {', '.join(table.column_names)})")
+            raise ValueError(f"{str(p)!r} has no column {column!r} "
+                             f"(columns: {', '.join(table.column_names)})")
         values = table.column(column).to_pylist()
         del pa
     return [v for v in values if isinstance(v, str) and v]

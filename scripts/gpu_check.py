@@ -16,7 +16,8 @@ forward-cost curves of two real model shapes with random weights. Writes JSON un
    commit, to show the host's share beside the forward.
 3. ``device_paths.json``: host waits for the device per step, by code location (CUDA's sync debug
    mode), and seeded sampling with every node drawn on the device.
-4. ``graph_lossless.json``, ``graph_timing.json`` (issue 40): the graph runner (``logitspec.gpu``: static KV slots, one CUDA graph per
+4. ``graph_lossless.json``, ``graph_timing.json`` (issue 40): the graph runner (``logitspec.gpu``: static KV
+slots, one CUDA graph per
    (rows, nodes) bucket): lossless greedy through it on the tiny families (the whole engine, ``ar``
    and ``logitspec``, float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex
    attention on head-dim-32 copies), and on the Llama-3-8B shape the step's time at 1/8/32/64 rows
@@ -62,9 +63,11 @@ from logitspec.request import Request  # noqa: E402
 from logitspec.target import TargetForward  # noqa: E402
 
 SHAPES = {  # the real models' shapes; weights are random (nothing on disk)
-    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                num_key_value_heads=8,
                                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)),
-    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                 num_key_value_heads=4,
                                  intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768)),
 }
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -73,7 +76,8 @@ TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, nu
 CPU_ACCEPTANCE = [("gemma3-270m logitspec, run 1", 2.90, 4.5), ("gemma3-270m logitspec, run 2", 2.72, 3.2),
                   ("gemma3-270m pld", 3.02, 5.3), ("qwen2.5-coder-0.5b logitspec", 1.68, 2.5),
                   ("qwen2.5-coder-0.5b pld", 1.76, 5.2)]
-TIE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}  # a parting's logit gap allowed, relative to max |logit|
+# a parting's logit gap allowed, relative to max |logit|
+TIE = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -6}
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,8 @@ class Plan:
 def plan_for(args) -> Plan:
     if not args.tiny:
         return Plan(args.device)
-    return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 2, 4), nodes=(1, 2, 4), context=24, reps=1,
-                step_tokens=4, tiny=True)
+    return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 2, 4), nodes=(1, 2, 4), context=24,
+                reps=1, step_tokens=4, tiny=True)
 
 
 # ------------------------------------------------------------------------------------------ lossless
@@ -127,7 +131,8 @@ def compare(model, prompts, refs, outs) -> dict:
 
 def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
     budget = kw.pop("budget", "fixed")
-    engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget), **kw.pop("engine", {}))
+    engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget),
+                    **kw.pop("engine", {}))
     run = engine.run(prompts, max_new_tokens=plan.new_tokens, **kw)
     mat = sum(len(r.token_ids) for r in run.results) / max(1, sum(r.stats["steps"] for r in run.results))
     info = {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
@@ -136,14 +141,16 @@ def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
 
 
 def lossless_family(family: str, plan: Plan) -> list[dict]:
-    """float32 against HF generate; bfloat16 against our bfloat16 ar (required) and generate (informational)."""
+    """float32 against HF generate; bfloat16 against our bfloat16 ar (required) and generate
+    (informational)."""
     prompts = repetitive_prompts(plan.prompts, seed=1)
     cases = []
     for dtype in (torch.float32, torch.bfloat16):
         model = tiny_model(family).to(device=plan.device, dtype=dtype)
         hf = [hf_generate(model, p, plan.new_tokens) for p in prompts]
         ref = hf if dtype == torch.float32 else run_engine(model, prompts, plan, "ar", 1)[0]
-        runs = [("ar", 1, {}), ("pld", 1, {}), ("logitspec", 1, {}), ("ar", plan.batch, {}), ("pld", plan.batch, {}),
+        runs = [("ar", 1, {}), ("pld", 1, {}), ("logitspec", 1, {}), ("ar", plan.batch, {}),
+                ("pld", plan.batch, {}),
                 ("logitspec", plan.batch, {}), ("logitspec", plan.batch, {"budget": "auto"})]
         for method, batch, kw in runs:
             outs, info = run_engine(model, prompts, plan, method, batch, **kw)
@@ -151,7 +158,8 @@ def lossless_family(family: str, plan: Plan) -> list[dict]:
                     "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1",
                     **compare(model, prompts, ref, outs)}
             if dtype != torch.float32:
-                case["vs_generate"] = {k: v for k, v in compare(model, prompts, hf, outs).items() if k != "ok"}
+                case["vs_generate"] = {k: v for k, v in compare(model, prompts, hf, outs).items()
+                                       if k != "ok"}
             cases.append(case)
         del model
     return cases
@@ -172,7 +180,8 @@ def host_waits(plan: Plan) -> dict:
             run = engine.run(prompts, max_new_tokens=plan.new_tokens)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    where = Counter(f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    where = Counter(f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught
+                    if "synchroniz" in str(w.message))
     steps = run.stats["batch_steps"]
     return {"measured": True, "batch_steps": steps, "admissions": len(prompts), "waits": sum(where.values()),
             "waits_per_step": round(sum(where.values()) / steps, 2), "by_location": dict(where.most_common())}
@@ -182,8 +191,8 @@ def device_sampling(plan: Plan) -> dict:
     """Seeded sampling with every node drawn where the logits are: runs, and stays in the vocabulary."""
     model = tiny_model("gemma3").to(device=plan.device, dtype=torch.bfloat16)
     prompts = repetitive_prompts(plan.prompts, seed=3)
-    outs, info = run_engine(model, prompts, plan, "logitspec", plan.batch, temperature=0.8, top_p=0.95, seed=7,
-                            engine={"sample_on_host": False})
+    outs, info = run_engine(model, prompts, plan, "logitspec", plan.batch, temperature=0.8, top_p=0.95,
+                            seed=7, engine={"sample_on_host": False})
     ok = all(len(o) == plan.new_tokens and all(0 <= t < model.config.vocab_size for t in o) for o in outs)
     return {**info, "ok": ok}
 
@@ -252,7 +261,8 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
     t0 = time.time()
     model, cfg = build_shape(name, plan)
     target = TargetForward(model)
-    doc = {"shape": name, "dtype": "bfloat16", "attn": model.config._attn_implementation, "context": plan.context,
+    doc = {"shape": name, "dtype": "bfloat16", "attn": model.config._attn_implementation,
+           "context": plan.context,
            "config": {k: getattr(cfg, k) for k in (TINY_SHAPE if plan.tiny else SHAPES[name][1])},
            "build_s": round(time.time() - t0, 1), "rows": {}, "skipped_rows": []}
     curves, last_s = {}, 0.0
@@ -421,7 +431,8 @@ def environment(plan: Plan) -> dict:
 
 
 def part_names(plan: Plan) -> list[str]:
-    return ["lossless", "device_paths", "graph_lossless", "graph_timing"] + [f"curve_{n}" for n in plan.shapes]
+    return (["lossless", "device_paths", "graph_lossless", "graph_timing"]
+            + [f"curve_{n}" for n in plan.shapes])
 
 
 def run_part(name: str, plan: Plan, deadline: float) -> dict:
@@ -469,7 +480,8 @@ def part_in_process(name: str, args, start: float) -> dict:
     done = pathlib.Path(args.out, f"{name}.part.json")
     if done.exists():
         return json.loads(done.read_text())
-    return {"wall_s": round(time.perf_counter() - t0, 1), "error": f"its process exited with {rc} before recording"}
+    return {"wall_s": round(time.perf_counter() - t0, 1),
+            "error": f"its process exited with {rc} before recording"}
 
 
 def main(argv=None) -> int:
@@ -477,9 +489,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
-    ap.add_argument("--budget-s", type=float, default=360.0, help="start no curve row or engine run past this")
-    ap.add_argument("--parts", help="comma-separated parts to run (default all; off CPU each in its own process)")
-    ap.add_argument("--isolate", action="store_true", help="each part in its own process (the default off CPU)")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="start no curve row or engine run past this")
+    ap.add_argument("--parts", help="comma-separated parts to run (default all; off CPU each in its own "
+                                    "process)")
+    ap.add_argument("--isolate", action="store_true", help="each part in its own process (the default "
+                                                           "off CPU)")
     ap.add_argument("--start", type=float, help=argparse.SUPPRESS)  # the whole check's start (epoch seconds)
     args = ap.parse_args(argv)
     plan, start = plan_for(args), args.start or time.time()
@@ -487,7 +502,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     names = args.parts.split(",") if args.parts else part_names(plan)
-    if args.start is not None and len(names) == 1:  # a child of the run below: record the outcome for the parent
+    # a child of the run below: record the outcome for the parent
+    if args.start is not None and len(names) == 1:
         outcome = part(names[0], plan, start + args.budget_s, out)
         (out / f"{names[0]}.part.json").write_text(json.dumps(outcome))
         return 0 if outcome["error"] is None else 1

@@ -47,7 +47,8 @@ def _step(seed: int):
 def test_mixed_rows_accept_as_the_reference(seed, on_host):
     trees, fwd = _step(seed)
     gens = [None if p.greedy else torch.Generator().manual_seed(seed * 10 + b) for b, p in enumerate(PARAMS)]
-    ref_gens = [None if g is None else torch.Generator().manual_seed(seed * 10 + b) for b, g in enumerate(gens)]
+    ref_gens = [None if g is None else torch.Generator().manual_seed(seed * 10 + b)
+                for b, g in enumerate(gens)]
     want = [reference_accept(t, lg, p, g) for t, lg, p, g in zip(trees, fwd.logits, PARAMS, ref_gens)]
     paths, bonus, top = accept_step(trees, fwd, PARAMS, gens, 2, on_host)
     assert list(zip(paths, bonus)) == want

@@ -1,8 +1,17 @@
 """The paper's analyses: counting on hand-made traces (no model)."""
 import numpy as np
 
-from logitspec.bench.analyses import (RETRIEVAL_VARIANTS, Trace, first_k_over, guesses_of, next_next_ranks,
-                                      retrieval_flags, retrieval_report, topk_report, topk_shares)
+from logitspec.bench.analyses import (
+    RETRIEVAL_VARIANTS,
+    Trace,
+    first_k_over,
+    guesses_of,
+    next_next_ranks,
+    retrieval_flags,
+    retrieval_report,
+    topk_report,
+    topk_shares,
+)
 
 
 def test_next_next_rank_counts_the_entries_above_the_true_token():

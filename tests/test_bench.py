@@ -7,8 +7,16 @@ import statistics
 
 import pytest
 
-from logitspec.bench import (DEFAULT_QUESTIONS, PromptBuilder, Question, bench, load_questions, parse_methods,
-                             rerender, select_questions)
+from logitspec.bench import (
+    DEFAULT_QUESTIONS,
+    PromptBuilder,
+    Question,
+    bench,
+    load_questions,
+    parse_methods,
+    rerender,
+    select_questions,
+)
 from logitspec.bench import report as br
 from logitspec.bench.methods import _accept_lengths, split_top
 from logitspec.bench.questions import TASKS, first_turns
@@ -62,8 +70,10 @@ def test_speedup_pairs_turns_and_skips_units_the_reference_lacks():
 def test_batched_units_share_one_wall_time():
     # two questions in one generate call of 2 s: unit speed = 30 tokens / 2 s
     records = [
-        rec("ar", 1, "qa", 10, 3.0, unit=0, unit_wall_time=3.0), rec("ar", 2, "qa", 20, 3.0, unit=0, unit_wall_time=3.0),
-        rec("x", 1, "qa", 10, 2.0, unit=0, unit_wall_time=2.0), rec("x", 2, "qa", 20, 2.0, unit=0, unit_wall_time=2.0),
+        rec("ar", 1, "qa", 10, 3.0, unit=0, unit_wall_time=3.0), rec("ar", 2, "qa", 20, 3.0, unit=0,
+                                                                     unit_wall_time=3.0),
+        rec("x", 1, "qa", 10, 2.0, unit=0, unit_wall_time=2.0), rec("x", 2, "qa", 20, 2.0, unit=0,
+                                                                    unit_wall_time=2.0),
     ]
     u = br.units(records)
     assert u["x"][0] == {"task": "qa", "tokens": 30, "wall": 2.0, "tps": 15.0}
@@ -73,13 +83,17 @@ def test_batched_units_share_one_wall_time():
 def test_mat_histogram_rates_time_split_and_lossless():
     records = [
         rec("ar", 1, "qa", 3, 1.0, steps=3, accept=[1, 1, 1], token_ids=[5, 6, 7], mean_tree_size=0.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05,
+            commit_s=0.05),
         rec("x", 1, "qa", 3, 1.0, steps=2, accept=[1, 2], token_ids=[5, 6, 7], mean_tree_size=4.0,
-            retrieval_success=1.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+            retrieval_success=1.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1,
+            commit_s=0.0),
         rec("ar", 2, "rag", 4, 1.0, steps=4, accept=[1, 1, 1, 1], token_ids=[1, 2, 3, 4], mean_tree_size=0.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05, commit_s=0.05),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.0, pack_s=0.0, forward_s=0.8, verify_s=0.05,
+            commit_s=0.05),
         rec("x", 2, "rag", 4, 1.0, steps=2, accept=[1, 3], token_ids=[1, 2, 3, 9], mean_tree_size=2.0,
-            retrieval_success=0.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1, commit_s=0.0),
+            retrieval_success=0.0, prefill_s=0.1, draft_s=0.1, pack_s=0.0, forward_s=0.6, verify_s=0.1,
+            commit_s=0.0),
         rec("hf", 1, "qa", 3, 1.0, steps=3, token_ids=[5, 6, 7]),
         rec("hf", 2, "rag", 4, 1.0, steps=4, token_ids=[1, 2, 3, 4]),
     ]
@@ -109,7 +123,8 @@ def test_report_numbers_come_from_the_summary(tmp_path):
     summary = {"model": {"name": "tiny"}, "methods": br.summarize(records), "tasks": ["qa"],
                "question_turns_per_task": {"qa": 1}, "questions": 1, "settings": {"max_new_tokens": 10},
                "command": "logitspec bench --x", "machine": {"cpu": "test cpu"},
-               "method_configs": {"logitspec": {"config": {}, "cost_curve": {"tokens": [1, 8], "seconds": [0.2, 0.45]}}}}
+               "method_configs": {"logitspec": {"config": {}, "cost_curve": {"tokens": [1, 8],
+                                                                             "seconds": [0.2, 0.45]}}}}
     md = br.render_report(summary)
     assert "| `ar` | 1.00x | 1.00x | 1.00 | 5.00 |" in md
     assert "| `logitspec` | 1.25x | 1.25x | 2.50 | 6.25 |" in md
@@ -131,7 +146,8 @@ def test_load_questions_groups_tasks_and_takes_first_n(tmp_path):
             for i, c in enumerate(["qa", "writing", "qa", "roleplay", "rag", "qa"])]
     p = _write_questions(tmp_path / "q.jsonl", rows)
     qs = load_questions(p, per_task=2)
-    assert [(q.question_id, q.task) for q in qs] == [(1, "mt_bench"), (3, "mt_bench"), (0, "qa"), (2, "qa"), (4, "rag")]
+    assert [(q.question_id, q.task) for q in qs] == [(1, "mt_bench"), (3, "mt_bench"), (0, "qa"), (2, "qa"),
+                                                     (4, "rag")]
     assert [q.question_id for q in load_questions(p, categories=["roleplay", "rag"])] == [3, 4]
     assert [q.question_id for q in load_questions(p, categories=["mt_bench"])] == [1, 3]
     with pytest.raises(ValueError, match="unknown categories"):
@@ -238,7 +254,8 @@ def _tiny_questions():
     qs = []
     for i, cat in enumerate(["writing", "translation", "qa"]):
         base = [rng.randrange(3, 64) for _ in range(5)]
-        turns = [tuple(base * 3)] + ([tuple(rng.randrange(3, 64) for _ in range(4))] if cat == "writing" else [])
+        turns = [tuple(base * 3)] + ([tuple(rng.randrange(3, 64) for _ in range(4))] if cat == "writing"
+                                     else [])
         qs.append(Question(100 + i, cat, tuple(turns)))
     return qs
 
@@ -252,7 +269,8 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert len(records) == 5 * 4  # 5 methods (ar added) x 4 question-turns
     assert {"question_id", "category", "new_tokens", "wall_time", "accept_lengths"} <= set(records[0])
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["methods"].keys() == summary["methods"].keys() == {"ar", "pld", "logitspec", "hf", "hf-pld"}
+    assert on_disk["methods"].keys() == summary["methods"].keys() == {"ar", "pld", "logitspec", "hf",
+                                                                      "hf-pld"}
     ar = on_disk["methods"]["ar"]
     assert set(ar["speedup"]) == {"mt_bench", "translation", "qa", "overall"}
     assert all(v == 1.0 for v in ar["speedup"].values()) and ar["mat"]["overall"] == 1.0
@@ -277,7 +295,8 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     (tmp_path / "results.jsonl").write_text("\n".join(lines[:5]) + "\n")  # the first unit only
     part = rerender(tmp_path)
-    assert part["partial"].startswith("1 of 4 question-turns") and part["question_turns_per_task"] == {"mt_bench": 1}
+    assert (part["partial"].startswith("1 of 4 question-turns")
+            and part["question_turns_per_task"] == {"mt_bench": 1})
     assert "**Partial run: 1 of 4" in (tmp_path / "report.md").read_text()
 
 
@@ -292,8 +311,8 @@ def test_warm_up_runs_on_a_prompt_that_is_never_measured(tmp_path, one_thread, m
             calls.append([tuple(p) for p in prompts])
             return _run(self, prompts, max_new_tokens, seeds)
         monkeypatch.setattr(cls, "run", spy)
-    summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods="logitspec,hf", max_new_tokens=6,
-                    warmup_tokens=4, progress=False)
+    summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods="logitspec,hf",
+                    max_new_tokens=6, warmup_tokens=4, progress=False)
     assert set(summary["warmup_wall_s"]) == {"ar", "logitspec", "hf"}
     warm, measured = calls[:3], calls[3:]
     assert len(measured) == 3 * 4  # 3 methods x 4 question-turns, after the warm-up
@@ -334,7 +353,8 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     assert summary["methods"]["hf"]["accepted_from"] is None
     ar = [r for r in records if r["method"] == "ar"]
     assert [r["sample"] for r in ar] == [0, 1] * 4
-    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ar[::2], ar[1::2]))  # other seeds, other draws
+    # other seeds, other draws
+    assert any(a["token_ids"] != b["token_ids"] for a, b in zip(ar[::2], ar[1::2]))
     ms = summary["methods"]
     assert ms[fixed]["lossless"] == 1.0 and ms["hf"]["lossless"] is None
     assert ms["ar"]["speedup"]["overall"] == 1.0 and ms[fixed]["mat"]["overall"] > 1.0
@@ -350,9 +370,11 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     assert again["resumed"]["kept_question_turns"] == 1
     assert (tmp_path / "results.jsonl").read_text().splitlines()[:8] == lines[:8]
     resumed = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["token_ids"] for r in resumed if r["method"] == "ar"] == [r["token_ids"] for r in ar]  # same seeds
+    # same seeds
+    assert [r["token_ids"] for r in resumed if r["method"] == "ar"] == [r["token_ids"] for r in ar]
     with pytest.raises(ValueError, match="cannot resume"):
-        bench((model, None), qs, tmp_path, resume=True, **{**kw, "decoding": Decoding(0.9, 0.95, 0, 2, seed=4)})
+        bench((model, None), qs, tmp_path, resume=True, **{**kw, "decoding": Decoding(0.9, 0.95, 0, 2,
+                                                                                      seed=4)})
 
 
 def test_decoding_needs_a_temperature_for_sampling_options(tmp_path):
@@ -373,10 +395,12 @@ def test_batched_run_and_cli(tmp_path, one_thread):
     model_dir = tmp_path / "tiny"
     _tiny_model().save_pretrained(model_dir)
     rows = [{"question_id": q.question_id, "category": q.category, "turns": [list(t) for t in q.turns]}
-            for q in _tiny_questions()] + [{"question_id": 200, "category": "qa", "turns": [[5, 6, 7, 5, 6, 7]]}]
+            for q in _tiny_questions()] + [{"question_id": 200, "category": "qa",
+                                            "turns": [[5, 6, 7, 5, 6, 7]]}]
     qfile = _write_questions(tmp_path / "q.jsonl", rows)
     out = tmp_path / "out"
-    rc = main(["bench", "--model", str(model_dir), "--questions", str(qfile), "--methods", "ar,logitspec@capacity=4",
+    rc = main(["bench", "--model", str(model_dir), "--questions", str(qfile), "--methods",
+               "ar,logitspec@capacity=4",
                "--max-new-tokens", "8", "--max-batch-size", "2", "--out", str(out), "--no-progress"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -406,14 +430,16 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     prompts = [list(q.turns[0]) for q in _tiny_questions()]
     table = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [1, 2], max_new_tokens=6, rounds=2)
     # 4 engines warm up on a prompt that is not measured, then 2 rounds of all prompts each
-    assert len(seen) == 4 + 8 and all(c == seen[0] and not set(c) & set(map(tuple, prompts)) for c in seen[:4])
+    assert len(seen) == 4 + 8 and all(c == seen[0] and not set(c) & set(map(tuple, prompts))
+                                      for c in seen[:4])
     assert all(c == [tuple(p) for p in prompts] for c in seen[4:])
     assert list(table) == ["ar@1", "pld@1", "ar@2", "pld@2"]
     for key, row in table.items():
         assert len(row["rounds"]) == 2 and row["tokens_per_s"] > 0, key
         assert row["same_as_ar"] is True, key  # lossless at every batch size
     assert table["ar@1"]["vs_ar"] == 1.0 and table["ar@2"]["mat"] == 1.0
-    assert table["pld@2"]["vs_ar"] == pytest.approx(table["pld@2"]["tokens_per_s"] / table["ar@2"]["tokens_per_s"])
+    assert table["pld@2"]["vs_ar"] == pytest.approx(table["pld@2"]["tokens_per_s"]
+                                                    / table["ar@2"]["tokens_per_s"])
     ratios = [x / a for x, a in zip(table["pld@2"]["rounds"], table["ar@2"]["rounds"])]
     assert table["pld@2"]["vs_ar_paired"] == pytest.approx(statistics.median(ratios))
     assert table["ar@2"]["vs_ar_paired"] == 1.0

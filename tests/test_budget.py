@@ -1,8 +1,16 @@
 import numpy as np
 import pytest
 
-from logitspec.budget import (N_STREAK_STATES, AcceptanceStats, CostCurve, choose_size, choose_sizes, drain_weights,
-                              streak_state, top_nodes)
+from logitspec.budget import (
+    N_STREAK_STATES,
+    AcceptanceStats,
+    CostCurve,
+    choose_size,
+    choose_sizes,
+    drain_weights,
+    streak_state,
+    top_nodes,
+)
 from logitspec.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
@@ -65,7 +73,8 @@ def test_long_streaks_have_a_state_of_their_own():
     """A step after a whole copied chain was accepted is not pooled with one after 2 tokens."""
     assert [streak_state(n) for n in (0, 1, 2, 3, 4, 7, 8, 10)] == [0, 1, 2, 2, 3, 3, 4, 4]
     assert N_STREAK_STATES == 5
-    chain = DraftTree(np.arange(11), np.arange(-1, 10), kinds=np.zeros(11, dtype=int), offsets=np.r_[0, np.arange(10)])
+    chain = DraftTree(np.arange(11), np.arange(-1, 10), kinds=np.zeros(11, dtype=int),
+                      offsets=np.r_[0, np.arange(10)])
     st = AcceptanceStats(n_kinds=1, max_offset=16, n_states=N_STREAK_STATES)
     for _ in range(30):
         st.update(chain, list(range(11)), state=streak_state(10))  # inside a copy: the whole chain
@@ -97,7 +106,8 @@ def test_choose_size_uses_the_batch_curve():
     probs = [np.array([0.5, 0.2])] * 8
     tokens_only = CostCurve([1, 8, 16, 24], [1.0, 1.2, 1.4, 1.6])
     assert choose_size(probs, tokens_only, 2) >= 1  # 16 tokens of one row look cheap
-    batched = CostCurve(tokens_only.tokens, tokens_only.seconds, batches={8: {"tokens": [1, 2, 3], "seconds": [1.2, 1.9, 2.6]}})
+    batched = CostCurve(tokens_only.tokens, tokens_only.seconds,
+                        batches={8: {"tokens": [1, 2, 3], "seconds": [1.2, 1.9, 2.6]}})
     assert choose_size(probs, batched, 2) == 0  # 8 rows x 2 tokens measured 1.58x 8 x 1: drafts do not pay
 
 
@@ -109,8 +119,10 @@ def _score(probs, cost, sizes):
 
 
 def test_choose_sizes_without_a_head_curve_is_choose_size_for_every_row():
-    c = CostCurve([1, 8, 16, 64], [1.0, 1.05, 1.6, 6.0], batches={4: {"tokens": [1, 2, 3], "seconds": [1.2, 1.5, 2.1]}})
-    probs = [np.array([0.9, 0.8, 0.7]), np.array([0.3, 0.1, 0.05]), np.array([0.6, 0.2, 0.1]), np.array([0.2, 0.1, 0.0])]
+    c = CostCurve([1, 8, 16, 64], [1.0, 1.05, 1.6, 6.0],
+                  batches={4: {"tokens": [1, 2, 3], "seconds": [1.2, 1.5, 2.1]}})
+    probs = [np.array([0.9, 0.8, 0.7]), np.array([0.3, 0.1, 0.05]), np.array([0.6, 0.2, 0.1]),
+             np.array([0.2, 0.1, 0.0])]
     n = choose_size(probs, c, 3)
     assert n >= 1 and choose_sizes(probs, c, 3) == [n] * 4
 
@@ -119,18 +131,21 @@ def test_copying_rows_get_nodes_and_the_rest_none():
     """At batch the padded decoder costs little more per token, the output layer a lot per node:
     only the rows whose drafts are good bets verify them."""
     head = {"tokens": [1, 64], "seconds": [0.02, 0.02 * 64]}  # 20 ms a node
-    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3, 4], "seconds": [0.3, 0.5, 0.7, 0.9]}}, head=head)
+    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3, 4], "seconds": [0.3, 0.5, 0.7, 0.9]}},
+                  head=head)
     copying, poor = np.array([0.95, 0.9, 0.85]), np.array([0.1, 0.05, 0.02])
     probs = [copying, poor] * 4
     sizes = choose_sizes(probs, c, 3)
     assert sizes[::2] == [sizes[0]] * 4 and sizes[0] >= 2 and sizes[1::2] == [0] * 4
     uniform = choose_size(probs, c, 3)  # every row as many nodes: the poor rows' output layer wasted
-    assert _score(probs, c, sizes) > _score(probs, c, [uniform] * 8) and _score(probs, c, sizes) > _score(probs, c, [0] * 8)
+    assert _score(probs, c, sizes) > _score(probs, c, [uniform]
+                                            * 8) and _score(probs, c, sizes) > _score(probs, c, [0] * 8)
 
 
 def test_choose_sizes_falls_back_to_plain_decoding_when_nothing_pays():
     head = {"tokens": [1, 64], "seconds": [0.01, 0.64]}
-    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3], "seconds": [0.3, 0.6, 0.9]}}, head=head)
+    c = CostCurve([1, 64], [0.1, 2.0], batches={8: {"tokens": [1, 2, 3], "seconds": [0.3, 0.6, 0.9]}},
+                  head=head)
     probs = [np.array([0.9, 0.8, 0.7])] + [np.array([0.3, 0.1, 0.05])] * 7
     assert choose_sizes(probs, c, 3) == [0] * 8  # a width of 2 doubles the decoder for all 8 rows
     assert CostCurve(**c.to_dict()).head_time(32) == c.head_time(32) == pytest.approx(0.32)
@@ -156,14 +171,16 @@ def test_drain_weights_value_the_row_that_alone_sets_the_batch_end():
     # 40 and 38 tie (within 0.9): the end moves only if both gain, so each token saves a row's share
     assert drain_weights([40, 38, 30, 10], [1.0, 1.0, 3.0, 1.0], share=0.05).tolist() == [0.05] * 4
     assert drain_weights([5, 5], [1.0, 1.0], share=0.3).tolist() == [0.3, 0.3]
-    assert drain_weights([9, 3], [float("nan"), 1.0], share=0.1).tolist() == [1.0, 0.1]  # no rate yet: 1 a step
+    # no rate yet: 1 a step
+    assert drain_weights([9, 3], [float("nan"), 1.0], share=0.1).tolist() == [1.0, 0.1]
 
 
 def test_a_static_batch_drafts_only_where_it_saves_time():
     """Draining, a plain step is worth one step of the batch: copying rows that tie for the end
     are not worth their nodes (each token saves only a row's share), a row that alone sets the end is."""
     head = {"tokens": [1, 64], "seconds": [0.004, 0.004 * 64]}
-    c = CostCurve([1, 64], [0.1, 2.0], batches={4: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.24, 0.28, 0.32]}},
+    c = CostCurve([1, 64], [0.1, 2.0], batches={4: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.24, 0.28,
+                                                                                        0.32]}},
                   head=head)
     probs = [np.array([0.95, 0.9, 0.85]), np.array([0.9, 0.6, 0.3])] * 2
     tied = drain_weights([40] * 4, [1.0] * 4, share=0.05)
@@ -177,7 +194,8 @@ def test_weighted_rows_draft_only_where_it_shortens_the_batch():
     """A row whose tokens are worth little (ahead in a draining batch) gets no nodes, even copying;
     the row that sets the end gets them."""
     head = {"tokens": [1, 64], "seconds": [0.004, 0.004 * 64]}
-    c = CostCurve([1, 64], [0.1, 2.0], batches={4: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.24, 0.28, 0.32]}},
+    c = CostCurve([1, 64], [0.1, 2.0], batches={4: {"tokens": [1, 2, 3, 4], "seconds": [0.2, 0.24, 0.28,
+                                                                                        0.32]}},
                   head=head)
     copying = np.array([0.95, 0.9, 0.85])
     probs = [copying] * 4

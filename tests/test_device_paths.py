@@ -3,16 +3,16 @@ sampling of every node in one batch, half-precision models end to end, masks lai
 import numpy as np
 import pytest
 import torch
+from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
+from logitspec import attention as attention_module
 from logitspec.head import Head, NodeLogits, OutputMode
 from logitspec.kernels import onednn, rms_norm
-from logitspec import attention as attention_module
 from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
-from logitspec.tree import DraftTree, TreeBuilder
 from logitspec.request import SamplingParams
+from logitspec.tree import DraftTree, TreeBuilder
 from logitspec.verify import decide, greedy_accept, inverse_cdf, sample_token
-from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
 
 N_NEW = 20
 
@@ -93,7 +93,8 @@ def bf16_case(request):
         onednn.use_onednn_linears(model)
     rms_norm.use_fused_rms_norms(model)
     prompts = repetitive_prompts(6, seed=1)
-    refs = [r.token_ids for r in Engine(model, None, SpecConfig(method="ar")).generate(prompts, max_new_tokens=N_NEW)]
+    refs = [r.token_ids for r in Engine(model, None, SpecConfig(method="ar")).generate(prompts,
+                                                                                       max_new_tokens=N_NEW)]
     return model, prompts, refs
 
 
@@ -127,13 +128,15 @@ def test_bfloat16_host_sampling_is_seeded_and_batch_independent(bf16_case):
     seeds = list(range(21, 21 + len(prompts)))
     solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p], seed=[s], **kw)[0].token_ids
             for p, s in zip(prompts, seeds)]
-    batched = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3)).generate(prompts, seed=seeds, **kw)
+    batched = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3)).generate(prompts,
+                                                                                             seed=seeds, **kw)
     assert [r.token_ids for r in batched] == solo
 
 
 def test_bfloat16_sampling_on_the_device_runs():
     model = tiny_model("gemma3").to(torch.bfloat16)
-    res = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2), sample_on_host=False).generate(
+    res = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2),
+                 sample_on_host=False).generate(
         repetitive_prompts(3, seed=2), max_new_tokens=N_NEW, temperature=1.0, seed=3)
     assert all(len(r.token_ids) == N_NEW and all(0 <= t < VOCAB for t in r.token_ids) for r in res)
 
@@ -199,7 +202,8 @@ def test_segment_masks_reach_sdpa_aligned_off_cpu(monkeypatch):
     mask = torch.empty(1, 1, 28, 32, device=dev)[..., :28]
     module = torch.nn.Module()
     module.num_key_value_groups = 1  # (grouped heads are folded, each group's mask copied: test above)
-    out, _ = attention_module.attention(module, q, kv, kv, mask, segments=((0, 5), (5, 14), (14, 28)), prefill=True)
+    out, _ = attention_module.attention(module, q, kv, kv, mask, segments=((0, 5), (5, 14), (14, 28)),
+                                        prefill=True)
     assert out.shape == (1, 28, 4, 16) and len(seen) == 3
     assert all(m.storage_offset() % MASK_ALIGN == 0 and m.stride(-2) % MASK_ALIGN == 0 for m in seen)
 
@@ -231,5 +235,6 @@ def test_trimmed_sliding_masks_drop_only_columns_no_node_sees():
     hidden = torch.finfo(torch.float32).min
     for b, n in enumerate(full.sizes):  # [B, 1, T, cols]: row b's real nodes
         assert (full.mask["sliding_attention"][b, :, :n, :start] == hidden).all()
-        assert torch.equal(trimmed.mask["sliding_attention"][b, :, :n], full.mask["sliding_attention"][b, :, :n, start:])
+        assert torch.equal(trimmed.mask["sliding_attention"][b, :, :n],
+                           full.mask["sliding_attention"][b, :, :n, start:])
     assert torch.equal(trimmed.mask["full_attention"], full.mask["full_attention"])

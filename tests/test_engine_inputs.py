@@ -1,9 +1,8 @@
 """Bad input fails fast with a clear ValueError, before any forward pass."""
 import pytest
-import torch
+from tiny_models import tiny_model
 
 from logitspec import Engine, SpecConfig
-from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +44,14 @@ def test_sampling_is_seeded_and_batch_independent():
     model = tiny_model("qwen2")
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12], [3, 3, 3]]
     kw = dict(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=[11, 12, 13, 14])
-    solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p], **{**kw, "seed": [s]})[0].token_ids
+    solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p],
+                                                                         **{**kw, "seed": [s]})[0].token_ids
             for p, s in zip(prompts, kw["seed"])]
     batched = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3)).generate(prompts, **kw)
     assert [r.token_ids for r in batched] == solo
     again = Engine(model, None, SpecConfig(method="ar", max_batch_size=2)).generate(prompts, **kw)
     # one uniform draw per emitted token in both methods: same seeds, same tokens (up to float noise)
     assert sum(a.token_ids == b for a, b in zip(again, solo)) >= 3
-    other = Engine(model, None, SpecConfig(method="logitspec")).generate(prompts, **{**kw, "seed": [1, 2, 3, 4]})
+    other = Engine(model, None, SpecConfig(method="logitspec")).generate(prompts,
+                                                                         **{**kw, "seed": [1, 2, 3, 4]})
     assert [r.token_ids for r in other] != solo

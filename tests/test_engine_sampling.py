@@ -5,15 +5,14 @@ the nodes it visits."""
 import numpy as np
 import pytest
 import torch
+from chi2 import chi2, chi2_limit
+from tiny_models import VOCAB, repetitive_prompts, tiny_model
 
-from logitspec import Engine, SpecConfig
-from logitspec import sampling
+from logitspec import Engine, SpecConfig, sampling
 from logitspec.head import ScreenedArgmax
 from logitspec.index import CorpusIndex
 from logitspec.request import SamplingParams
 from logitspec.verify import probs_from_logits
-from chi2 import chi2, chi2_limit
-from tiny_models import VOCAB, repetitive_prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
@@ -71,7 +70,8 @@ CASES = [(p, True) for p in PARAMS] + [(PARAMS[0], False)] + [
     pytest.param(p, False, marks=pytest.mark.slow) for p in PARAMS[1:]]
 
 
-@pytest.mark.parametrize("params,screened", CASES, ids=lambda v: ("screened" if v else "full") if v in (True, False)
+@pytest.mark.parametrize("params,screened", CASES, ids=lambda v: ("screened" if v else "full") if v in (True,
+                                                                                                        False)
                          else f"T{v.temperature}-p{v.top_p}-k{v.top_k}")
 def test_engine_samples_the_target_distribution(peaked, params, screened):
     """Chi-square of the first three tokens of 800 seeded samples against the exact distribution."""
@@ -80,8 +80,10 @@ def test_engine_samples_the_target_distribution(peaked, params, screened):
     n = 800
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=16, budget="fixed"),
                     screened_sampling=screened)
-    res = engine.generate([prompt] * n, max_new_tokens=DEPTH, temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k, seed=list(range(1000, 1000 + n)), reference=_likely_drafts(model, prompt))
+    res = engine.generate([prompt] * n, max_new_tokens=DEPTH, temperature=params.temperature,
+                          top_p=params.top_p,
+                          top_k=params.top_k, seed=list(range(1000, 1000 + n)),
+                          reference=_likely_drafts(model, prompt))
     keys = list(ref)
     index = {k: i for i, k in enumerate(keys)}
     counts = np.bincount([index.get(tuple(r.token_ids), index[()]) for r in res], minlength=len(keys))
@@ -97,7 +99,8 @@ def test_engine_draws_depend_only_on_the_seed(kw):
     model = tiny_model("gemma3")
     prompts = repetitive_prompts(4, seed=5)
     kw = dict(max_new_tokens=12, seed=[21, 22, 23, 24], **kw)
-    solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p], **{**kw, "seed": [s]})[0].token_ids
+    solo = [Engine(model, None, SpecConfig(method="logitspec")).generate([p],
+                                                                         **{**kw, "seed": [s]})[0].token_ids
             for p, s in zip(prompts, kw["seed"])]
     batched = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3)).generate(prompts, **kw)
     assert [r.token_ids for r in batched] == solo

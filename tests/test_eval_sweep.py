@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
+from tiny_models import save_tiny_text_model
 
 from logitspec.evaluation import Example, score_examples, write_dataset
 from logitspec.evaluation.sweep_report import build_report
 from pipeline.errors import ConfigError
 from pipeline.sweep.config import EvalConfig, expand_grid, parse_grid
-from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,8 @@ def test_report_scores_speeds_and_flags_a_lossless_mismatch():
     assert ar["decode_tokens_per_s"] == pytest.approx(8 / 2.0)  # 2 s of decode, 8 tokens after the first two
     # ar: 4 s end to end, 2 of them prefill; logitspec: 2 s, 1 of them prefill (the load changed)
     assert ls["decode_speedup"] == pytest.approx(2.0) and ls["e2e_speedup"] == pytest.approx(2.0)
-    assert ls["e2e_speedup_same_prefill"] == pytest.approx(4 / 3)  # ar's 2 s of prefill + logitspec's 1 s decode
+    # ar's 2 s of prefill + logitspec's 1 s decode
+    assert ls["e2e_speedup_same_prefill"] == pytest.approx(4 / 3)
     assert ls["decode_step_s"] == pytest.approx(1.0 / 3)
     assert ar["prefill_tokens_per_s"] == pytest.approx(100.0)
     assert ar["max_step_gap_s"] is None  # rows written before the column existed
@@ -73,7 +74,8 @@ def test_report_scores_speeds_and_flags_a_lossless_mismatch():
     rows[3] = _row("hotpotqa", 1, "logitspec", "red", [6, 7, 11], 2, 1.0, 0.5)
     report = build_report(rows, data, configs)
     assert not report["lossless"]["all_identical"] and not report["lossless"]["all_scores_equal"]
-    assert report["lossless"]["mismatches"] == [{"dataset": "hotpotqa", "config": "logitspec", "key": "hotpotqa/1",
+    assert report["lossless"]["mismatches"] == [{"dataset": "hotpotqa", "config": "logitspec",
+                                                 "key": "hotpotqa/1",
                                                   "error": None}]
 
 
@@ -105,7 +107,8 @@ def longbench_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH",
+                                                                                        "").split(
         os.pathsep) if p])
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
@@ -118,12 +121,14 @@ def _sweep(tiny, data, out, methods, **kw):
 
     # fixed budget: the tiny model's cost curve would make the auto budget skip drafting
     cfg = EvalConfig(data=str(data), output=str(out), model=tiny, methods=methods, grid=("budget=fixed",),
-                     max_new_tokens=24, max_batch_size=2, warmup=False, threads_per_actor=1, log_interval=2.0, **kw)
+                     max_new_tokens=24, max_batch_size=2, warmup=False, threads_per_actor=1, log_interval=2.0,
+                     **kw)
     events = []
     return run_sweep(cfg, on_event=lambda kind, **k: events.append(kind)), events
 
 
-def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, longbench_dir, ray_session, tmp_path):
+def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, longbench_dir, ray_session,
+                                                                          tmp_path):
     import pyarrow.parquet as pq
 
     out = tmp_path / "sweep"
@@ -137,11 +142,13 @@ def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, 
         cells = report["datasets"][ds]
         assert set(cells) == {"ar", ls}
         for name, cell in cells.items():
-            mine = sorted((r for r in table if r["dataset"] == ds and r["config"] == name), key=lambda r: r["key"])
+            mine = sorted((r for r in table if r["dataset"] == ds and r["config"] == name),
+                          key=lambda r: r["key"])
             examples = [json.loads(line) for line in (longbench_dir / f"{ds}.jsonl").read_text().splitlines()]
-            exs = [Example(ds, e["input"], e["context"], tuple(e["answers"]), None, e["length"], ds, e["language"],
-                           e["_id"]) for e in examples]
-            assert cell["score"] == score_examples(exs, [r["generation"] for r in mine])  # the dataset's metric
+            exs = [Example(ds, e["input"], e["context"], tuple(e["answers"]), None, e["length"], ds,
+                           e["language"], e["_id"]) for e in examples]
+            # the dataset's metric
+            assert cell["score"] == score_examples(exs, [r["generation"] for r in mine])
             assert cell["rows"] == 3 and cell["errors"] == 0 and cell["tokens_per_s"] > 0
             assert cell["peak_rss_bytes"] > 0 and cell["mat"] >= 1 and cell["max_step_gap_s"] > 0
         # one shared prefix cache: ar (the first configuration) prefilled the rows, logitspec reused them
@@ -168,5 +175,6 @@ def test_sweep_end_to_end_scores_both_methods_checks_lossless_and_resumes(tiny, 
 def test_cli_refuses_bad_data_before_ray(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     res = subprocess.run([sys.executable, str(REPO / "jobs" / "eval.py"), "--data", str(tmp_path / "none"),
-                          "--output", str(tmp_path / "o")], capture_output=True, text=True, env=env, timeout=120)
+                          "--output", str(tmp_path / "o")], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert res.returncode == 2 and "does not exist" in res.stderr

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from logitspec.kernels import skinny
 from logitspec.head import ScreenedArgmax as _Screen
+from logitspec.kernels import skinny
 
 pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
@@ -86,7 +86,8 @@ def test_the_bound_covers_the_passes_output_rounding(ScreenedArgmax):
     the bound must cover it too (the bound before this test was 1.25x short on one of these rows)."""
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(4000, 32, generator=g).bfloat16().float()  # exact in bfloat16 and float16
-    x = weight[weight.norm(dim=1).topk(6).indices] * 4  # each along a longest weight row: |logit| = ||W_v|| ||x||
+    # each along a longest weight row: |logit| = ||W_v|| ||x||
+    x = weight[weight.norm(dim=1).topk(6).indices] * 4
     screen = ScreenedArgmax(weight)
     err = (screen(x).scores.double() - (x.double() @ weight.double().T)).abs().max(dim=1).values  # [6]
     assert (err <= screen.bound_per_norm * x.norm(dim=1).double()).all()
@@ -175,7 +176,8 @@ def test_engines_over_one_model_share_one_screen():
 
     weight = nn.Parameter(torch.randn(300, 16), requires_grad=False)
     assert shared_screen(weight) is shared_screen(weight)
-    assert shared_screen(nn.Parameter(weight.detach().clone(), requires_grad=False)) is not shared_screen(weight)
+    assert shared_screen(nn.Parameter(weight.detach().clone(),
+                                      requires_grad=False)) is not shared_screen(weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -188,7 +190,8 @@ def test_screen_candidates_kernel_equals_the_torch_search(dtype):
     if skinny.extension() is None:
         pytest.skip("the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(5)
-    approx = (torch.randn(7, 1003, generator=g) * 3).to(dtype)  # V not a multiple of 8: the tail is searched too
+    # V not a multiple of 8: the tail is searched too
+    approx = (torch.randn(7, 1003, generator=g) * 3).to(dtype)
     approx[2, 1001] = approx[2].max() + 1
     approx[4, 17] = float("nan")
     margin = torch.rand(7, generator=g) * 2
@@ -201,8 +204,8 @@ def test_screen_candidates_kernel_equals_the_torch_search(dtype):
 
 
 def test_settle_runs_a_row_counts_timing_trials_at_once():
-    from logitspec.kernels import onednn
     from logitspec.head import has_fbgemm
+    from logitspec.kernels import onednn
     if not (has_fbgemm() and onednn.available()):
         pytest.skip("one screen pass only: nothing to time")
     screen = _Screen(torch.randn(300, 16), kind="auto")

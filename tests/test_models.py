@@ -68,7 +68,8 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     up = model.model.layers[0].mlp.up_proj
     shape = tuple(up.weight.shape)
     on_onednn = onednn.available() and onednn.batch_invariant(*shape, torch.get_num_threads())
-    assert type(up) is (onednn.OneDnnLinear if on_onednn else skinny.SkinnyLinear if skinny.available() else torch.nn.Linear)
+    assert type(up) is (onednn.OneDnnLinear if on_onednn else skinny.SkinnyLinear if skinny.available()
+                        else torch.nn.Linear)
     plain, _ = load_model(str(tmp_path / "tiny"), cpu_kernels=False)
     assert type(plain.model.layers[0].mlp.up_proj) is torch.nn.Linear
     with torch.inference_mode():
@@ -443,7 +444,8 @@ def test_two_processes_converting_at_once(tmp_path, cache):
 
     _write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_llama(vocab_size=260, tie_word_embeddings=False))
     script = (
-        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s');"
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout, "
+        "format='%(message)s');"
         "from logitspec.models import resolve_model_path; print('RESULT', resolve_model_path(sys.argv[1]))"
     )
     env = {**os.environ, "LOGITSPEC_CACHE": str(cache), "PYTHONPATH": str(pathlib.Path(__file__).parents[1])}
@@ -459,7 +461,8 @@ def test_two_processes_converting_at_once(tmp_path, cache):
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
-    results = {line.split(" ", 1)[1] for out in outs for line in out.splitlines() if line.startswith("RESULT ")}
+    results = {line.split(" ", 1)[1] for out in outs for line in out.splitlines()
+               if line.startswith("RESULT ")}
     assert len(results) == 1
     assert sum(out.count("converting ") for out in outs) == 1, outs
     out_dir = pathlib.Path(results.pop())

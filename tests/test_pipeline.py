@@ -21,27 +21,28 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from job_specs import job_spec
+from tiny_models import save_tiny_text_model
 
 from logitspec import allocator
 from logitspec.kernels import skinny
 from logitspec.models.paths import default_cache_dir
 from pipeline.errors import ConfigError
-from pipeline.job.config import GenerationSpec, JobConfig
 from pipeline.io.inputs import open_input, read_columns, row_problem
-from pipeline.job.pending import scan_ids
 from pipeline.io.output import OutputStore, read_generations
-from pipeline.replica.worker import row_seed
 from pipeline.job.cli import build_parser, config_from_args
+from pipeline.job.config import GenerationSpec, JobConfig
+from pipeline.job.pending import scan_ids
+from pipeline.replica.worker import row_seed
 from pipeline.rows import InputRow, OutputRow
-from job_specs import job_spec
-from tiny_models import save_tiny_text_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GENERATE = REPO / "jobs" / "generate.py"
 BUILD_INDEX = REPO / "jobs" / "build_index.py"
 
 OUTPUT_COLUMNS = ["id", "generation", "finish_reason", "n_prompt_tokens", "n_new_tokens", "steps",
-                  "mean_accepted", "accepted_lengths", "retrieval_success", "wall_s", "method", "model", "error"]
+                  "mean_accepted", "accepted_lengths", "retrieval_success", "wall_s", "method", "model",
+                  "error"]
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -56,7 +57,8 @@ def tiny(tmp_path_factory) -> str:
 def ray_session():
     """One local Ray for the module; in-process jobs reuse it, subprocess jobs join it by address."""
     ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH",
+                                                                                        "").split(
         os.pathsep) if p])  # actors import this checkout
     os.environ.setdefault("RAY_worker_niceness", "0")  # as the job does for a local Ray: no starved actors
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
@@ -92,7 +94,8 @@ def _cfg(tiny: str, inp, out, **kw) -> JobConfig:
     gen = dict(model=tiny, budget=kw.pop("budget", "fixed"), max_new_tokens=kw.pop("max_new_tokens", 12),
                max_batch_size=kw.pop("max_batch_size", 2),
                temperature=kw.pop("temperature", 0.0), seed=kw.pop("seed", 0), n=kw.pop("num_samples", 1),
-               warmup=False, history_tokens=kw.pop("history_tokens", 0), share_history=kw.pop("share_history", False))
+               warmup=False, history_tokens=kw.pop("history_tokens", 0), share_history=kw.pop("share_history",
+                                                                                              False))
     kw.setdefault("threads_per_actor", 1)
     kw.setdefault("log_interval", 2.0)
     return JobConfig(input=str(inp), output=str(out), gen=job_spec(**gen), **kw)
@@ -109,7 +112,8 @@ def _check_exactly_once(out, ids) -> pa.Table:
 
 def _env_without_ray_address() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                       if p])
     return env
 
 
@@ -135,7 +139,8 @@ def test_inputs_all_formats_read_the_same_rows(tmp_path):
         assert read_columns(cfg, ["prompt"])["prompt"] == ["one", "", None], name
     csv = JobConfig(input=str(tmp_path / "t.csv"), output="unused")
     assert read_columns(csv, ["prompt"])["prompt"] == ["one", ""]  # CSV: an empty field is an empty prompt
-    no_ids = scan_ids(open_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused", id_column="row")))
+    no_ids = scan_ids(open_input(JobConfig(input=str(tmp_path / "t.parquet"), output="unused",
+                                           id_column="row")))
     assert no_ids.ids.to_pylist() == [0, 1, 2] and no_ids.generated_ids and no_ids.id_type == pa.int64()
     limited = scan_ids(open_input(JobConfig(input=str(tmp_path / "dir"), output="unused", limit=1)))
     assert limited.ids.to_pylist() == ["a"]
@@ -205,7 +210,8 @@ def test_config_validation():
         GenerationSpec(method="medusa")
     with pytest.raises(ConfigError, match="history_tokens"):
         GenerationSpec(history_tokens=-1)
-    assert GenerationSpec().history_source() is None and GenerationSpec(history_tokens=50).history_source().max_tokens == 50
+    assert (GenerationSpec().history_source() is None
+            and GenerationSpec(history_tokens=50).history_source().max_tokens == 50)
     with pytest.raises(ConfigError, match="actors"):
         JobConfig(input="a", output="b", actors=0)
     with pytest.raises(ConfigError, match="--corpus-column"):
@@ -213,7 +219,8 @@ def test_config_validation():
 
 
 def _out_row(i, **kw) -> OutputRow:
-    return OutputRow(**{"id": i, "sample": 0, "generation": "x", "finish_reason": "length", "n_prompt_tokens": 1,
+    return OutputRow(**{"id": i, "sample": 0, "generation": "x", "finish_reason": "length",
+                        "n_prompt_tokens": 1,
                         "n_new_tokens": 1, "steps": 1, "mean_accepted": 1.0, "accepted_lengths": [1],
                         "retrieval_success": 0.0, "wall_s": 0.1, "method": "ar", "model": "m", "error": None,
                         "corpus": None, **kw})
@@ -273,7 +280,8 @@ except OSError as e:
 """
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert "ERR" in p.stdout, p.stderr
-    assert "cannot write the part file" in p.stdout and "no partial file" in p.stdout and p.stdout.split()[-1] == "20"
+    assert ("cannot write the part file" in p.stdout and "no partial file" in p.stdout
+            and p.stdout.split()[-1] == "20")
     assert not list((tmp_path / "out").glob("part-*")) and not list((tmp_path / "out").glob(".*.tmp"))
 
 
@@ -348,13 +356,15 @@ def test_job_record_with_loose_decoding_settings_still_resumes(tmp_path):
     assert store.keys() == {(0, 0)}
     store.close()
     with pytest.raises(ConfigError, match="other settings .request.temperature: was 0.7, now 0.8"):
-        OutputStore(out, pa.int64()).prepare(record("--temperature", "0.8"), overwrite=False, upgrade=upgrade_record)
+        OutputStore(out, pa.int64()).prepare(record("--temperature", "0.8"), overwrite=False,
+                                             upgrade=upgrade_record)
     json.loads((out / "_job.json").read_text())["temperature"]  # the record on disk is left as it was
 
 
 def test_second_job_on_one_output_refuses_naming_the_first(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(REPO)!r}); "
-                               f"from pipeline.io.lock import OutputLock; l = OutputLock(__import__('pathlib').Path("
+                               f"from pipeline.io.lock import OutputLock; l = "
+                               f"OutputLock(__import__('pathlib').Path("
                                f"{str(tmp_path)!r})); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -379,7 +389,8 @@ def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
     (broken / "config.json").write_text("{not json")
     out = str(tmp_path / "out")
     cases = [
-        (["--input", str(inp), "--prompt-column", "question"], "column 'question' (--prompt-column) not found"),
+        (["--input", str(inp), "--prompt-column", "question"],
+         "column 'question' (--prompt-column) not found"),
         (["--input", str(dup)], "duplicated value(s), e.g. 1"),
         (["--input", str(inp), "--model", str(tmp_path / "nope")], "not found"),
         (["--input", str(inp), "--model", str(broken)], "cannot read"),
@@ -389,7 +400,8 @@ def test_config_errors_exit_fast_without_starting_ray(tmp_path, tiny, capsys):
         (["--input", str(tmp_path / "missing.parquet")], "does not exist"),
         (["--input", str(inp), "--reference", str(tmp_path / "no-corpus")], "does not exist"),
     ]
-    cases.append((["--input", str(inp), "--messages-column", "chat"], "column 'chat' (--messages-column) not found"))
+    cases.append((["--input", str(inp), "--messages-column", "chat"], "column 'chat' (--messages-column) "
+                                                                      "not found"))
     import ray
 
     ray_before = ray.is_initialized()
@@ -407,7 +419,6 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
     """A replica's batch stats carry the stats of the ``Engine.run`` that generated the batch."""
     from logitspec import Engine
     from logitspec.models import load_model
-
     from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
@@ -427,7 +438,6 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     prompt drafts from history (its ``accepted_from`` says so) and its generation is unchanged."""
     from logitspec import Engine
     from logitspec.models import load_model
-
     from pipeline.replica.worker import RowGenerator
 
     model, tok = load_model(tiny)
@@ -474,8 +484,8 @@ def test_scheduler_carries_answers_between_replicas(ray_session):
     sent to another replica carries them (fake replicas; results are real Ray objects)."""
     import ray
 
-    from pipeline.replica.scheduler import Batch, Scheduler
     from pipeline.replica.history import SharedHistory
+    from pipeline.replica.scheduler import Batch, Scheduler
 
     sent = []
 
@@ -516,7 +526,6 @@ def test_shared_answers_feed_another_generators_history(tiny):
     repeats A's prompt drafts from history; per-task and streaming replicas alike; output unchanged."""
     from logitspec import Engine
     from logitspec.models import load_model
-
     from pipeline.replica.streaming import StreamingRows
     from pipeline.replica.worker import RowGenerator
 
@@ -535,7 +544,8 @@ def test_shared_answers_feed_another_generators_history(tiny):
         assert b_rows[0].generation == a_rows[0].generation
         assert b_rows[0].accepted_from["history"] > 0 and a_rows[0].accepted_from["history"] == 0
         assert len(b_stats["answers"]) == 1
-    assert "answers" not in RowGenerator(Engine(model, tok, spec.spec_config()), GenerationSpec(model=tiny))([row])[1]
+    assert "answers" not in RowGenerator(Engine(model, tok, spec.spec_config()),
+                                         GenerationSpec(model=tiny))([row])[1]
 
 
 def test_memory_figures_say_where_bytes_live(tmp_path):
@@ -543,8 +553,8 @@ def test_memory_figures_say_where_bytes_live(tmp_path):
     the copies of a model and of an index counted from those (a private copy counts, a mapping once)."""
     import numpy as np
 
-    from pipeline.replica.resources import array_spans, process_memory, where_bytes_live
     from pipeline.job.summary import memory_section
+    from pipeline.replica.resources import array_spans, process_memory, where_bytes_live
 
     own = np.ones(1 << 18)  # 2 MiB: malloc maps it anonymously
     path = tmp_path / "a.bin"
@@ -561,7 +571,8 @@ def test_memory_figures_say_where_bytes_live(tmp_path):
     def info(name, private, node="n1", ref_private=0):
         ref = {"bytes": 100, "private_bytes": ref_private, "shared_bytes": 100 - ref_private,
                "zero_copy": ref_private == 0}
-        return {"name": name, "pid": 1, "node_id": node, "memory": {"VmRSS": 10, "Pss": 5, "private_bytes": 4},
+        return {"name": name, "pid": 1, "node_id": node, "memory": {"VmRSS": 10, "Pss": 5,
+                                                                    "private_bytes": 4},
                 "model_bytes": 1000, "model_private_bytes": private, "model_device_bytes": 0,
                 "model_shared_bytes": 0, "model_file_bytes": 1000 - private, "references": {"notes": ref}}
 
@@ -573,12 +584,13 @@ def test_memory_figures_say_where_bytes_live(tmp_path):
                             [info("a", 1000), info("b", 1000, ref_private=100), info("c", 1000, node="n2"),
                              {"name": "d", "missing": "ActorDiedError: gone"}])
     assert copied["model_copies"] == 3 and copied["nodes"]["n1"]["model_copies"] == 2
-    assert copied["nodes"]["n1"]["reference_copies"] == {"notes": 2} and copied["reference_copies_per_node"] == 2
+    assert (copied["nodes"]["n1"]["reference_copies"] == {"notes": 2}
+            and copied["reference_copies_per_node"] == 2)
     assert copied["reference_zero_copy"] is False and copied["nodes_with_replicas"] == 2
     assert copied["replicas_not_measured"] == [{"name": "d", "error": "ActorDiedError: gone"}]
 
 
-# ---------------------------------------------------------------------------------------------- Ray, in-process
+# -------------------------------------------------------------------------------------------- Ray, in-process
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory, tiny, ray_session):
     """The main end-to-end run: 20 mixed rows, 2 actors, 3 rows per task, sampling."""
@@ -616,12 +628,16 @@ def test_exactly_once_with_error_rows(mixed_run):
     assert rows[14]["n_prompt_tokens"] > 5  # the chat row went through the chat template
     assert summary["complete"] is True
     assert summary["rows"] == {**summary["rows"], "total": 20, "done_now": 15, "failed_now": 5,
-                               "skipped_already_done": 0, "in_output": 20, "missing": 0, "duplicates_in_output": 0}
+                               "skipped_already_done": 0, "in_output": 20, "missing": 0,
+                               "duplicates_in_output": 0}
     assert summary["tokens"]["new_now"] == sum(rows[i]["n_new_tokens"] for i in range(15))
-    assert summary["mat"]["now"] == pytest.approx(summary["tokens"]["new_now"] / sum(rows[i]["steps"] for i in range(15)))
-    # memory, as measured in each replica alive at the end (the 2nd may still be loading when the tiny job ends)
+    assert summary["mat"]["now"] == pytest.approx(
+        summary["tokens"]["new_now"] / sum(rows[i]["steps"] for i in range(15)))
+    # memory, as measured in each replica alive at the end (the 2nd may still be loading when the tiny job
+    # ends)
     mem = summary["memory"]
-    assert 1 <= len(mem["replicas"]) == len(summary["replicas"]["startup"]) <= 2 and not mem["replicas_not_measured"]
+    assert (1 <= len(mem["replicas"]) == len(summary["replicas"]["startup"]) <= 2
+            and not mem["replicas_not_measured"])
     for r in mem["replicas"]:
         assert r["model_bytes"] == mem["model_bytes_per_replica"] > 0
         # every parameter byte was found in one of the process's mappings
@@ -631,7 +647,8 @@ def test_exactly_once_with_error_rows(mixed_run):
         assert r["model_file_bytes"] > 0.9 * r["model_bytes"]
         assert r["private_bytes"] > 0 and r["shared_bytes"] > 0 and r["pss_bytes"] > 0
     (node,) = mem["nodes"].values()  # one local node: its replicas share the page cache's one copy
-    assert node["replicas"] == len(mem["replicas"]) and node["private_bytes"] == sum(r["private_bytes"] for r in mem["replicas"])
+    assert node["replicas"] == len(mem["replicas"]) and node["private_bytes"] == sum(r["private_bytes"]
+                                                                                     for r in mem["replicas"])
     assert mem["model_copies"] == node["model_copies"] == pytest.approx(1.0, abs=0.01)
     assert summary["timing"]["generation_s"] > 0 and summary["timing"]["startup_s"] > 0
     on_disk = json.loads((out / "_summary.json").read_text())
@@ -643,7 +660,8 @@ def test_resume_skips_done_rows_and_overwrite_starts_over(tmp_path, tiny, ray_se
 
     inp, _, first = mixed_run
     out = tmp_path / "out"
-    s1 = run_job(_cfg(tiny, inp, out, limit=8, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
+    s1 = run_job(_cfg(tiny, inp, out, limit=8, batch_rows=4, messages_column="messages", temperature=0.8,
+                      seed=7))
     assert s1["rows"]["done_now"] == 8 and s1["complete"]
     parts = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
     s2 = run_job(_cfg(tiny, inp, out, batch_rows=4, messages_column="messages", temperature=0.8, seed=7))
@@ -673,7 +691,8 @@ def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_se
 
     from pipeline.job.run import run_job
 
-    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox jumps over the lazy dog"} for i in range(24)]
+    rows = [{"id": f"r{i}", "prompt": f"Row {i}: the quick brown fox jumps over the lazy dog"}
+            for i in range(24)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     killed = []
 
@@ -694,7 +713,8 @@ def test_actor_killed_mid_job_is_replaced_and_rows_redone(tmp_path, tiny, ray_se
     _check_exactly_once(tmp_path / "out", [r["id"] for r in rows])
 
 
-def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, ray_session, monkeypatch, capsys):
+def test_replica_killed_after_its_last_batch_job_still_complete(tmp_path, tiny, ray_session, monkeypatch,
+                                                                capsys):
     """SIGKILL the only replica right after its last batch, before the job asks the replicas for their
     memory at the end: every row is written, so the job exits 0 with ``complete: true``, each row once,
     and the dead replica is listed as not measured."""
@@ -734,10 +754,13 @@ def _reference_job(tmp_path, tiny):
     output for each prompt, so retrieval from the index must find it."""
     from pipeline.job.run import run_job
 
-    prompts = [f"Note {i}: " + s for i, s in enumerate(["the cat sat on the mat", "four score and seven years",
-                                                         "permission is hereby granted", "beautiful is better",
+    prompts = [f"Note {i}: " + s for i, s in enumerate(["the cat sat on the mat",
+                                                        "four score and seven years",
+                                                         "permission is hereby granted",
+                                                         "beautiful is better",
                                                          "in the beginning", "to be or not to be"])]
-    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "corpus": "notes"} for i, p in enumerate(prompts)])
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p, "corpus": "notes"}
+                                               for i, p in enumerate(prompts)])
     base = run_job(_cfg(tiny, inp, tmp_path / "plain", max_new_tokens=24, corpus_column="corpus"))
     gens = {r["id"]: r["generation"] for r in read_generations(tmp_path / "plain").to_pylist()}
     corpus = tmp_path / "corpus.jsonl"
@@ -762,16 +785,18 @@ def test_reference_index_is_shared_zero_copy_and_lossless(tmp_path, tiny, ray_se
     mem = with_ref["memory"]
     assert mem["reference_zero_copy"] is True and len(mem["replicas"]) >= 1
     size = mem["reference_indexes"]["notes"]["bytes"]
-    for r in mem["replicas"]:  # each actor's arrays lie in the object store's shared mapping, none in private memory
+    # each actor's arrays lie in the object store's shared mapping, none in private memory
+    for r in mem["replicas"]:
         assert r["reference_zero_copy"] is True
-        assert r["references"]["notes"] == {"bytes": size, "private_bytes": 0, "shared_bytes": size, "zero_copy": True}
+        assert r["references"]["notes"] == {"bytes": size, "private_bytes": 0, "shared_bytes": size,
+                                            "zero_copy": True}
     assert mem["reference_indexes"]["notes"]["documents"] == 6 and mem["reference_copies_per_node"] == 1
     assert [n["reference_copies"] for n in mem["nodes"].values()] == [{"notes": 1}]
     # the same index prebuilt to disk by jobs/build_index.py: the job loads the same arrays
     import numpy as np
+    from transformers import AutoTokenizer
 
     from pipeline.io.reference import prepare_reference, split_meta
-    from transformers import AutoTokenizer
 
     sys.path.insert(0, str(BUILD_INDEX.parent))
     try:
@@ -830,7 +855,8 @@ def test_driver_sigterm_then_sigkill_then_resume_joins_cluster_by_address(tmp_pa
     summary = json.loads((out / "_summary.json").read_text())
     after_term = _ids_on_disk(out)
     assert not summary["complete"] and "SIGTERM" in summary["error"]
-    assert len(after_term) == len(set(after_term)) == summary["rows"]["done_now"] > 0  # the buffer was flushed
+    # the buffer was flushed
+    assert len(after_term) == len(set(after_term)) == summary["rows"]["done_now"] > 0
     n_parts = len(list(out.glob("part-*.parquet")))
     assert _run_until_parts(cmd, env, out, n_parts, signal.SIGKILL) == -signal.SIGKILL
     n_done = len(_ids_on_disk(out))
@@ -878,7 +904,8 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     home.mkdir()
     cwd.mkdir()
     env = {**_env_without_ray_address(), "HOME": str(home), "LOGITSPEC_CACHE": str(tmp_path / "cache")}
-    built = skinny.build_dir()  # this process's kernel build, copied: a new cache would compile it again (a minute)
+    # this process's kernel build, copied: a new cache would compile it again (a minute)
+    built = skinny.build_dir()
     if built.is_dir():
         shutil.copytree(built, tmp_path / "cache" / built.relative_to(default_cache_dir()))
     p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
@@ -911,9 +938,11 @@ def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, mo
 
     monkeypatch.setattr(pipeline.job.run, "connect_ray", no_ray)
 
-    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""} for i in range(10)])
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "Hello" if i != 3 else ""}
+                                               for i in range(10)])
     out = tmp_path / "out"
-    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "--batch-rows", "3", "--part-rows", "4"]
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "--batch-rows", "3", "--part-rows",
+            "4"]
     store = OutputStore(out, pa.int64())  # an earlier run of this job wrote rows 0 and 1
     store.prepare(job_record(config_from_args(build_parser().parse_args(argv))), overwrite=False)
     store.write([_out_row(0), _out_row(1)])
@@ -922,7 +951,8 @@ def test_dry_run_plans_without_ray_and_writes_nothing(tmp_path, tiny, capsys, mo
     assert main(argv + ["--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["rows"] == 10 and plan["already_done"] == 2 and plan["to_generate"] == 7
-    assert plan["rejected_before_generation"] == 1 and plan["batches"] == 3 and plan["part_files_at_least"] == 2
+    assert (plan["rejected_before_generation"] == 1 and plan["batches"] == 3
+            and plan["part_files_at_least"] == 2)
     assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == before
 
 
@@ -946,8 +976,8 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     """The README quick start, on 3 sample rows and 8 new tokens: the embedded default model."""
     from pipeline.job.run import run_job
 
-    summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"), output=str(tmp_path / "out"),
-                                gen=job_spec(max_new_tokens=8), limit=3))
+    summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"),
+                                output=str(tmp_path / "out"), gen=job_spec(max_new_tokens=8), limit=3))
     assert summary["complete"] and summary["rows"]["done_now"] == 3
     table = read_generations(tmp_path / "out")
     assert all(g for g in table.column("generation").to_pylist())
@@ -974,7 +1004,8 @@ def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_r
 
 
 @pytest.mark.slow
-def test_actor_killed_twice_in_a_row_while_loading_the_model(tmp_path, tiny, ray_session, monkeypatch, capsys):
+def test_actor_killed_twice_in_a_row_while_loading_the_model(tmp_path, tiny, ray_session, monkeypatch,
+                                                             capsys):
     """The first two replica processes are SIGKILLed while they load the model (as an OOM kill would):
     each is replaced, the third runs the job; exit 0, complete, every row once. (An ``__init__`` that
     raises still fails the job after two attempts: test_config_errors... / the scheduler's rule.)"""
@@ -989,11 +1020,13 @@ def test_actor_killed_twice_in_a_row_while_loading_the_model(tmp_path, tiny, ray
 
 
 @pytest.mark.slow
-def test_row_that_kills_its_actor_every_time_becomes_an_error_row(tmp_path, tiny, ray_session, monkeypatch, capsys):
+def test_row_that_kills_its_actor_every_time_becomes_an_error_row(tmp_path, tiny, ray_session, monkeypatch,
+                                                                  capsys):
     """Row 2 SIGKILLs any process it is given: its batch is redone, split into single rows after its
     second death, and the row itself becomes an error row after it killed ``max_row_attempts`` (2)
     processes; the other rows are generated; exit 0, complete, every row once."""
-    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, "row:2", 5, "--batch-rows", "2")
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, "row:2", 5, "--batch-rows",
+                                "2")
     rows = {r["id"]: r for r in table.to_pylist()}
     assert "the worker process died 2 times while generating this row" in rows[2]["error"]
     assert all(rows[i]["error"] is None and rows[i]["generation"] for i in (0, 1, 3, 4))
@@ -1008,7 +1041,6 @@ def test_samples_have_their_own_stable_seeds(tiny):
     resume); sample 0 keeps the seed of a one-sample row; samples differ under sampling."""
     from logitspec import Engine
     from logitspec.models import load_model
-
     from pipeline.replica.worker import RowGenerator
 
     assert row_seed(0, 7, 0) == row_seed(0, 7) and len({row_seed(0, 7, s) for s in range(4)}) == 4
@@ -1061,7 +1093,8 @@ def test_request_columns_give_rows_their_own_settings_each_as_decoded_alone(tmp_
     assert [(r.id, r.sample) for r in batch] == [(i, s) for i in (0, 1, 2, 4) for s in (0, 1)]
     for k, r in enumerate(inputs):
         own = dataclasses.replace(cfg.gen, request=r.request or job)
-        alone, _ = RowGenerator(Engine(model, tok, own.spec_config()), own)([dataclasses.replace(r, request=None)])
+        alone, _ = RowGenerator(Engine(model, tok, own.spec_config()),
+                                own)([dataclasses.replace(r, request=None)])
         mine = batch[2 * k:2 * k + 2]
         assert [x.generation for x in mine] == [x.generation for x in stream[2 * k:2 * k + 2]] \
             == [x.generation for x in alone], r.id
@@ -1089,7 +1122,8 @@ def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray
     first run's samples untouched, the samples of a row distinct under sampling."""
     from pipeline.job.run import run_job
 
-    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i}: the quick brown fox"} for i in range(4)])
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Row {i}: the quick brown fox"}
+                                               for i in range(4)])
     out = tmp_path / "out"
     kw = dict(temperature=0.8, seed=5, batch_rows=2, max_new_tokens=6)
     s1 = run_job(_cfg(tiny, inp, out, limit=2, num_samples=2, **kw))
@@ -1105,7 +1139,7 @@ def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray
     assert all(len({got[(i, s)] for s in range(3)}) > 1 for i in range(4))
 
 
-# ---------------------------------------------------------------------------------------------- streaming replicas
+# ----------------------------------------------------------------------------------------- streaming replicas
 def _mixed_length_rows(tiny: str, n: int = 16) -> list[dict]:
     """Rows whose answers have very different lengths: short prompts run to --max-new-tokens, long ones
     (near the tiny model's 128-token context) stop after a few tokens."""
@@ -1126,7 +1160,6 @@ def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tin
     real engine stats say, and both give every row once with the engine's own greedy generations."""
     from logitspec import Engine
     from logitspec.models import load_model
-
     from pipeline.job.run import run_job
 
     rows = _mixed_length_rows(tiny)
@@ -1137,9 +1170,11 @@ def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tin
     got = {}
     for name, summary in (("stream", stream), ("tasks", per_task)):
         assert summary["complete"] and summary["rows"]["failed_now"] == 0
-        got[name] = {r["id"]: r["generation"] for r in _check_exactly_once(tmp_path / name, list(range(16))).to_pylist()}
+        got[name] = {r["id"]: r["generation"] for r in _check_exactly_once(tmp_path / name,
+                                                                           list(range(16))).to_pylist()}
     assert stream["engine"]["stream"] and not per_task["engine"]["stream"]
-    assert stream["engine"]["occupancy"] > per_task["engine"]["occupancy"] + 0.1, (stream["engine"], per_task["engine"])
+    assert stream["engine"]["occupancy"] > per_task["engine"]["occupancy"] + 0.1, (stream["engine"],
+                                                                                   per_task["engine"])
     assert stream["engine"]["batch_steps"] < per_task["engine"]["batch_steps"]
     model, tok = load_model(tiny)
     gen = _cfg(tiny, inp, tmp_path / "x", **kw).gen
@@ -1153,15 +1188,13 @@ def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_s
     (:class:`pipeline.replica.worker.RowGenerator` on the same rows) for every (id, sample), each once."""
     from logitspec import Engine
     from logitspec.models import load_model
-
-    from pipeline.replica.worker import RowGenerator
-
     from pipeline.job.run import run_job
+    from pipeline.replica.worker import RowGenerator
 
     rows = _mixed_length_rows(tiny, 9)
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
-    cfg = _cfg(tiny, inp, tmp_path / "out", max_batch_size=4, batch_rows=2, max_new_tokens=24, temperature=0.8,
-               seed=3, num_samples=3)
+    cfg = _cfg(tiny, inp, tmp_path / "out", max_batch_size=4, batch_rows=2, max_new_tokens=24,
+               temperature=0.8, seed=3, num_samples=3)
     summary = run_job(cfg)
     assert summary["complete"] and summary["rows"]["total"] == 27 and summary["rows"]["done_now"] == 27
     table = read_generations(tmp_path / "out")
@@ -1241,7 +1274,8 @@ def test_shipped_synthetic_prompts_are_current_and_readable():
     plain-text and its chat-messages column."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_prompts", REPO / "data" / "synthetic" / "make_prompts.py")
+    spec = importlib.util.spec_from_file_location("make_prompts", REPO / "data" / "synthetic"
+                                                  / "make_prompts.py")
     make = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make)
     path = REPO / "data" / "synthetic" / "prompts.jsonl"

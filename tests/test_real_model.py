@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import SPEC_BENCH
+
 from logitspec import Engine, SpecConfig
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,8 @@ def hf_refs(gemma, spec_prompts):
 @pytest.fixture(scope="module")
 def ar_outputs(gemma, spec_prompts):
     model, tok = gemma
-    return [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts, max_new_tokens=N_NEW)]
+    return [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts,
+                                                                                      max_new_tokens=N_NEW)]
 
 
 def _divergence_gap(model, prompt, got, ref) -> float | None:
@@ -106,7 +107,8 @@ def test_real_model_lossless_in_bfloat16(gemma_bf16, spec_prompts):
     if not (onednn.available() and onednn.bf16_supported()):
         pytest.skip("no oneDNN bfloat16 GEMM on this CPU: bfloat16 linears are not batch-invariant here")
     assert type(model.model.layers[0].mlp.up_proj) is onednn.OneDnnLinear
-    ref = [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts, max_new_tokens=N_NEW)]
+    ref = [r.token_ids for r in Engine(model, tok, SpecConfig(method="ar")).generate(spec_prompts,
+                                                                                     max_new_tokens=N_NEW)]
     for method, batch in (("ar", 3), ("pld", 3), ("logitspec", 3)):
         cfg = SpecConfig(method=method, max_batch_size=batch, budget="fixed", capacity=16, top_k=16)
         res = Engine(model, tok, cfg).generate(spec_prompts, max_new_tokens=N_NEW)

@@ -193,8 +193,8 @@ def test_rest_sampling_emits_the_target_distribution():
     """Chi-square of the first three sampled tokens against the exact distribution, with a datastore
     that drafts the target's likely next tokens (so the walk follows drafts)."""
     import torch
-
     from chi2 import chi2, chi2_limit
+
     from logitspec import Engine
     from logitspec.head import ScreenedArgmax
     from logitspec.request import SamplingParams
@@ -229,8 +229,8 @@ def test_rest_sampling_emits_the_target_distribution():
     torch.set_num_threads(1)
     try:
         engine = Engine(model, None, SpecConfig(method="rest", max_batch_size=16, budget="fixed"))
-        res = engine.generate([prompt] * n, max_new_tokens=3, temperature=params.temperature, top_p=params.top_p,
-                              seed=list(range(1000, 1000 + n)), reference=store)
+        res = engine.generate([prompt] * n, max_new_tokens=3, temperature=params.temperature,
+                              top_p=params.top_p, seed=list(range(1000, 1000 + n)), reference=store)
     finally:
         torch.set_num_threads(before)
     keys = list(cells)
@@ -245,9 +245,9 @@ def test_bench_runs_rest_with_and_without_a_datastore(tmp_path):
     """``rest`` (the context as datastore) and ``rest@datastore=DIR`` rows in ``logitspec bench``: lossless,
     and the datastore recorded in the method's configuration."""
     import torch
+    from test_bench import _tiny_model, _tiny_questions
 
     from logitspec.bench import bench, parse_methods
-    from test_bench import _tiny_model, _tiny_questions
 
     assert "rest" in [s.name for s in parse_methods("ar,rest")]
     qs = _tiny_questions()
@@ -255,7 +255,8 @@ def test_bench_runs_rest_with_and_without_a_datastore(tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        summary = bench((_tiny_model(), None), qs, tmp_path / "out", methods=f"rest@budget=fixed,rest@budget=fixed@datastore={tmp_path / 'ds'}",
+        summary = bench((_tiny_model(), None), qs, tmp_path / "out",
+                        methods=f"rest@budget=fixed,rest@budget=fixed@datastore={tmp_path / 'ds'}",
                         max_new_tokens=8, warmup_tokens=4, progress=False)
     finally:
         torch.set_num_threads(before)

@@ -3,12 +3,12 @@ top-p), near-ties the float16 pass reorders, the fallback to the full row, seeds
 import numpy as np
 import pytest
 import torch
+from chi2 import chi2, chi2_limit
 
 from logitspec.head import ScreenedArgmax
-from logitspec.sampling import exact_logits, screened_sample, top_k_support, top_p_support
 from logitspec.request import SamplingParams
+from logitspec.sampling import exact_logits, screened_sample, top_k_support, top_p_support
 from logitspec.verify import probs_from_logits
-from chi2 import chi2, chi2_limit
 
 pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
@@ -34,12 +34,14 @@ def _reference_support(z, params):
     keep = order[:params.top_k] if params.top_k else order
     if params.top_k:
         keep = [v for v in order if z[v] >= z[order[params.top_k - 1]]]
-    mass = np.exp((np.array([float(z[v]) for v in keep], dtype=np.float64) - float(z[keep[0]])) / params.temperature)
+    mass = np.exp((np.array([float(z[v]) for v in keep], dtype=np.float64) - float(z[keep[0]]))
+                  / params.temperature)
     before = np.concatenate([[0.0], np.cumsum(mass)[:-1]])
     return set(np.array(keep)[before < params.top_p * mass.sum()].tolist())
 
 
-PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=5), SamplingParams(1.0, top_p=0.8),
+PARAMS = [SamplingParams(1.0), SamplingParams(0.7), SamplingParams(1.0, top_k=5), SamplingParams(1.0,
+                                                                                                 top_p=0.8),
           SamplingParams(0.8, top_p=0.95), SamplingParams(0.8, top_p=0.9, top_k=8)]
 
 

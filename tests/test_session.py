@@ -1,12 +1,12 @@
 """The engine loop: several samples per prompt from one prefill, the streaming session, prefill
 interleaved with decoding, and the prefix cache. Greedy output always equals plain decoding."""
 import pytest
+from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.prefix_cache import PrefixCache
 from logitspec.request import Request
 from logitspec.session import sample_seed
-from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 N_NEW = 16
 
@@ -52,7 +52,8 @@ def test_greedy_samples_share_one_prefill(llama):
     run = eng.run(prompts, max_new_tokens=N_NEW, n=3)
     assert _prompts_prefilled(log) == len(prompts)  # each prompt fits one chunk: prefilled once
     refs = [hf_greedy(llama, p, N_NEW) for p in prompts]
-    assert [(r.request_id, r.sample_index) for r in run.results] == [(i, j) for i in range(3) for j in range(3)]
+    assert [(r.request_id, r.sample_index) for r in run.results] == [(i, j) for i in range(3)
+                                                                     for j in range(3)]
     assert [r.token_ids for r in run.results] == [ref for ref in refs for _ in range(3)]
     assert [r.stats["shared_prefill"] for r in run.results] == [False, True, True] * 3
     assert all(r.stats["prefill_s"] == 0.0 for r in run.results if r.sample_index > 0)
@@ -63,8 +64,10 @@ def test_sampled_samples_are_seeded_and_batch_independent():
     model = tiny_model("qwen2")
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
     kw = dict(max_new_tokens=N_NEW, temperature=1.0, top_p=0.95, n=3)
-    both = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4)).generate(prompts, seed=[11, 12], **kw)
-    alone = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2)).generate(prompts[1:], seed=[12], **kw)
+    both = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4)).generate(prompts,
+                                                                                          seed=[11, 12], **kw)
+    alone = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2)).generate(prompts[1:],
+                                                                                           seed=[12], **kw)
     assert [r.token_ids for r in both[3:]] == [r.token_ids for r in alone]
     assert len({tuple(r.token_ids) for r in alone}) == 3  # the samples differ from one another
     single = Engine(model, None, SpecConfig(method="logitspec")).generate(
@@ -142,7 +145,8 @@ def test_rows_finishing_one_by_one_are_refilled_together(llama):
             idle = sum(B - n for kind, n in log[a + 1:b] if kind == "D")
             assert idle <= eng.config.refill_wait * B + B, (wait, idle)
     assert outputs[None] == outputs[0] == outputs[2.0]
-    assert [outputs[0][i] for i in range(len(prompts))] == [hf_greedy(llama, p, 3 + i) for i, p in enumerate(prompts)]
+    assert [outputs[0][i] for i in range(len(prompts))] == [hf_greedy(llama, p, 3 + i)
+                                                            for i, p in enumerate(prompts)]
     assert forwards[0] >= forwards[None] >= forwards[2.0] and forwards[0] > forwards[2.0]
 
 
@@ -177,8 +181,8 @@ def test_long_prefill_is_interleaved_with_decoding():
     long_prompt = (repetitive_prompts(2, seed=8)[1] * 10)[:70]
     prompts = [short, long_prompt]
     refs = [hf_greedy(model, p, 40) for p in prompts]
-    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=8,
-                 fill_chunk=8)
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
+                 prefill_chunk=8, fill_chunk=8)
     log = _spy(eng)
     session = eng.open(Request(max_new_tokens=40))
     session.submit(short)
@@ -205,7 +209,8 @@ def test_an_idle_batch_fills_with_bigger_prefill_forwards():
     prompts = repetitive_prompts(3, seed=4)
     refs = [hf_greedy(model, p, 12) for p in prompts]
     assert [len(p) for p in prompts] == [5, 9, 14]
-    for fill, prefills in ((None, [("G", [5, 9, 14])]), (8, [("G", [5]), ("P", 8), ("P", 1), ("P", 8), ("P", 6)])):
+    for fill, prefills in ((None, [("G", [5, 9, 14])]), (8, [("G", [5]), ("P", 8), ("P", 1), ("P", 8),
+                                                             ("P", 6)])):
         eng = Engine(model, None, SpecConfig(method="ar", max_batch_size=3), prefill_chunk=8, fill_chunk=fill)
         log = _spy(eng)
         run = eng.run(prompts, max_new_tokens=12)
@@ -218,7 +223,8 @@ def _cache_filled_by_ar(model, prompts, refs, block: int):
     """A prefix cache filled by an ``ar`` engine's greedy run of ``prompts`` (checked against
     ``refs``), and a spied ``logitspec`` engine sharing it (``prefill_chunk`` = ``block``)."""
     cache = PrefixCache(max_bytes=1 << 24, block=block)
-    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache, prefill_chunk=block)
+    first = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), prefix_cache=cache,
+                   prefill_chunk=block)
     assert [r.token_ids for r in first.generate(prompts, max_new_tokens=N_NEW)] == refs
     second = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
                     prefix_cache=cache, prefill_chunk=block)
@@ -246,7 +252,8 @@ def test_prefix_cache_reuses_a_block_prefix_and_evicts_by_bytes():
     other = base[:20] + [(t + 1) % 90 for t in base[20:27]]  # shares 2 blocks of 8 with ``base``
     refs = [hf_greedy(model, p, N_NEW) for p in (base, other)]
     cache = PrefixCache(max_bytes=1 << 24, block=8)
-    eng = Engine(model, None, SpecConfig(method="logitspec", budget="fixed"), prefix_cache=cache, prefill_chunk=8)
+    eng = Engine(model, None, SpecConfig(method="logitspec", budget="fixed"), prefix_cache=cache,
+                 prefill_chunk=8)
     if eng.runner.head.screen is not None:  # one pass for one-row outputs from now on: every entry's
         eng.runner.head.screen.settle(1)    # scores of one dtype (the bfloat16 pass keeps bfloat16), one size
     assert eng.generate([base], max_new_tokens=N_NEW)[0].token_ids == refs[0]
@@ -269,16 +276,20 @@ def test_short_prompts_are_prefilled_together_and_exact(family):
     model = tiny_model(family)  # gemma3: sliding window 6, shorter than most prompts
     prompts = repetitive_prompts(7, seed=12, lengths=(5, 9, 14, 20))
     refs = [hf_greedy(model, p, N_NEW) for p in prompts]
-    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4, budget="fixed"), prefill_chunk=8,
-                 fill_chunk=48)  # most prompts longer than a chunk: still grouped while rows decode, up to fill_chunk
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=4, budget="fixed"),
+                 prefill_chunk=8,
+                 # most prompts longer than a chunk: still grouped while rows decode, up to fill_chunk
+                 fill_chunk=48)
     log = _spy(eng)
     assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
     groups = [n for kind, n in log if kind == "G"]
     assert max(len(n) for n in groups) > 1 and not any(kind == "P" for kind, _ in log)
     assert all(sum(n) <= eng.fill_chunk for n in groups)  # back to back, unpadded: within one fill chunk
     first_step = [kind for kind, _ in log].index("D")
-    assert any(kind == "G" and sum(n) > eng.prefill_chunk for kind, n in log[first_step:])  # refills while decoding
-    assert any(sum(n) > len(n) * min(n) for n in groups)  # some group mixed lengths (no padding to test otherwise)
+    # refills while decoding
+    assert any(kind == "G" and sum(n) > eng.prefill_chunk for kind, n in log[first_step:])
+    # some group mixed lengths (no padding to test otherwise)
+    assert any(sum(n) > len(n) * min(n) for n in groups)
     assert sorted(x for n in groups for x in n) == sorted(len(p) for p in prompts)  # each prefilled once
 
 

@@ -9,10 +9,10 @@ import threading
 from dataclasses import replace
 
 import pytest
-
 from job_specs import job_spec
-from pipeline.rows import InputRow
 from tiny_models import save_tiny_text_model
+
+from pipeline.rows import InputRow
 
 SHORT = ["Hello there", "Lorem ipsum", "The quick brown fox", "Name a colour", "Once upon a time"]
 
@@ -36,7 +36,6 @@ def _long(tok, words: int) -> str:
 
 def _generators(tiny, **kw):
     from logitspec import Engine
-
     from pipeline.replica.streaming import StreamingRows
     from pipeline.replica.worker import RowGenerator
 
@@ -79,8 +78,8 @@ def test_rows_of_the_next_task_fill_slots_freed_by_the_current_one(tiny):
     steps = stats_a["engine"]["batch_steps"] + stats_b["engine"]["batch_steps"]
     active = stats_a["engine"]["active_sum"] + stats_b["engine"]["active_sum"]
     per_task_steps = sa["engine"]["batch_steps"] + sb["engine"]["batch_steps"]
-    per_task_active = sa["engine"]["mean_active"] * sa["engine"]["batch_steps"] + sb["engine"]["mean_active"] * \
-        sb["engine"]["batch_steps"]
+    per_task_active = sa["engine"]["mean_active"] * sa["engine"]["batch_steps"] \
+        + sb["engine"]["mean_active"] * sb["engine"]["batch_steps"]
     # about the same row-steps of work (drafts depend on the batch size, so a row's steps may differ) ...
     assert active == pytest.approx(per_task_active, rel=0.1)
     assert steps < per_task_steps and active / steps > per_task_active / per_task_steps  # ... in fuller steps

@@ -54,8 +54,10 @@ def test_missing_vllm_environment_is_skipped_with_a_message(tmp_path, capsys, mo
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
+                      bos_token_id=None)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question_id": 1, "category": "qa", "turns": [[5, 6, 7, 5, 6, 7, 5]]}) + "\n")
@@ -106,12 +108,14 @@ def test_runner_serves_rounds_until_an_empty_line(tmp_path):
         return [[7] * len(p) for p in group]
 
     cmds = [json.dumps({"batch_size": 2, "prompts": [[1, 2], [3], [4]], "reply": str(tmp_path / "a.json")}),
-            json.dumps({"batch_size": 2, "prompts": [[1]] * 5, "slots": True, "reply": str(tmp_path / "b.json")}),
+            json.dumps({"batch_size": 2, "prompts": [[1]] * 5, "slots": True,
+                        "reply": str(tmp_path / "b.json")}),
             "", json.dumps({"batch_size": 1, "prompts": [[1]], "reply": str(tmp_path / "c.json")})]
     assert vllm_runner.serve(generate, cmds, said.append, clock=iter(range(0, 100, 2)).__next__) == 2
     assert calls == [2, 1, 5] and said == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
     a = json.loads((tmp_path / "a.json").read_text())  # batch b: consecutive groups of b prompts
-    assert a["tokens"] == 4 and a["wall_s"] == 2 and a["tokens_per_s"] == 2.0 and a["token_ids"] == [[7, 7], [7], [7]]
+    assert a["tokens"] == 4 and a["wall_s"] == 2 and a["tokens_per_s"] == 2.0 and a["token_ids"] == [[7, 7],
+                                                                                                     [7], [7]]
     assert json.loads((tmp_path / "b.json").read_text())["tokens"] == 5  # slots: all prompts in one call
     assert not (tmp_path / "c.json").exists()
 
@@ -127,11 +131,12 @@ def test_resident_runners_alternate_with_our_rounds_and_compare_outputs(tmp_path
     model = tiny_model("llama")
     prompts = [[5, 6, 7, 5, 6], [9]]
     with contextlib.ExitStack() as stack:
-        runners = vllm_baseline.start_runners(fake_vllm_python(tmp_path), tmp_path, ["plain", "ngram"], [1, 2], 4,
-                                              [1, 2], stack, log=lambda _: None, dtype="bfloat16")
+        runners = vllm_baseline.start_runners(fake_vllm_python(tmp_path), tmp_path, ["plain", "ngram"],
+                                              [1, 2], 4, [1, 2], stack, log=lambda _: None, dtype="bfloat16")
         assert set(runners) == {("vllm-plain", 1), ("vllm-plain", 2)}
         assert runners[("vllm-plain", 1)] is runners[("vllm-plain", 2)]
-        table = throughput.run(model, None, prompts, ["ar"], [1, 2], max_new_tokens=4, rounds=3, baselines=runners)
+        table = throughput.run(model, None, prompts, ["ar"], [1, 2], max_new_tokens=4, rounds=3,
+                               baselines=runners)
     assert "vLLM ngram skipped: vLLM runner (ngram) failed with exit code 3" in capsys.readouterr().err
     requests = [json.loads(line) for line in (tmp_path / "seen").read_text().splitlines()]
     assert [(r["method"], r["max_num_seqs"], r["dtype"], r["max_new_tokens"]) for r in requests] == [
@@ -175,7 +180,8 @@ def test_baseline_rows_say_how_our_best_method_compares_round_by_round():
     best = max((table["ar@1"], table["pld@1"]), key=lambda r: r["tokens_per_s"])
     assert row["our_best"] == best["method"]
     assert row["vs_our_best"] == pytest.approx(best["tokens_per_s"] / 2.0)
-    assert row["our_best_per_round"] == pytest.approx([o / v for o, v in zip(best["rounds"], [1.0, 1e12, 2.0])])
+    assert row["our_best_per_round"] == pytest.approx([o / v for o, v in zip(best["rounds"],
+                                                                             [1.0, 1e12, 2.0])])
     assert "our_best" not in table["ar@1"]
     report = throughput.render(table)
     assert f"| 1 | {best['method']} | vllm-plain | " in report and "| 2 of 3 |" in report
@@ -190,7 +196,8 @@ def test_runner_environment_binds_all_threads_and_hides_our_tree(tmp_path, monke
     env = vllm_baseline.runner_env(tmp_path / "bin" / "python", threads=2)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     tcmalloc = [p for p in [allocator.library()] if p]
-    assert "PYTHONPATH" not in env and env["LD_PRELOAD"] == ":".join(tcmalloc + [str(tmp_path / "lib" / "libiomp5.so")])
+    assert "PYTHONPATH" not in env and env["LD_PRELOAD"] == ":".join(tcmalloc + [str(tmp_path / "lib"
+                                                                                     / "libiomp5.so")])
     # our own process on tcmalloc (the logitspec command preloads it): the runner still gets Intel OpenMP
     monkeypatch.setenv("LD_PRELOAD", "/x/libtcmalloc_minimal.so.4")
     got = vllm_baseline.runner_env(tmp_path / "bin" / "python", threads=2)["LD_PRELOAD"].split(":")
@@ -203,8 +210,8 @@ def test_a_failing_vllm_start_is_reported_and_skipped(tmp_path, capsys):
     import contextlib
 
     with contextlib.ExitStack() as stack:
-        runners = vllm_baseline.start_runners(sys.executable, tmp_path, ["plain"], [1], 4, [1, 2], stack, threads=1,
-                                              log=lambda _: None)
+        runners = vllm_baseline.start_runners(sys.executable, tmp_path, ["plain"], [1], 4, [1, 2], stack,
+                                              threads=1, log=lambda _: None)
     err = capsys.readouterr().err
     assert runners == {} and "vLLM plain skipped: vLLM runner (plain) failed" in err and "vllm" in err.lower()
 

@@ -18,11 +18,11 @@ import traceback
 
 import pytest
 import torch
+from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.distributed import PeerWatchdog, decisions_digest, free_port, rank_env
 from logitspec.models import load_model
-from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TP = 2
@@ -65,7 +65,8 @@ def _record(results):
 def _generate(make, case, prompts):
     method, temp, budget = case
     engine = make(SpecConfig(method=method, max_batch_size=3, budget=budget))
-    return engine.generate(prompts, max_new_tokens=NEW, temperature=temp, seed=[11 + i for i in range(len(prompts))])
+    return engine.generate(prompts, max_new_tokens=NEW, temperature=temp,
+                           seed=[11 + i for i in range(len(prompts))])
 
 
 def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, results_q) -> None:
@@ -102,7 +103,8 @@ def run_group(world: int, fn, *args, timeout: float = 600.0) -> dict:
             try:
                 rank, out, err = q.get(timeout=max(1.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"group timed out after {timeout:.0f} s; ranks done: {sorted(got)}") from None
+                raise AssertionError(
+                    f"group timed out after {timeout:.0f} s; ranks done: {sorted(got)}") from None
             assert err is None, f"rank {rank} failed:\n{err}"
             got[rank] = out
     finally:
@@ -166,8 +168,14 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
     group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""
     try:
         from logitspec.budget import CostCurve
-        from logitspec.distributed import (RanksDiverged, check_agreement, init_rank, load_tp_model, make_engine,
-                                           rank0_value)
+        from logitspec.distributed import (
+            RanksDiverged,
+            check_agreement,
+            init_rank,
+            load_tp_model,
+            make_engine,
+            rank0_value,
+        )
 
         init_rank(rank, world, port, threads=1)
         model, tok, _ = load_tp_model(model_dir, world)
@@ -181,7 +189,8 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
 
             agree = (lambda x: rank0_value(share(x))) if agreed else share
             engine = make_engine(model, tok, SpecConfig(method="logitspec", max_batch_size=1),
-                                 cost_curve=CostCurve([1, 64], [1.0, 8.0]),  # drafts pay only now and then: skips
+                                 # drafts pay only now and then: skips
+                                 cost_curve=CostCurve([1, 64], [1.0, 8.0]),
                                  agree_on=agree)
             try:
                 res = engine.generate(prompts, max_new_tokens=40)
@@ -200,7 +209,8 @@ def test_ranks_agree_on_timed_decisions(comm_op, tiny_dirs):
     prompts = repetitive_prompts(3, seed=4)
     ranks = run_group(TP, _skewed_timing_rank, tiny_dirs["llama"], prompts)
     model, tok = load_model(tiny_dirs["llama"])
-    ref = [list(r.token_ids) for r in Engine(model, tok, SpecConfig(method="ar")).generate(prompts, max_new_tokens=40)]
+    ref = [list(r.token_ids) for r in Engine(model, tok, SpecConfig(method="ar")).generate(prompts,
+                                                                                           max_new_tokens=40)]
     assert ranks[0][True] == ranks[1][True] == ref
     assert ranks[0][False] == ranks[1][False] == "diverged"
 
@@ -239,7 +249,8 @@ def text_model(tmp_path_factory) -> str:
 def ray_address(comm_op):
     """One local Ray for the module (4 logical CPUs: a TP=2 replica takes 1 per rank); jobs join it."""
     ray = pytest.importorskip("ray")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH",
+                                                                                        "").split(
         os.pathsep) if p])
     os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
@@ -315,6 +326,7 @@ def test_job_rank_killed_mid_job(tmp_path, text_model, ray_address):
     import json
 
     from job_specs import job_spec
+
     from pipeline.job.config import JobConfig
     from pipeline.job.run import run_job
 
@@ -386,10 +398,12 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     import json
 
     from job_specs import job_spec
+
     from pipeline.replica.worker import RowGenerator
     from pipeline.rows import InputRow
 
-    rows = [json.loads(line) for line in (REPO / "data" / "sample_prompts.jsonl").read_text().splitlines()[:3]]
+    rows = [json.loads(line) for line in (REPO / "data"
+                                          / "sample_prompts.jsonl").read_text().splitlines()[:3]]
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": r["id"], "prompt": r["prompt"]}) + "\n" for r in rows))
     t0 = time.perf_counter()

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from logitspec.tree import DraftTree
 from logitspec.request import SamplingParams
+from logitspec.tree import DraftTree
 from logitspec.verify import greedy_accept, probs_from_logits, sample_token
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4, 5]), np.array([-1, 0, 1, 2, 2, 0]))
@@ -53,8 +53,6 @@ def test_tree_sampling_matches_target_distribution():
     n = 20000
     counts = np.zeros((V, V))
     for _ in range(n):
-        seq = []
-
         def next_token(node):
             p = root_p if node == 0 else child_p[int(tree.tokens[node])]
             return sample_token(p, g)

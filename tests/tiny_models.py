@@ -2,8 +2,14 @@
 import pathlib
 
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from logitspec.attention import NAME as ATTENTION
 
@@ -76,13 +82,15 @@ def save_tiny_text_model(path, hidden: int = 32, heads: int = 2, kv_heads: int =
     tok.train_from_iterator(texts, trainers.BpeTrainer(
         vocab_size=512, special_tokens=["<pad>", "<eos>", "<bos>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>")
     if chat_template:
         fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                               "{% if add_generation_prompt %}<assistant>{% endif %}")
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max_positions, bos_token_id=2, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():

@@ -147,7 +147,8 @@ def topk_report(traces: Sequence[Trace], k_max: int = K_MAX) -> dict:
         ranks = np.concatenate([tr.ranks for tr in trs]) if trs else np.zeros(0, dtype=np.int64)
         shares = topk_shares(ranks, k_max)
         out[name] = {"steps": int(len(ranks)), "shares": [round(float(s), 4) for s in shares],
-                     "first_k_over_50": first_k_over(shares), "same_as_x1": float(np.mean(ranks == 1)) if len(ranks) else None}
+                     "first_k_over_50": first_k_over(shares), "same_as_x1": float(np.mean(ranks == 1))
+                     if len(ranks) else None}
     return out
 
 
@@ -185,8 +186,10 @@ def _print_retrieval(rep: dict) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's options (for a ``logitspec`` subcommand too: then call :func:`run_from_args`)."""
     p.add_argument("analysis", choices=("topk", "retrieval", "all"))
-    p.add_argument("--model", default="default", help="a logitspec model spec (default: the embedded Gemma 3 270M)")
-    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: beside the repository)")
+    p.add_argument("--model", default="default", help="a logitspec model spec (default: the embedded "
+                                                      "Gemma 3 270M)")
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: beside the "
+                                                     "repository)")
     p.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (first turns)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", required=True, help="output directory (topk.json / retrieval.json)")
@@ -226,7 +229,8 @@ def run_from_args(args) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m logitspec.bench.analyses", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m logitspec.bench.analyses",
+                                 description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     run_from_args(ap.parse_args(argv))
     return 0

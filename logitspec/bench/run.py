@@ -22,15 +22,32 @@ import sys
 from typing import Any, Sequence
 
 from . import report
-from .methods import DEFAULT_METHODS, ENGINE_OPTIONS, REFERENCE, EngineRunner, HFRunner, MethodSpec, describe, parse_methods
+from .methods import (
+    DEFAULT_METHODS,
+    ENGINE_OPTIONS,
+    REFERENCE,
+    EngineRunner,
+    HFRunner,
+    MethodSpec,
+    describe,
+    parse_methods,
+)
 from .provenance import code_version, load_average, machine_info
-from .questions import (DEFAULT_QUESTIONS, PromptBuilder, Question, load_questions, select_questions, task_order,
-                        warmup_question)
+from .questions import (
+    DEFAULT_QUESTIONS,
+    PromptBuilder,
+    Question,
+    load_questions,
+    select_questions,
+    task_order,
+    warmup_question,
+)
 from .results import resumable, write_outputs
 from .samples import Decoding
 
 
-def bench(model="default", questions=None, out_dir="bench_out", methods: str | Sequence[str] = DEFAULT_METHODS,
+def bench(model="default", questions=None, out_dir="bench_out",
+          methods: str | Sequence[str] = DEFAULT_METHODS,
           per_task: int | None = None, categories: Sequence[str] | None = None, **kwargs) -> dict:
     """Python twin of ``logitspec bench``: ``model`` is a spec for :func:`logitspec.models.load_model` or a
     ``(model, tokenizer)`` pair; ``questions`` a ``question.jsonl`` path (default: Spec-Bench beside the
@@ -38,13 +55,15 @@ def bench(model="default", questions=None, out_dir="bench_out", methods: str | S
     parse_methods(methods)  # fail on a typo before loading anything
     if questions is None or isinstance(questions, (str, os.PathLike)):
         qs = load_questions(questions, per_task, categories)
-        kwargs.setdefault("settings", {"questions_file": str(questions or DEFAULT_QUESTIONS), "per_task": per_task,
+        kwargs.setdefault("settings", {"questions_file": str(questions or DEFAULT_QUESTIONS),
+                                       "per_task": per_task,
                                        "categories": list(categories) if categories else None})
     else:
         qs = select_questions(list(questions), per_task, categories)
     if isinstance(model, tuple):
         model_obj, tok = model
-        kwargs.setdefault("model_name", getattr(model_obj.config, "name_or_path", None) or type(model_obj).__name__)
+        kwargs.setdefault("model_name", getattr(model_obj.config, "name_or_path", None)
+                          or type(model_obj).__name__)
     else:
         from ..models import load_model
 
@@ -64,7 +83,8 @@ def _units(questions: Sequence[Question], batch: int) -> list[list[Question]]:
     return groups
 
 
-def run_bench(model, tokenizer, questions: Sequence[Question], out_dir, methods: str | Sequence[str] = DEFAULT_METHODS,
+def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
+              methods: str | Sequence[str] = DEFAULT_METHODS,
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
               top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
               model_name: str = "?", command: str | None = None, settings: dict | None = None,
@@ -134,7 +154,8 @@ def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int
         if not s.is_hf:
             fields = {k: v for k, v in s.overrides.items() if k not in ENGINE_OPTIONS}
             cfg = SpecConfig(method=s.base, **{**base_cfg, **fields})
-            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding, history=int(s.overrides.get("history", 0)),
+            runners[s.name] = EngineRunner(model, tokenizer, cfg, decoding,
+                                           history=int(s.overrides.get("history", 0)),
                                            datastore=s.overrides.get("datastore"))
     eos = runners[REFERENCE].engine.eos_ids
     for s in specs:
@@ -178,8 +199,8 @@ def _warm_up(runners: dict, names: list[str], prompts: list[list[int]], tokens: 
     return warm
 
 
-def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: list[list[Question]], kept: dict,
-               max_new_tokens: int, f, bar, decoding: Decoding) -> list[dict]:
+def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: list[list[Question]],
+               kept: dict, max_new_tokens: int, f, bar, decoding: Decoding) -> list[dict]:
     """Every unit by every method; a unit's records are written to ``f`` whole, in method order."""
     records: list[dict] = []
     unit = 0
@@ -196,7 +217,8 @@ def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: li
                 prompts = [build(q, turn, answers[q.question_id]) for q in qs]
                 seeds = decoding.seeds(unit * width, len(qs))
                 unit_records = _run_unit(runners, names, qs, turn, unit, prompts, max_new_tokens, bar, seeds)
-            for q, r in zip(qs, unit_records[REFERENCE][::decoding.num_samples]):  # the next turn sees sample 0
+            # the next turn sees sample 0
+            for q, r in zip(qs, unit_records[REFERENCE][::decoding.num_samples]):
                 answers[q.question_id].append(r["token_ids"])
             for name in names:  # written in method order, whatever order they ran in
                 for r in unit_records[name]:
@@ -207,8 +229,8 @@ def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: li
     return records
 
 
-def _run_unit(runners: dict, names: list[str], qs: list[Question], turn: int, unit: int, prompts: list[list[int]],
-              max_new_tokens: int, bar, seeds: list[int]) -> dict[str, list[dict]]:
+def _run_unit(runners: dict, names: list[str], qs: list[Question], turn: int, unit: int,
+              prompts: list[list[int]], max_new_tokens: int, bar, seeds: list[int]) -> dict[str, list[dict]]:
     """One unit by every method back to back, the order rotated by one method per unit; a record per
     question and sample. Sampled, ``same_as_ar`` says whether a method drew the same tokens as ``ar``
     from the same seed (the engine draws one uniform per emitted token); HF's draws are its own (None)."""
@@ -218,7 +240,8 @@ def _run_unit(runners: dict, names: list[str], qs: list[Question], turn: int, un
         bar.set_postfix_str(f"{qs[0].task} q{qs[0].question_id} t{turn + 1} {name}", refresh=False)
         wall, outs = runners[name].run(prompts, max_new_tokens, seeds)
         n = len(outs) // len(qs)  # samples per question
-        unit_records[name] = [_record(name, qs[i // n], turn, unit, pos, prompts[i // n], o, wall, len(outs), i % n)
+        unit_records[name] = [_record(name, qs[i // n], turn, unit, pos, prompts[i // n], o, wall, len(outs),
+                                      i % n)
                               for i, o in enumerate(outs)]
         bar.update(len(qs))
     for name in names:
@@ -237,7 +260,8 @@ def _count_turns(questions: Sequence[Question]) -> dict[str, int]:
 
 def _record(name, q: Question, turn, unit, pos, prompt, o: dict, wall, n, sample: int = 0) -> dict:
     r = {"method": name, "question_id": q.question_id, "category": q.category, "task": q.task, "turn": turn,
-         "sample": sample, "unit": unit, "order": pos, "prompt_tokens": len(prompt), "new_tokens": len(o["token_ids"]),
+         "sample": sample, "unit": unit, "order": pos, "prompt_tokens": len(prompt),
+         "new_tokens": len(o["token_ids"]),
          "wall_time": o.get("wall_time", wall), "unit_wall_time": wall if n > 1 else None, "batch": n}
     r.update({k: v for k, v in o.items() if k != "wall_time"})
     r["tokens_per_s"] = r["new_tokens"] / r["wall_time"] if r["wall_time"] > 0 else None
@@ -262,4 +286,5 @@ def _progress(total: int, enabled: bool):
 
     # off a terminal (nohup, CI logs) a line every 30 s instead of a redraw per run
     interval = 0.1 if sys.stderr.isatty() else 30.0
-    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True, mininterval=interval)
+    return tqdm(total=total, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True,
+                mininterval=interval)
