@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+
 from logitspec.budget import CostCurve
 
 
@@ -19,9 +20,9 @@ def test_importing_the_engine_needs_no_ray_or_deepspeed():
 def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     # the script's own 450 s limit is sized for the H200; a shared 2-core CI box runs the CPU form slower
     env = {**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_TIMEOUT": "1200"}
-    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path), "--tiny", "--device", "cpu",
-                          "--isolate", "--budget-s", "1000"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=1300)
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path), "--tiny",
+                          "--device", "cpu", "--isolate", "--budget-s", "1000"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=1300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert not list(tmp_path.glob("*.part.json"))  # each part's process left its outcome, gathered here
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -65,15 +66,17 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
         assert any("forward" in line for line in doc["host_profile_ar@1"])  # the host's time by function
         steps = doc["engine_steps"]
         assert sorted(steps) == ["ar@1", "ar@4", "logitspec@1", "logitspec@4"]
-        assert all(v["ms_per_step"] > 0 and set(v["split_ms"]) == {"draft", "pack", "forward", "verify", "commit"}
+        assert all(v["ms_per_step"] > 0
+                   and set(v["split_ms"]) == {"draft", "pack", "forward", "verify", "commit"}
                    for v in steps.values())
 
 
 def test_a_part_that_fails_in_its_process_is_recorded_and_the_others_still_run(tmp_path):
     """Off CPU each part runs in its own process (a CUDA fault is sticky); here one part asks for a
     shape that does not exist: it is recorded with its error, the part after it still runs, exit 1."""
-    run = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path), "--tiny",
-                          "--device", "cpu", "--isolate", "--parts", "curve_no-such-shape,device_paths"],
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--out", str(tmp_path),
+                          "--tiny", "--device", "cpu", "--isolate", "--parts",
+                          "curve_no-such-shape,device_paths"],
                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 1
