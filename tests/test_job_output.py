@@ -15,6 +15,7 @@ from tiny_models import save_tiny_text_model
 from pipeline.errors import ConfigError
 from pipeline.io.lock import LOCK_FILE, OutputLock
 from pipeline.io.output import OutputStore
+from pipeline.rows import OutputRow
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +140,45 @@ def test_progress_says_the_model_is_loading_until_generation_starts():
     assert p.line() == "loading the model on 2 replica(s) ... (0 s)"
     p.t_gen = p.t_load
     assert p.line().startswith("rows 0/30 (this run 0/30")
+
+
+def test_summary_file_is_rounded_and_the_run_ends_with_lines_for_people(tmp_path):
+    from pipeline.job.cli import run_summary
+
+    summary = {"complete": True, "rows": {"total": 30, "missing": 0, "done_now": 28, "failed_now": 2,
+                                          "skipped_already_done": 0, "failed_in_output": 2},
+               "tokens": {"new_now": 1792, "per_s": 8.98765, "in_output": 1792}, "rows_per_s": 0.1401234,
+               "mat": {"now": 1.376923, "output": 1.376923},
+               "timing": {"startup_s": 38.81, "generation_s": 199.34, "total_s": 238.15, "x_s": None},
+               "error": None, "output": {"dir": str(tmp_path), "part_files": 1, "parts_written_now": 1},
+               "memory": {"rss_bytes": 123456789}}
+    store = OutputStore(tmp_path, pa.int64())
+    on_disk = json.loads(store.write_summary(summary).read_text())
+    assert on_disk["tokens"]["per_s"] == 8.99 and on_disk["mat"]["now"] == 1.38
+    assert on_disk["timing"]["total_s"] == 238.0 and on_disk["memory"]["rss_bytes"] == 123456789
+    assert list(on_disk)[:5] == ["complete", "rows", "tokens", "rows_per_s", "mat"]
+    text = run_summary(summary, as_json=False)
+    assert text.splitlines() == [
+        "done: 30 of 30 rows in the output (28 generated now, 2 failed now, 0 already done; "
+        "2 error rows in all)",
+        "1792 new tokens at 9.0 tokens/s, MAT 1.38 (tokens per target forward)",
+        "time: startup 39 s, generation 199 s, total 238 s",
+        f"output: {tmp_path} (1 part file(s); pandas.read_parquet({str(tmp_path)!r})); "
+        f"summary: {tmp_path}/_summary.json"]
+    assert json.loads(run_summary(summary, as_json=True))["mat"]["now"] == 1.376923  # --json
+
+
+def test_polars_reads_the_parts_with_a_glob(tmp_path):
+    """polars (2.x) reads a directory only when every file under it, hidden or not, is Parquet; the job's
+    record and summary sit beside the parts (as pandas, pyarrow, DuckDB and Ray Data expect), so polars
+    reads ``OUT/*.parquet``, as its own error message suggests."""
+    pl = pytest.importorskip("polars")
+    store = OutputStore(tmp_path, pa.int64())
+    store.prepare({"model": "m"}, overwrite=False)
+    store.write([OutputRow(id=i, generation="x", n_new_tokens=1, steps=1) for i in range(3)])
+    store.write_summary({"complete": True})
+    store.close()
+    assert sorted(pl.read_parquet(f"{tmp_path}/*.parquet")["id"].to_list()) == [0, 1, 2]
+    assert pl.scan_parquet(f"{tmp_path}/*.parquet").select(pl.len()).collect().item() == 3
+    with pytest.raises(Exception, match="glob pattern"):
+        pl.read_parquet(tmp_path)

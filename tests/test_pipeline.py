@@ -909,10 +909,12 @@ def test_job_starts_its_own_local_ray_without_an_address(tmp_path, tiny):
     if built.is_dir():
         shutil.copytree(built, tmp_path / "cache" / built.relative_to(default_cache_dir()))
     p = subprocess.run([sys.executable, str(GENERATE), "--input", str(tmp_path / "in.parquet"), "--output",
-                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6"],
+                        str(tmp_path / "out"), "--model", tiny, "--max-new-tokens", "6", "--json"],
                        capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    brief = json.loads(p.stdout)
+    brief = json.loads(p.stdout)  # --json; without it a few lines of text (test_job_output.py)
+    # no Ray token-auth warning (RAY_AUTH_MODE set for a local Ray), no progress bar escapes from the actor
+    assert "Token authentication" not in p.stderr and "\x1b[" not in p.stderr
     assert brief["complete"] and brief["rows"]["done_now"] == 2 and brief["rows"]["failed_now"] == 1
     assert "rows 3/3" in p.stderr  # progress in the driver log
     summary = json.loads((tmp_path / "out" / "_summary.json").read_text())

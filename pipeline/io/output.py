@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import tempfile
@@ -320,9 +321,22 @@ class OutputStore:
         return self.flush()
 
     def write_summary(self, summary: dict) -> pathlib.Path:
+        """``_summary.json``, its floats rounded to 3 significant digits (for people; the figures are
+        measurements, not more precise than that)."""
         path = self.root / SUMMARY_FILE
-        atomic_write_json(path, summary)
+        atomic_write_json(path, rounded(summary))
         return path
+
+
+def rounded(obj, digits: int = 3):
+    """``obj`` with every float rounded to ``digits`` significant digits (ints, e.g. bytes, as they are)."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}") if math.isfinite(obj) else obj
+    if isinstance(obj, dict):
+        return {k: rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [rounded(v, digits) for v in obj]
+    return obj
 
 
 def check_writable(root: pathlib.Path) -> None:

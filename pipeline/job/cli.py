@@ -120,6 +120,9 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
+    p.add_argument("--json", action="store_true",
+                   help="end by printing the summary's rows, tokens, MAT and timing as JSON (default: a few "
+                        "lines of text; the whole summary is in the output's _summary.json either way)")
     return p
 
 
@@ -198,7 +201,18 @@ def main(argv=None, prog: str = "jobs/generate.py") -> int:
     except (KeyboardInterrupt, SystemExit) as e:
         print(f"interrupted ({e or type(e).__name__}); rerun the same command to resume", file=sys.stderr)
         return 130
+    print(run_summary(summary, args.json))
+    return 0 if summary["complete"] else 1
+
+
+def run_summary(summary: dict, as_json: bool) -> str:
+    """What the job prints at its end: a few lines for people, or (``--json``) the summary's first
+    sections as JSON."""
+    from ..io.output import SUMMARY_FILE
+    from .summary import summary_text
+
+    if not as_json:
+        return summary_text(summary, f"{summary['output']['dir']}/{SUMMARY_FILE}")
     brief = {k: summary[k] for k in ("complete", "rows", "tokens", "rows_per_s", "mat")}
     brief["timing"] = {k: v for k, v in summary["timing"].items() if v is not None}
-    print(json.dumps(brief, indent=2))
-    return 0 if summary["complete"] else 1
+    return json.dumps(brief, indent=2)

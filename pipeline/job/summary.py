@@ -187,15 +187,39 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
                 "per_corpus_now": _per_corpus(progress.per_corpus, references),
                 "per_corpus_output": _per_corpus(out["per_corpus"], references)},
         "timing": timing,
+        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+        "output": {"dir": str(store.root), "part_files": len(store.part_files()),
+                   "parts_written_now": store.parts_written},
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "engine": _engine(cfg, record),
         "replicas": _replicas(cfg, record.stats),
         "memory": memory_section(references, record.stats.replica_info if record.stats else [], record.final),
         "model_path": str(plan.model_path),
         "ray": record.ray_info,
-        "output": {"dir": str(store.root), "part_files": len(store.part_files()),
-                   "parts_written_now": store.parts_written},
         "config": cfg.as_dict(),
-        "error": None if failure is None else f"{type(failure).__name__}: {failure}",
         "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
-        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def summary_text(summary: dict, summary_path: str) -> str:
+    """A run's summary for people: rows, errors, tokens/s, MAT, time, and where the output is."""
+    rows, tokens, mat, timing = summary["rows"], summary["tokens"], summary["mat"], summary["timing"]
+    state = "done" if summary["complete"] else "NOT complete"
+    lines = [f"{state}: {rows['total'] - rows['missing']} of {rows['total']} rows in the output "
+             f"({rows['done_now']} generated now, {rows['failed_now']} failed now, "
+             f"{rows['skipped_already_done']} already done; {rows['failed_in_output']} error rows in all)"]
+    if tokens["new_now"]:
+        per_s = f"{tokens['per_s']:.1f}" if tokens["per_s"] else "-"
+        now = f"{mat['now']:.2f}" if mat["now"] else "-"
+        lines.append(f"{tokens['new_now']} new tokens at {per_s} tokens/s, MAT {now} "
+                     f"(tokens per target forward)")
+    times = [f"{k.removesuffix('_s')} {timing[k]:.0f} s" for k in ("startup_s", "generation_s", "total_s")
+             if timing.get(k) is not None]
+    if times:
+        lines.append("time: " + ", ".join(times))
+    if summary.get("error"):
+        lines.append(f"error: {summary['error']}")
+    out = summary["output"]["dir"]
+    lines.append(f"output: {out} ({summary['output']['part_files']} part file(s); "
+                 f"pandas.read_parquet({out!r})); summary: {summary_path}")
+    return "\n".join(lines)
