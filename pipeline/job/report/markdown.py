@@ -83,27 +83,27 @@ def _replica_section(data: RunData) -> tuple[list[str], list[str]]:
     return lines, [f"`{REPLICA_COLUMN}` (string, the actor's name) on every row: the per-replica table"]
 
 
-def render(data: RunData, captions: dict[str, str]) -> str:
-    """The Markdown of the report (plots already written under ``_report/``)."""
-    t, summ = data.table, data.summary
-    s = group_stats(t)
-    gen = (summ.get("config") or {}).get("gen") or {}
-    budget = budget_stats(data)
+def _wall_time(summ: dict, span_s: float | None) -> str:
+    """The run's wall time in words: generation and total time from the summary, else the rows' span."""
     timing = summ.get("timing") or {}
-    rows_info = summ.get("rows") or {}
-    missing: list[str] = []
-
     gen_s, total_s = timing.get("generation_s"), timing.get("total_s")
     if gen_s is not None:
         wall = f"{seconds(gen_s)} generating"
         if total_s is not None:
             wall += f", {seconds(total_s)} in all"
-    elif total_s is not None and s["span_s"] is None:
-        wall = f"{seconds(total_s)} in all (no generation time recorded)"
-    elif s["span_s"] is not None:
-        wall = f"{seconds(s['span_s'])} (first row started to last row finished)"
-    else:
-        wall = "not recorded (no `_summary.json`)"
+        return wall
+    if total_s is not None and span_s is None:
+        return f"{seconds(total_s)} in all (no generation time recorded)"
+    if span_s is not None:
+        return f"{seconds(span_s)} (first row started to last row finished)"
+    return "not recorded (no `_summary.json`)"
+
+
+def _header(data: RunData, s: dict, budget: dict) -> list[list[str]]:
+    """The header table's rows: model, method, rows, samples, wall time, tokens/s, MAT, errors, status."""
+    summ = data.summary
+    gen = (summ.get("config") or {}).get("gen") or {}
+    rows_info = summ.get("rows") or {}
     per_s = (summ.get("tokens") or {}).get("per_s")
     tps = (f"{sig(per_s)} (this run's new tokens over its generation time)" if per_s is not None
            else f"{sig(s['tokens_per_s'])} (from the rows' finish times)" if s["tokens_per_s"] is not None
@@ -120,17 +120,18 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         status = "complete" if summ.get("complete") else "incomplete"
         if summ.get("error"):
             status += f" ({' '.join(str(summ['error']).split())[:200]})"
-    header = [
+    return [
         ["model", _model(data)], ["method", method], ["rows", rows], ["samples", _samples(data)],
-        ["wall time", wall], ["tokens/s", tps], ["new tokens", f"{s['tokens']:,}"],
+        ["wall time", _wall_time(summ, s["span_s"])], ["tokens/s", tps], ["new tokens", f"{s['tokens']:,}"],
         ["MAT", f"{sig(s['mean_accepted'])} new tokens per target forward"],
         ["retrieval success", f"{pct(s['retrieval_success'])} of decoding steps found a draft"],
         ["errors", f"{s['errors']:,}"], ["run", status],
     ]
-    note = "" if summ else "; no `_summary.json` (the run is going on, or ended before writing it)"
-    lines = [f"# Run report: {data.root.name}", "",
-             f"Output directory `{data.root}`: {len(data.files)} part file(s){note}.", "",
-             *_table(["", ""], header), "", f"**What the budget did:** {budget_sentence(budget)}", ""]
+
+
+def _budget_missing(budget: dict) -> list[str]:
+    """The fields the budget line would need that the run did not record."""
+    missing = []
     if budget["verified_steps"] is None:
         missing.append("`verified_steps` per row (decode steps whose draft tree had a node, from "
                        "`SequenceStats.tree_sizes`): \"verified on X% of steps\" (the line says "
@@ -139,11 +140,14 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         missing.append("`engine.break_even` in `_summary.json` (the acceptance a draft token needs at the "
                        "run's batch, `pipeline.job.report.break_even_acceptance(engine.cost_curve, batch)`): "
                        "the \"must be accepted X% of the time to pay\" clause")
-    errors = _errors(t)
-    if errors:
-        lines += ["## Errors", "", *errors, ""]
-    lines += ["## Throughput", "", f"![throughput]({PLOTS_DIR}/{PLOTS['throughput']})", "",
-              captions["throughput"][:1].upper() + captions["throughput"][1:] + ".", ""]
+    return missing
+
+
+def _plot_sections(t: pa.Table, s: dict, captions: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The throughput, MAT and accepted-from sections (each a plot and its words); the missing fields."""
+    missing: list[str] = []
+    lines = ["## Throughput", "", f"![throughput]({PLOTS_DIR}/{PLOTS['throughput']})", "",
+             captions["throughput"][:1].upper() + captions["throughput"][1:] + ".", ""]
     if TIME_COLUMN not in t.column_names:
         missing.append(f"`{TIME_COLUMN}` per row (float64 epoch seconds, `time.time()` when the row "
                        "finished): tokens/s over time, per-replica tokens/s")
@@ -166,18 +170,41 @@ def render(data: RunData, captions: dict[str, str]) -> str:
         lines.append("")
     else:
         missing.append("`accepted_from` (struct of accepted draft tokens by source): the accepted-from split")
+    return lines, missing
+
+
+def _corpus_section(t: pa.Table) -> list[str]:
+    """The per-corpus table, when the rows come from more than one corpus."""
+    if "corpus" not in t.column_names or len(pc.unique(t.column("corpus"))) <= 1:
+        return []
+    rows = []
+    names = pc.fill_null(t.column("corpus").cast(pa.string()), "(none)")
+    for name in sorted(set(names.to_pylist())):
+        g = group_stats(t.filter(pc.equal(names, name)))
+        rows.append([name, f"{g['rows']:,}", f"{g['errors']:,}", f"{g['tokens']:,}",
+                     sig(g["mean_accepted"]), pct(g["retrieval_success"])])
+    header = ["corpus", "rows", "errors", "new tokens", "MAT", "retrieval success"]
+    return ["## Per corpus", "", *_table(header, rows), ""]
+
+
+def render(data: RunData, captions: dict[str, str]) -> str:
+    """The Markdown of the report (plots already written under ``_report/``)."""
+    t = data.table
+    s = group_stats(t)
+    budget = budget_stats(data)
+    note = "" if data.summary else "; no `_summary.json` (the run is going on, or ended before writing it)"
+    lines = [f"# Run report: {data.root.name}", "",
+             f"Output directory `{data.root}`: {len(data.files)} part file(s){note}.", "",
+             *_table(["", ""], _header(data, s, budget)), "",
+             f"**What the budget did:** {budget_sentence(budget)}", ""]
+    missing = _budget_missing(budget)
+    errors = _errors(t)
+    if errors:
+        lines += ["## Errors", "", *errors, ""]
+    plot_lines, plot_missing = _plot_sections(t, s, captions)
     replica_lines, replica_missing = _replica_section(data)
-    lines += ["## Per replica", "", *replica_lines, ""]
-    missing += replica_missing
-    if "corpus" in t.column_names and len(pc.unique(t.column("corpus"))) > 1:
-        rows = []
-        names = pc.fill_null(t.column("corpus").cast(pa.string()), "(none)")
-        for name in sorted(set(names.to_pylist())):
-            g = group_stats(t.filter(pc.equal(names, name)))
-            rows.append([name, f"{g['rows']:,}", f"{g['errors']:,}", f"{g['tokens']:,}",
-                         sig(g["mean_accepted"]), pct(g["retrieval_success"])])
-        header = ["corpus", "rows", "errors", "new tokens", "MAT", "retrieval success"]
-        lines += ["## Per corpus", "", *_table(header, rows), ""]
+    lines += [*plot_lines, "## Per replica", "", *replica_lines, "", *_corpus_section(t)]
+    missing += plot_missing + replica_missing
     if missing:
         lines += ["## What the rows do not record", "", "Fields the job would need to write for the rest of "
                   "this report:", "", *(f"- {m}" for m in missing), ""]
