@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pathlib
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -182,3 +183,30 @@ def test_polars_reads_the_parts_with_a_glob(tmp_path):
     assert pl.scan_parquet(f"{tmp_path}/*.parquet").select(pl.len()).collect().item() == 3
     with pytest.raises(Exception, match="glob pattern"):
         pl.read_parquet(tmp_path)
+
+
+def test_model_column_names_the_resolved_model_and_a_hash_of_its_files(tmp_path, tiny):
+    import shutil
+
+    from test_pipeline import _cfg
+
+    from pipeline.io.model import model_label
+    from pipeline.job.plan import make_plan
+    from pipeline.replica.worker import error_rows
+    from pipeline.rows import InputRow
+
+    copy = tmp_path / "my-model"
+    shutil.copytree(tiny, copy)
+    label = model_label(copy)
+    assert re.fullmatch(r"my-model \(sha256:[0-9a-f]{8}\)", label)
+    assert model_label(pathlib.Path(tiny)).endswith(label[-18:])  # a copy hashes the same
+    weights = sorted(copy.glob("*.safetensors"))[0]
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert model_label(copy) != label  # other weights, another hash
+    inp = _jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello"}])
+    plan = make_plan(_cfg(str(copy), inp, tmp_path / "out"), dry_run=True)
+    assert plan.cfg.gen.model_label == model_label(copy)
+    [row] = error_rows(InputRow(1, None), "x", plan.cfg.gen)
+    assert row.model == model_label(copy)

@@ -983,7 +983,8 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
     assert summary["complete"] and summary["rows"]["done_now"] == 3
     table = read_generations(tmp_path / "out")
     assert all(g for g in table.column("generation").to_pylist())
-    assert table.column("model").to_pylist() == ["default"] * 3
+    models = table.column("model").to_pylist()  # the resolved model and its hash, not "default"
+    assert all(re.fullmatch(r"gemma3-270m \(sha256:[0-9a-f]{8}\)", m) for m in models), models
 
 
 # ---------------------------------------------------------------------------------------------- fault matrix

@@ -2,6 +2,7 @@
 converted and cached once), its config and weights readable."""
 from __future__ import annotations
 
+import hashlib
 import pathlib
 
 from ..errors import ConfigError
@@ -36,3 +37,31 @@ def check_model(spec: str, trust_remote_code: bool = False) -> pathlib.Path:
             except Exception as e:  # noqa: BLE001
                 raise ConfigError(f"model {spec!r}: unreadable weights {w}: {e}") from None
     return path
+
+
+HASH_EDGE_BYTES = 1 << 16  # of each weight file, the first and last 64 KiB are hashed
+
+
+def model_label(path: pathlib.Path) -> str:
+    """What the output's ``model`` column says: the model's name and a short content hash, e.g.
+    ``gemma3-270m (sha256:1a2b3c4d)``.
+
+    The name is the model directory's (a Hugging Face cache snapshot: the repository's id). The hash is
+    cheap and does not depend on where or when the files were copied: sha256 of ``config.json``, and of
+    each weight file (``*.safetensors``, ``*.bin``, sorted by name) its name, size, first and last 64 KiB
+    (a safetensors file starts with its header: every tensor's name, dtype, shape and offsets)."""
+    name = path.name
+    if path.parent.name == "snapshots":  # ~/.cache/huggingface/hub/models--org--name/snapshots/<commit>
+        name = path.parent.parent.name.removeprefix("models--").replace("--", "/")
+    h = hashlib.sha256()
+    config = path / "config.json"
+    h.update(config.read_bytes() if config.is_file() else b"")
+    for w in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        size = w.stat().st_size
+        h.update(f"\0{w.name}\0{size}\0".encode())
+        with open(w, "rb") as fh:
+            h.update(fh.read(HASH_EDGE_BYTES))
+            if size > 2 * HASH_EDGE_BYTES:
+                fh.seek(size - HASH_EDGE_BYTES)
+                h.update(fh.read())
+    return f"{name} (sha256:{h.hexdigest()[:8]})"

@@ -40,6 +40,9 @@ class GenerationSpec:
     # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
     history_tokens: int = 0
     share_history: bool = False  # replicas' histories also hold the other replicas' answers (--share-history)
+    # what the output's ``model`` column says: the resolved model and a short hash of its files, set by the
+    # job's planning (pipeline.io.model.model_label); None: the --model value as given
+    model_label: str | None = None
 
     def __post_init__(self) -> None:
         try:

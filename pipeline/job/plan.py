@@ -7,6 +7,7 @@ The prompts are not read here: :mod:`pipeline.job.pending` streams them while th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import time
@@ -16,7 +17,7 @@ from logitspec.request import Request
 
 from ..errors import ConfigError
 from ..io.inputs import open_input
-from ..io.model import check_model
+from ..io.model import check_model, model_label
 from ..io.output import OutputStore
 from .config import JobConfig
 from .pending import InputIndex, Pending, count_problems, pending, scan_ids
@@ -35,6 +36,7 @@ class JobPlan:
     todo: Pending
     default_corpus: str | None = None  # the corpus of rows without a corpus column (the one --reference)
     timing: dict = field(default_factory=dict)  # validate_s, reference_build_s
+    cfg: JobConfig | None = None  # the job's config as planned (its model_label set): what the run uses
 
 
 def job_record(cfg: JobConfig) -> dict:
@@ -118,6 +120,7 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     data = scan_ids(open_input(cfg), cfg.corpus_column)
     default_corpus = check_corpora(cfg, data)
     model_path = check_model(cfg.gen.model, cfg.gen.trust_remote_code)
+    cfg = dataclasses.replace(cfg, gen=dataclasses.replace(cfg.gen, model_label=model_label(model_path)))
     timing = {"validate_s": time.perf_counter() - t0}
     t = time.perf_counter()
     references = build_references(cfg, model_path)
@@ -134,7 +137,7 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
         log.warning("%d row(s) in %s are not in the input (or are samples beyond --num-samples)", stale,
                     cfg.output)
     timing["plan_s"] = time.perf_counter() - t0
-    return JobPlan(data, model_path, references, store, todo, default_corpus, timing=timing)
+    return JobPlan(data, model_path, references, store, todo, default_corpus, timing=timing, cfg=cfg)
 
 
 def dry_run_report(cfg: JobConfig, plan: JobPlan, t0: float) -> dict:

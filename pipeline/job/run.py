@@ -34,6 +34,7 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     """
     t0 = time.perf_counter()
     plan = make_plan(cfg)
+    cfg = plan.cfg  # with the resolved model's name and hash (the output's model column)
     todo = plan.todo
     progress = Progress(len(plan.data) * cfg.num_samples, todo.done, todo.keys, cfg.log_interval)
     log.info("input %s: %d rows x %d sample(s), %d already in %s, %d to do (%d rows)",
@@ -152,6 +153,7 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     batches = (Batch(k, b) for k, b in enumerate(rows))
     log.info("starting %d replica(s): %s CPU, %s GPU, %d thread(s) each; batches of <= %d rows",
              cfg.actors, resources.num_cpus, resources.num_gpus, resources.threads, cfg.rows_per_batch)
+    sink.progress.starting(cfg.actors)
     history = SharedHistory(cfg.gen.history_tokens) if cfg.gen.share_history else None
     record.shared_history = history.stats if history else None
     t_sched = time.perf_counter()

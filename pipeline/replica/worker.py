@@ -39,7 +39,7 @@ def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
 def error_row(row_id: Any, error: str, spec: GenerationSpec, corpus: str | None = None,
               n_prompt_tokens: int | None = None, sample: int = 0) -> OutputRow:
     return OutputRow(id=row_id, sample=sample, n_prompt_tokens=n_prompt_tokens, method=spec.method,
-                     model=spec.model, error=error, corpus=corpus)
+                     model=spec.model_label or spec.model, error=error, corpus=corpus)
 
 
 def error_rows(row: InputRow, error: str, spec: GenerationSpec,
@@ -55,8 +55,8 @@ def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
                      n_prompt_tokens=len(res.prompt_token_ids), n_new_tokens=len(res.token_ids),
                      steps=s["steps"], mean_accepted=s["mean_accepted"],
                      accepted_lengths=list(s["accepted_lengths"]), retrieval_success=s["retrieval_success"],
-                     wall_s=s["wall_s"], method=spec.method, model=spec.model, corpus=row.corpus,
-                     accepted_from=s["accepted_from"])
+                     wall_s=s["wall_s"], method=spec.method, model=spec.model_label or spec.model,
+                     corpus=row.corpus, accepted_from=s["accepted_from"])
 
 
 @dataclass
