@@ -9,7 +9,7 @@ tokens are columns ``[0, lengths[b])``; a step writes its T nodes (pads included
 ``lengths[b] + i`` and the commit moves the accepted ones to ``lengths[b] + depth``.
 
 As in :mod:`logitspec.cache`, every layer keeps every column: sliding windows are enforced by the
-masks, never by eviction, so rejected nodes never evict valid columns (shared/FINDINGS.md, Gemma 3).
+masks, never by eviction, so rejected nodes never evict valid columns (docs/engine.md, on Gemma 3).
 
 The cache handed to the model is a ``transformers.Cache`` of :class:`SlotLayer` (a
 ``DynamicLayer`` subclass through the public layer extension point); what a layer's ``update``
