@@ -3,6 +3,8 @@ loading a model and prints each generation under a header with a statistics line
 finished job's run report; every flag of every parser has help text and shows its default."""
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from test_run_report import ROWS, write_output
 from tiny_models import save_tiny_text_model
@@ -48,3 +50,43 @@ def test_help_lists_the_new_subcommands(capsys):
     text = capsys.readouterr().out
     for name in ("report", "analyses", "rest-build"):
         assert f"    {name} " in text
+
+
+def _parsers():
+    """Every parser a user meets: the job's, the sweep's, build-index's and the engine's subcommands."""
+    from logitspec.cli import build_parser
+    from pipeline.io.build_index import build_parser as index_parser
+    from pipeline.job.cli import build_parser as job_parser
+    from pipeline.sweep.cli import build_parser as sweep_parser
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    engine = {f"logitspec {name}": p for name, p in sub.choices.items() if name in ENGINE_COMMANDS}
+    return {"job": job_parser(), "eval": sweep_parser(), "build-index": index_parser(), **engine}
+
+
+ENGINE_COMMANDS = ("generate", "bench", "calibrate", "throughput", "analyses", "rest-build")
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    problems = []
+    for name, parser in _parsers().items():
+        assert parser.description, f"{name}: no description"
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = f"{name} {'/'.join(action.option_strings) or action.dest}"
+            if not (action.help or "").strip():
+                problems.append(f"{flag}: no help")
+                continue
+            text = formatter._expand_help(action)
+            if action.required and "(default: None)" in text:
+                problems.append(f"{flag}: required, shows (default: None)")
+            shown = action.default not in (None, False, argparse.SUPPRESS) and action.nargs != 0
+            if shown and action.option_strings and "default" not in text.lower():
+                problems.append(f"{flag}: default {action.default!r} not shown")
+        method = next((a for a in parser._actions if "--method" in a.option_strings), None)
+        if method is not None and not all(f"{m}:" in (method.help or "") for m in method.choices):
+            problems.append(f"{name} --method: does not say what each method is")
+    assert not problems, "\n".join(problems)

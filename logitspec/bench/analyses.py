@@ -185,13 +185,16 @@ def _print_retrieval(rep: dict) -> None:
 # ------------------------------------------------------------------------------------------ command
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's options (for a ``logitspec`` subcommand too: then call :func:`run_from_args`)."""
-    p.add_argument("analysis", choices=("topk", "retrieval", "all"))
+    p.add_argument("analysis", choices=("topk", "retrieval", "all"),
+                   help="topk: share of steps whose true next-next token is in the top-k of the last "
+                        "logits (k = 1..100); retrieval: retrieval success with and without next-next "
+                        "guidance; all: both")
     p.add_argument("--model", default="default", help="a logitspec model spec (default: the embedded "
                                                       "Gemma 3 270M)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: beside the "
                                                      "repository)")
     p.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (first turns)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens traced per question")
     p.add_argument("--out", required=True, help="output directory (topk.json / retrieval.json)")
 
 

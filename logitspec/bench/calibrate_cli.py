@@ -6,18 +6,28 @@ The measuring and the store are :mod:`logitspec.calibrate`'s; this is the comman
 from __future__ import annotations
 
 from ..calibrate import TOKENS, curve_path, machine_fingerprint, measure, save
+from ..helpfmt import DefaultsHelpFormatter
 
 
 def add_calibrate_command(sub) -> None:
     text = "measure and store the forward cost curve t(n) of a model here"
-    p = sub.add_parser("calibrate", help=text, description=f"Calibrate: {text}.")
-    p.add_argument("--model", default="default")
+    p = sub.add_parser("calibrate", help=text, formatter_class=DefaultsHelpFormatter, description=(
+        f"Calibrate: {text}. Times the model's forward at several batch sizes and new-token counts per row "
+        "(on this machine, with its current load), stores the curve under ~/.cache/logitspec (keyed by "
+        "model, device, dtype and machine) where engines with --budget auto find it, and prints it. The "
+        "auto budget verifies a draft only where this curve says its expected accepted tokens pay for "
+        "the longer forward; without a stored curve an engine measures a quick one at start-up."))
+    p.add_argument("--model", default="default",
+                   help="'default' (the embedded Gemma 3 270M), a HF model dir, a .gguf file or a cached "
+                        "HF id")
     p.add_argument("--context", type=int, default=None,
                    help="cached tokens before the measured forward (default: 256 on CPU, 1024 on a GPU)")
     p.add_argument("--device", default="cpu",
-                   help="e.g. cuda: batch sizes 8, 32, 64 with 1-64 tokens per row")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--reps", type=int, default=5)
+                   help="where to measure: cpu, or e.g. cuda (batch sizes 8, 32, 64 with 1-64 tokens per "
+                        "row)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's dtype while measuring (as the engine will run it)")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per point (the median is kept)")
     p.add_argument("--plot", default=None, help="write the curve as a PNG here")
     p.set_defaults(func=calibrate_command)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..helpfmt import DefaultsHelpFormatter
 from .methods import DEFAULT_METHODS, parse_methods, split_top
 from .questions import DEFAULT_QUESTIONS, load_questions
 from .report import TASK_LABELS
@@ -16,7 +17,7 @@ DESCRIPTION = "Spec-Bench tables for our methods and the baselines users would p
 
 def add_bench_command(sub) -> None:
     p = sub.add_parser("bench", help="Spec-Bench speedup / MAT tables for our methods and HF baselines",
-                       description=DESCRIPTION)
+                       description=DESCRIPTION, formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default="default", help="'default', a HF model dir, a .gguf file or a "
                                                       "cached HF id")
     p.add_argument("--methods", default=None,
@@ -38,10 +39,11 @@ def add_bench_command(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="CI preset: 1 question per task, 16 new tokens, methods ar,logitspec,hf "
                         "(explicit options win)")
-    p.add_argument("--warmup-tokens", type=int, default=16)
-    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="new tokens of each method's warm-up generation (not timed)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress line per question-turn")
     p.add_argument("--resume", action="store_true",
                    help="keep the complete question-turns already in --out's results.jsonl and run the rest")
     p.add_argument("--report", metavar="DIR", default=None,

@@ -21,6 +21,7 @@ import sys
 import time
 
 from ..config import SpecConfig
+from ..helpfmt import DefaultsHelpFormatter
 from . import vllm_baseline
 from .methods import ENGINE_OPTIONS, parse_methods
 from .questions import DEFAULT_QUESTIONS, first_turns, warmup_question
@@ -154,19 +155,23 @@ def render(table: dict) -> str:
 
 def add_throughput_command(sub) -> None:
     text = "tokens/s of methods at several batch sizes, side by side"
-    p = sub.add_parser("throughput", help=text, description=f"Throughput: {text}.")
-    p.add_argument("--model", default="default")
+    p = sub.add_parser("throughput", help=text, description=f"Throughput: {text}.",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default="default",
+                   help="'default' (the embedded Gemma 3 270M), a HF model dir, a .gguf file or a cached "
+                        "HF id")
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the model's dtype, ours and vLLM's (bfloat16 on CPU: lossless where oneDNN runs "
                         "bfloat16 GEMMs, see docs/gpu.md)")
     p.add_argument("--methods", default="ar,logitspec",
                    help="engine methods and variants (logitspec@capacity=8); ar is always run")
-    p.add_argument("--batch-sizes", default="1,4,8")
+    p.add_argument("--batch-sizes", default="1,4,8", help="comma-separated engine batch sizes to measure")
     p.add_argument("--questions", default=None, help=f"Spec-Bench question.jsonl (default: "
                                                      f"{DEFAULT_QUESTIONS})")
-    p.add_argument("--per-task", type=int, default=2)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--per-task", type=int, default=2, help="first N questions of each Spec-Bench task")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per prompt at most")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="times each (method, batch size) is run, interleaved; the table gives the median")
     p.add_argument("--prompts-per-slot", type=int, default=1,
                    help="batch size b runs b x N prompts (1: one static batch, done when its slowest row is; "
                         "more: rows are refilled as they finish, as in a job; vLLM likewise, one engine "

@@ -12,6 +12,8 @@ import logging
 import pathlib
 import sys
 
+from logitspec.helpfmt import DefaultsHelpFormatter
+
 from ..errors import ConfigError
 
 DESCRIPTION = "Prebuild a reference corpus's n-gram index (.npz) for the job's --reference NAME=FILE.npz."
@@ -19,12 +21,14 @@ DESCRIPTION = "Prebuild a reference corpus's n-gram index (.npz) for the job's -
 
 def build_parser(prog: str = "jobs/build_index.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--corpus", required=True, metavar="PATH[#COLUMN]",
                    help="text file, directory, or table/dataset column (default column: text)")
     p.add_argument("--output", required=True, help="index file to write (.npz)")
     p.add_argument("--model", default="default", help="whose tokenizer to use (as --model of the job)")
-    p.add_argument("--max-ngram", type=int, default=3)
+    p.add_argument("--max-ngram", type=int, default=3,
+                   help="longest n-gram indexed (the engine's SpecConfig.max_ngram: a draft continues the "
+                        "longest match of up to this many context tokens)")
     return p
 
 

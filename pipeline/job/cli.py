@@ -12,6 +12,7 @@ import signal
 import sys
 
 from logitspec.config import METHODS
+from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 from logitspec.request import Request, add_request_flags, request_from_args
 
 from ..errors import ConfigError
@@ -41,7 +42,7 @@ DESCRIPTION = "Batch generation with LogitSpec speculative decoding on Ray: one 
 def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
                     help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
@@ -50,7 +51,8 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     io.add_argument("--part-rows", type=int, default=10_000, help="finished rows per part file")
     io.add_argument("--part-seconds", type=float, default=60.0,
                     help="write buffered rows as a part file at least this often (seconds)")
-    io.add_argument("--prompt-column", default="prompt")
+    io.add_argument("--prompt-column", default="prompt",
+                    help="input column holding each row's prompt: text, or a list of token ids")
     io.add_argument("--id-column", default="id",
                     help="row ids; generated from row order when the column is absent")
     io.add_argument("--messages-column", default=None,
@@ -74,7 +76,7 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     gen = p.add_argument_group("generation (as in the engine)")
     gen.add_argument("--model", default="default",
                      help="'default', a HF model dir, a .gguf file or a cached HF id")
-    gen.add_argument("--method", default="logitspec", choices=METHODS)
+    gen.add_argument("--method", default="logitspec", choices=METHODS, help=METHOD_HELP)
     gen.add_argument("--budget", default="auto", choices=("auto", "fixed"),
                      help="draft budget: auto (from this machine's cost curve and acceptance) or fixed "
                           "capacity")
@@ -105,7 +107,9 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                            "on one node; --cpus/--gpus/--threads-per-actor are then per shard")
     ray_.add_argument("--cpus-per-actor", type=float, default=None,
                       help="default: the local Ray's CPUs / actors, or 1 on a cluster")
-    ray_.add_argument("--gpus-per-actor", type=float, default=0.0)
+    ray_.add_argument("--gpus-per-actor", type=float, default=0.0,
+                      help="GPUs each actor reserves in Ray; > 0 runs the model on that GPU (fractions "
+                           "share one GPU between actors), 0 runs it on the CPU")
     ray_.add_argument("--threads-per-actor", type=int, default=None,
                       help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a "
                            "CPU shared with other work, 1 (and more actors) can be much faster "

@@ -12,6 +12,7 @@ import logging
 import sys
 
 from logitspec.config import METHODS
+from logitspec.helpfmt import DefaultsHelpFormatter
 
 from ..errors import ConfigError
 from ..job.config import DTYPES
@@ -22,7 +23,7 @@ DESCRIPTION = ("LongBench-format evaluation sweep: every method x engine setting
 
 
 def build_parser(prog: str = "jobs/eval.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog=prog, formatter_class=DefaultsHelpFormatter,
                                 description=DESCRIPTION)
     p.add_argument("--data", required=True,
                    help="LongBench-format directory (one <dataset>.jsonl per dataset)")
