@@ -13,5 +13,9 @@ test: setup
 test-fast: setup
 	LOGITSPEC_SKIP_SLOW=1 .venv/bin/python -m pytest -q -ra -m "not slow"
 
+# Spec-Bench's question.jsonl is not shipped in this repository: by default it is read beside the checkout
+QUESTIONS ?= ../shared/data/spec_bench/question.jsonl
+
 bench: setup
-	.venv/bin/logitspec bench --quick --out out/bench-quick
+	@test -f "$(QUESTIONS)" || { echo "make bench: $(QUESTIONS) not found (Spec-Bench's question.jsonl, not shipped here); run make bench QUESTIONS=/path/to/question.jsonl" >&2; exit 2; }
+	.venv/bin/logitspec bench --quick --questions "$(QUESTIONS)" --out out/bench-quick
