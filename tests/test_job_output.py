@@ -3,6 +3,7 @@ written, ``--dry-run`` catching the same and naming the rows it rejects, the loc
 stale one taken over."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -210,3 +211,50 @@ def test_model_column_names_the_resolved_model_and_a_hash_of_its_files(tmp_path,
     assert plan.cfg.gen.model_label == model_label(copy)
     [row] = error_rows(InputRow(1, None), "x", plan.cfg.gen)
     assert row.model == model_label(copy)
+
+
+def _kept_job(tmp_path, tiny, keep: str):
+    """Plan a job over rows with extra columns and write its rows as the replicas would (no Ray)."""
+    from test_pipeline import _cfg
+
+    from pipeline.job.plan import make_plan
+    from pipeline.job.run import row_batches
+    from pipeline.replica.worker import error_rows
+
+    rows = [{"id": i, "prompt": "Hello" if i else "", "topic": f"t{i}", "score": i / 2, "corpus": "x"}
+            for i in range(4)]
+    tmp_path.mkdir(exist_ok=True)
+    inp = _jsonl(tmp_path / "in.jsonl", rows)
+    plan = make_plan(dataclasses.replace(_cfg(tiny, inp, tmp_path / "out"), keep_columns=keep))
+    for batch in row_batches(plan.cfg, plan, plan.store.add):  # row 0 is rejected on the way
+        plan.store.add([r for row in batch for r in error_rows(row, "stand-in", plan.cfg.gen)])
+    plan.store.flush()
+    plan.store.close()
+    return pq.read_table(tmp_path / "out")
+
+
+def test_keep_columns_carries_input_columns_into_the_output(tmp_path, tiny):
+    table = _kept_job(tmp_path, tiny, "all")  # the default: all but the id and output-named ones (corpus)
+    extra = [c for c in table.column_names if c not in OutputRow.names()]
+    assert extra == ["prompt", "topic", "score"]
+    got = sorted(zip(*(table.column(c).to_pylist() for c in ("id", "prompt", "topic", "score"))))
+    assert got == [(i, "Hello" if i else "", f"t{i}", i / 2) for i in range(4)]
+    assert table.schema.field("score").type == pa.float64()
+    table = _kept_job(tmp_path / "b", tiny, "topic")
+    assert [c for c in table.column_names if c not in OutputRow.names()] == ["topic"]
+    table = _kept_job(tmp_path / "c", tiny, "none")
+    assert table.column_names == OutputRow.names()
+
+
+@pytest.mark.parametrize("keep, message", [("corpus", "--keep-columns: 'corpus' is also an output column"),
+                                           ("topic,nope", "--keep-columns: no column 'nope' in the input")])
+def test_keep_columns_refuses_a_clash_or_a_missing_column(tmp_path, tiny, capsys, monkeypatch, keep, message):
+    from pipeline.job.cli import main
+
+    _no_ray(monkeypatch)
+    inp = _jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "Hello", "topic": "a", "corpus": "x"}])
+    out = tmp_path / "out"
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "-q", "--keep-columns", keep]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -98,9 +98,10 @@ class OutputStore:
     them is never written again."""
 
     def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
-                 part_seconds: float = 60.0, schema: pa.Schema | None = None):
+                 part_seconds: float = 60.0, schema: pa.Schema | None = None, keep: tuple[str, ...] = ()):
         """``schema``: the rows' schema (default :meth:`OutputRow.schema` of ``id_type``; the evaluation
-        sweep passes :meth:`SweepOutputRow.schema`)."""
+        sweep passes :meth:`SweepOutputRow.schema`); ``keep``: input columns each row carries, after the
+        schema's (their values given by :meth:`keep_values` before the rows come back)."""
         self.root = pathlib.Path(root).expanduser()
         self.parts = self.root
         self.schema = OutputRow.schema(id_type) if schema is None else schema
@@ -111,6 +112,19 @@ class OutputStore:
         self.parts_written = 0
         self._last_flush = time.monotonic()
         self.lock: OutputLock | None = None
+        self.keep = tuple(keep)
+        self.kept: dict = {}  # id -> its kept input values (a tuple), until its rows are written
+        self.keep_types: dict = {}  # kept column -> its Arrow type (the input's)
+
+    def keep_values(self, ids: pa.Array, table: pa.Table) -> None:
+        """Remember the kept input columns of these rows (``table``'s, row for row with ``ids``)."""
+        if not self.keep:
+            return
+        for c in self.keep:
+            if c not in self.keep_types or pa.types.is_null(self.keep_types[c]):
+                self.keep_types[c] = table.schema.field(c).type
+        columns = [table.column(c).to_pylist() for c in self.keep]
+        self.kept.update(zip(ids.to_pylist(), zip(*columns)))
 
     def close(self) -> None:
         """Release the directory's lock (buffered rows not flushed are dropped: regenerated on resume)."""
@@ -283,6 +297,10 @@ class OutputStore:
         keys = sorted(f"{i}\x01{s}" for i, s in self.pending)
         name = "part-" + hashlib.sha1("\x00".join(keys).encode()).hexdigest()[:16] + ".parquet"
         table = to_table(list(self.pending.values()), self.schema)
+        for k, c in enumerate(self.keep):
+            values = [self.kept.get(i, (None,) * len(self.keep))[k] for i, _ in self.pending]
+            table = table.append_column(pa.field(c, self.keep_types.get(c, pa.null())),
+                                        pa.array(values, self.keep_types.get(c)))
         path = self.root / name
         try:
             atomic_write(path, lambda fh: pq.write_table(table, fh))
@@ -290,6 +308,8 @@ class OutputStore:
             raise OSError(e.errno, f"cannot write the part file {path} ({len(self.pending)} rows; no partial "
                                    f"file is left, a rerun generates them again): {e.strerror or e}") from e
         self.written.update(self.pending)
+        for i, _ in self.pending:
+            self.kept.pop(i, None)
         self.pending = {}
         self.parts_written += 1
         return path

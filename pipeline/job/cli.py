@@ -62,6 +62,10 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                     help=f"comma-separated input columns ({', '.join(REQUEST_COLUMNS)}) holding a row's own "
                          "decoding setting in place of the job's (null: the job's); seed is the row's base "
                          "seed")
+    io.add_argument("--keep-columns", default="all", metavar="all|none|COLS",
+                    help="input columns copied into every output row: all (every input column but the id and "
+                         "those named like an output column), none, or a comma-separated list; with long "
+                         "prompts, none or a list keeps the output small")
     io.add_argument("--corpus-column", default=None, help="column naming the reference corpus a row uses")
     io.add_argument("--split", default=None, help="split of a saved DatasetDict")
     io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
@@ -160,6 +164,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         limit=args.limit,
         references=tuple(parse_reference(r) for r in args.reference),
         request_columns=tuple(c.strip() for c in args.request_columns.split(",") if c.strip()),
+        keep_columns=args.keep_columns,
         actors=args.actors, tp=args.tp,
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,

@@ -94,6 +94,9 @@ class JobConfig:
     references: tuple[tuple[str, str], ...] = ()
     # input columns holding a row's own decoding settings (REQUEST_COLUMNS); a null keeps the job's
     request_columns: tuple[str, ...] = ()
+    # input columns copied into the output rows (--keep-columns): "all" (every input column but the id and
+    # those named like an output column), "none", or "col1,col2" (a name of an output column is refused)
+    keep_columns: str = "all"
     actors: int = 1
     # tensor-parallel shards per replica: N actors on one node (pipeline/replica/tp.py); resources per shard
     tp: int = 1

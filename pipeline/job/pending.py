@@ -164,6 +164,14 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
     return out
 
 
+def kept_columns(cfg: JobConfig) -> tuple[str, ...]:
+    """The input columns the output rows carry, once planning resolved ``--keep-columns`` to names
+    (:func:`pipeline.job.plan.resolve_keep_columns`; ``all`` before that: none yet)."""
+    if cfg.keep_columns in ("all", "none", ""):
+        return ()
+    return tuple(c.strip() for c in cfg.keep_columns.split(",") if c.strip())
+
+
 @dataclass
 class Chunk:
     """Rows of one scanner batch that are still to do: their table, ids (Arrow) and problems."""
@@ -178,6 +186,7 @@ def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterat
     roles = index.source.roles
     cols = [c for c in (roles["id"] if not index.generated_ids else None, cfg.prompt_column,
                         cfg.messages_column, cfg.corpus_column, *cfg.request_columns) if c]
+    cols = list(dict.fromkeys(cols + list(kept_columns(cfg))))
     offset = 0
     for t in index.source.batches(cols):
         n = t.num_rows

@@ -19,8 +19,9 @@ from ..errors import ConfigError
 from ..io.inputs import open_input
 from ..io.model import check_model, model_label
 from ..io.output import OutputStore
+from ..rows import OutputRow
 from .config import JobConfig
-from .pending import InputIndex, Pending, count_problems, pending, scan_ids
+from .pending import InputIndex, Pending, count_problems, kept_columns, pending, scan_ids
 
 log = logging.getLogger("pipeline.job.plan")
 
@@ -112,6 +113,30 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
     return references
 
 
+def resolve_keep_columns(cfg: JobConfig, data: InputIndex) -> JobConfig:
+    """``cfg`` with ``--keep-columns`` as the input columns it names (``all``: every column but the id and
+    any named like an output column); :class:`ConfigError` naming a column that is not in the input or
+    that an output column has."""
+    names = list(dict.fromkeys(n for f in data.source.files for n in f.names))
+    output = set(OutputRow.names())
+    if cfg.keep_columns == "all":
+        kept = [n for n in names if n != data.source.roles["id"] and n not in output]
+        clash = [n for n in names if n in output and n != data.source.roles["id"]]
+        if clash:
+            log.info("input column(s) %s not copied to the output: the output has columns of that name "
+                     "(--keep-columns names the ones to copy)", ", ".join(clash))
+    else:
+        kept = [c.strip() for c in cfg.keep_columns.split(",") if c.strip() and cfg.keep_columns != "none"]
+        for c in kept:
+            if c not in names:
+                raise ConfigError(f"--keep-columns: no column {c!r} in the input (columns: "
+                                  f"{', '.join(names)})")
+            if c in output:
+                raise ConfigError(f"--keep-columns: {c!r} is also an output column; leave it out (the "
+                                  f"output's columns: {', '.join(OutputRow.names())})")
+    return dataclasses.replace(cfg, keep_columns=",".join(kept) or "none")
+
+
 def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     """Check the job and find its keys still to do (no Ray). Locks the output, writes ``_job.json`` (new
     runs) and removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot
@@ -125,7 +150,8 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     t = time.perf_counter()
     references = build_references(cfg, model_path)
     timing["reference_build_s"] = time.perf_counter() - t
-    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds)
+    cfg = resolve_keep_columns(cfg, data)
+    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds, keep=kept_columns(cfg))
     if dry_run:
         if not cfg.overwrite:  # with --overwrite nothing written counts
             store.inspect(job_record(cfg), upgrade=upgrade_record)

@@ -86,6 +86,7 @@ def row_batches(cfg: JobConfig, plan: JobPlan, on_rejected: Callable[[list[Outpu
     unusable on the way (null, empty, wrongly typed prompt ...) go to ``on_rejected`` as error rows."""
     size, batch = cfg.rows_per_batch, []
     for chunk in stream_chunks(plan.data, cfg, plan.todo.todo):
+        plan.store.keep_values(chunk.ids, chunk.table)  # --keep-columns: stays in the driver
         rejected = []
         for row, problem in chunk_rows(chunk, cfg, plan.default_corpus, plan.todo.missing):
             if problem:
