@@ -61,11 +61,31 @@ def connect_ray(cfg) -> dict:
     # Ray runs workers at nice 15 by default, below every other process of a shared machine, though
     # the actors do all of this job's work. A local Ray is ours: nice 0 (unless set by the user).
     os.environ.setdefault("RAY_worker_niceness", "0")
-    # Ray 2.5x turns token auth on for a new local cluster and warns about it on every run unless the
-    # mode is set: set it to what Ray does anyway (token; the user's own RAY_AUTH_MODE wins), no warning
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
-    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, logging_level=logging.WARNING)
+    with quiet_token_auth_notice():
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False,
+                 logging_level=logging.WARNING)
     return {"started_here": True, "address": "local"}
+
+
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+@contextlib.contextmanager
+def quiet_token_auth_notice():
+    """Drop Ray's (2.5x) "Token authentication is enabled for this Ray cluster" WARNING, which a new local
+    cluster logs on every run when ``RAY_AUTH_MODE`` is unset (Ray turns token auth on; nothing to do
+    about it here). Only that message: any other warning still shows. (Setting ``RAY_AUTH_MODE=token``
+    instead would also silence it, but Ray reads the mode when it is imported: setting it later broke the
+    cluster's start here.)"""
+    def drop(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+    logger = logging.getLogger(TOKEN_AUTH_LOGGER)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def replica_resources(cfg, started_here: bool):
