@@ -22,6 +22,7 @@ import torch
 from . import calibrate
 from .budget import CostCurve
 from .config import SpecConfig
+from .gpu import default_runner
 from .index import NgramSource
 from .policy import SpeculationPolicy
 from .prefix_cache import PrefixCache
@@ -30,7 +31,6 @@ from .runner import ModelRunner
 from .sequence import GenerationResult
 from .session import FILL_CHUNK, Session, SessionParts
 from .stops import eos_ids
-from .target import TargetForward
 
 __all__ = ["Engine", "EngineRun", "GenerationResult"]
 
@@ -65,14 +65,17 @@ class Engine:
         (:mod:`logitspec.sampling`); False draws from full float32 rows (the same distribution, other
         draws for a seed; slower). ``history``: a :class:`~logitspec.history.HistorySource` fed with
         every finished row's answer and consulted after the row's own context and its reference.
-        ``runner``: the model runner (default: the eager :class:`TargetForward` over ``model``, with
-        ``fast_head``). ``agree_on``: how a tensor-parallel group agrees on host-timed values
+        ``runner``: the model runner (default :func:`~logitspec.gpu.default_runner`: the CUDA-graph
+        :class:`~logitspec.gpu.GraphRunner` on CUDA, the eager :class:`~logitspec.target.TargetForward`
+        elsewhere). ``agree_on``: how a tensor-parallel group agrees on host-timed values
         (:class:`~logitspec.policy.SpeculationPolicy`)."""
         if prefill_chunk < 1 or (fill_chunk is not None and fill_chunk < 1):
             raise ValueError(f"prefill_chunk and fill_chunk must be >= 1, got {prefill_chunk}, {fill_chunk}")
         self.model, self.tokenizer = model, tokenizer
         self.config = config or SpecConfig()
-        self.runner = runner if runner is not None else TargetForward(model, fast_head=fast_head)
+        if runner is None:
+            runner = default_runner(model, self.config.max_batch_size, fast_head=fast_head)
+        self.runner = runner
         if prefix_cache is not None:
             prefix_cache.bind(model)
         self.max_context = self.runner.max_context

@@ -132,7 +132,7 @@ def compare(model, prompts, refs, outs) -> dict:
 def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
     budget = kw.pop("budget", "fixed")
     engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget),
-                    **kw.pop("engine", {}))
+                    **{"runner": TargetForward(model), **kw.pop("engine", {})})  # eager unless asked
     run = engine.run(prompts, max_new_tokens=plan.new_tokens, **kw)
     mat = sum(len(r.token_ids) for r in run.results) / max(1, sum(r.stats["steps"] for r in run.results))
     info = {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
@@ -172,7 +172,8 @@ def host_waits(plan: Plan) -> dict:
     model = tiny_model("qwen2").to(plan.device)
     prompts = repetitive_prompts(plan.prompts, seed=2)
     run_engine(model, prompts, plan, "logitspec", plan.batch)  # warm-up
-    engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=plan.batch, budget="fixed"))
+    engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=plan.batch, budget="fixed"),
+                    runner=TargetForward(model))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -233,7 +234,8 @@ def engine_steps(model, plan: Plan) -> tuple[dict, list[str]]:
         vocab = min(1000, model.config.vocab_size)
         prompts = [[(31 * (i % 50) + r) % vocab for i in range(plan.context)] for r in range(b)]
         for method, extra in (("ar", {}), ("logitspec", {"budget": "fixed", "capacity": 16})):
-            engine = Engine(model, None, SpecConfig(method=method, max_batch_size=b, **extra))
+            engine = Engine(model, None, SpecConfig(method=method, max_batch_size=b, **extra),
+                            runner=TargetForward(model))
             profile = cProfile.Profile() if b == 1 and method == "ar" else None
             with profile or contextlib.nullcontext():
                 run = engine.run(prompts, max_new_tokens=plan.step_tokens)
