@@ -59,6 +59,8 @@ class SequenceStats:
             "mean_accepted": sum(self.accepted_lengths) / steps if steps else 0.0,
             "retrieval_success": self.retrieved_steps / decode_steps if decode_steps else 0.0,
             "mean_tree_size": sum(self.tree_sizes[1:]) / decode_steps if decode_steps else 0.0,
+            # decode steps whose tree held a drafted node (the budget chose to verify a draft)
+            "verified_steps": sum(1 for size in self.tree_sizes[1:] if size > 0),
             "prefill_s": self.prefill_s,
             "shared_prefill": self.shared_prefill,
             "cached_prompt_tokens": self.cached_prompt_tokens,

@@ -81,6 +81,8 @@ class OutputRow(_Arrow):
     corpus: Annotated[str | None, pa.string()] = None
     # accepted draft tokens by the source that supplied them (logitspec.stats.ORIGINS)
     accepted_from: Annotated[dict | None, ACCEPTED_FROM] = None
+    # decode steps that verified a drafted token (logitspec.stats: tree size > 0); the rest decoded plainly
+    verified_steps: Annotated[int | None, pa.int32()] = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ import ray
 from ..job.config import GenerationSpec
 from . import faults
 from .actor_env import actor_runtime_env
+from .budget import ReplicaBudget
 from .resources import Replica, ReplicaResources, process_memory
 
 if TYPE_CHECKING:
@@ -86,6 +88,8 @@ class EngineWorker:
         self.generator, info = setup(spec, device, reference_refs)
         self._info = {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                       "import_s": t_import - t0, **info, "init_s": time.perf_counter() - t0}
+        self.budget = ReplicaBudget(getattr(spec, "method", None), self._info.get("device"))
+        self._budget_lock = threading.Lock()
 
     def info(self) -> dict:
         return {**self._info, "memory": process_memory()}
@@ -95,7 +99,21 @@ class EngineWorker:
         faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.replica.faults)
         out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()
+        self._note_budget(out, stats)
         return out, stats
+
+    def _note_budget(self, out: list, stats: dict) -> None:
+        """Tally what the draft budget did on this replica so far (``stats["budget"]``) and log it in
+        one line: after the first task, then at most every minute (the last one is the latest)."""
+        gen = self.generator
+        engine = getattr(gen, "engine", None) or getattr(getattr(gen, "generator", None), "engine", None)
+        with self._budget_lock:
+            self.budget.add(out, stats.get("engine"), engine)
+            if not self.budget.decode_steps:
+                return
+            stats["budget"] = self.budget.stats()
+            if self.budget.due():
+                log.info("replica pid %d, draft budget: %s", os.getpid(), self.budget.sentence())
 
 
 class StreamingEngineWorker(EngineWorker):

@@ -56,7 +56,8 @@ def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
                      steps=s["steps"], mean_accepted=s["mean_accepted"],
                      accepted_lengths=list(s["accepted_lengths"]), retrieval_success=s["retrieval_success"],
                      wall_s=s["wall_s"], method=spec.method, model=spec.model_label or spec.model,
-                     corpus=row.corpus, accepted_from=s["accepted_from"])
+                     corpus=row.corpus, accepted_from=s["accepted_from"],
+                     verified_steps=s.get("verified_steps"))
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""What the draft budget decided on one replica, and why, in one log line.
+
+:class:`ReplicaBudget` tallies the replica's finished rows (decode steps, those that verified a draft,
+those that accepted one, MAT) and the engine's mean batch; :meth:`ReplicaBudget.stats` adds the
+acceptance rate a draft token needs to pay at that batch on this machine, from the engine's policy's
+cost curve (:func:`pipeline.job.report.break_even_acceptance`), and :meth:`ReplicaBudget.sentence`
+says it as the run report does, e.g. "drafts verified on 12% of steps, accepted on 9% (MAT 1.1): at
+batch 8 on this CPU a draft token must be accepted 70% of the time to pay".
+"""
+from __future__ import annotations
+
+import math
+import time
+
+LOG_EVERY_S = 60.0  # a replica repeats its line at most this often (its last task's line is the latest)
+
+
+class ReplicaBudget:
+    def __init__(self, method: str | None, device: str | None):
+        self.method, self.device = method, device
+        self.decode_steps = self.verified_steps = self.accepted_steps = 0
+        self.tokens = self.steps = 0
+        self.retrieved = 0.0
+        self.active_steps = self.batch_steps = 0.0
+        self.curve = None
+        self.logged_at: float | None = None
+
+    def add(self, rows: list, engine_stats: dict | None = None, engine=None) -> None:
+        """Count the generated ``rows`` (output rows; error rows and rows without step statistics are
+        skipped) and the engine run's ``engine_stats`` (``mean_active`` over ``batch_steps``)."""
+        for r in rows:
+            lengths = getattr(r, "accepted_lengths", None)
+            if getattr(r, "error", None) or not lengths:
+                continue
+            decode = len(lengths) - 1
+            self.decode_steps += decode
+            self.accepted_steps += sum(1 for a in lengths[1:] if a > 1)
+            if getattr(r, "verified_steps", None) is not None:
+                self.verified_steps += r.verified_steps
+            self.tokens += sum(lengths)
+            self.steps += len(lengths)
+            self.retrieved += (getattr(r, "retrieval_success", None) or 0.0) * decode
+        stats = engine_stats or {}
+        if stats.get("mean_active") and stats.get("batch_steps"):
+            self.active_steps += stats["mean_active"] * stats["batch_steps"]
+            self.batch_steps += stats["batch_steps"]
+        policy = getattr(engine, "policy", None)
+        if getattr(policy, "cost_curve", None) is not None:
+            self.curve = policy.cost_curve
+
+    @property
+    def batch(self) -> float | None:
+        return self.active_steps / self.batch_steps if self.batch_steps else None
+
+    def stats(self) -> dict:
+        """The statistics :func:`pipeline.job.report.budget_sentence` reads."""
+        from ..job.report import break_even_acceptance
+
+        batch, be = self.batch, None
+        if self.curve is not None and batch:
+            try:
+                be = break_even_acceptance(self.curve, max(1, round(batch)))
+            except Exception:  # noqa: BLE001 - a curve that cannot say: the line says less
+                be = None
+            be = be if be is not None and math.isfinite(be) else None
+        d = self.decode_steps
+        return {"method": self.method, "decode_steps": d, "verified_steps": self.verified_steps,
+                "accepted_steps": self.accepted_steps,
+                "mean_accepted": self.tokens / self.steps if self.steps else None,
+                "retrieval_success": self.retrieved / d if d else None, "batch": batch, "break_even": be,
+                "device": self.device}
+
+    def sentence(self) -> str:
+        from ..job.report import budget_sentence
+
+        return budget_sentence(self.stats())
+
+    def due(self, now: float | None = None) -> bool:
+        """True (and noted) when the line is to be logged now: the first time, then every
+        :data:`LOG_EVERY_S`."""
+        now = time.monotonic() if now is None else now
+        if self.logged_at is not None and now - self.logged_at < LOG_EVERY_S:
+            return False
+        self.logged_at = now
+        return True
