@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-METHODS = ("ar", "pld", "logitspec", "rest")
+METHODS = ("ar", "pld", "logitspec", "rest", "lookahead")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,12 @@ class SpecConfig:
     rest_num_draft: int = 64
     rest_max_matches: int = 5000
     rest_continuation: int = 10
+    # --- lookahead (logitspec.lookahead; LADE's recommended N, W, G): a Jacobi window of
+    # lookahead_window columns and lookahead_level - 1 levels, n-grams of lookahead_level tokens, up to
+    # lookahead_guesses of them kept per first token and verified per step
+    lookahead_window: int = 7
+    lookahead_level: int = 5
+    lookahead_guesses: int = 7
     # with several samples per prompt, a sample also retrieves from its siblings' answers so far
     # (after its own context, before the reference corpus)
     sibling_drafts: bool = True
@@ -77,6 +83,9 @@ class SpecConfig:
         for name in ("rest_num_draft", "rest_max_matches", "rest_continuation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.lookahead_window < 1 or self.lookahead_level < 3 or self.lookahead_guesses < 0:
+            raise ValueError("need lookahead_window >= 1, lookahead_level >= 3, lookahead_guesses >= 0, got "
+                             f"{self.lookahead_window}, {self.lookahead_level}, {self.lookahead_guesses}")
         if len(self.rank_limits) != len(self.rank_keep):
             raise ValueError("rank_limits and rank_keep must have the same length")
         if list(self.rank_limits) != sorted(self.rank_limits):

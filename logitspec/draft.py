@@ -1,11 +1,14 @@
 """Drafters: turn a sequence's context (+ the last logits' guesses) into a draft tree.
 
-All drafters are pure given their inputs: the same context, root and guesses give the same tree,
-which keeps tree sampling exact (drafts must not depend on the target's random draws).
+All drafters are pure given their inputs: the same context, root, guesses and row state give the
+same tree, which keeps tree sampling exact (drafts must not depend on the target's random draws).
+A drafter with state of its own per row (lookahead's window and pool) makes it with :meth:`new_state`
+(the row keeps it) and updates it in :meth:`observe` from the target's token after every node of the
+verified tree (``wants_node_outputs``: the step computes them only for such a drafter).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,6 +27,8 @@ KINDS = (
     *(f"guess_rank<={r}" for r in RANK_BUCKETS),  # a branch starting with a next-next guess
     f"guess_rank>{RANK_BUCKETS[-1]}",
     *(f"lookup_order={o}" for o in range(1, MAX_ORDER_KINDS + 1)),  # lookup matched on fewer tokens
+    "lookahead_window",  # a node of lookahead's Jacobi window (logitspec.lookahead)
+    "lookahead_pool",  # a node of an n-gram from lookahead's pool
 )
 KIND = {name: i for i, name in enumerate(KINDS)}
 N_KINDS = len(KINDS)
@@ -48,6 +53,8 @@ class Drafter:
     """No drafts: plain autoregressive decoding in the same engine (the reference)."""
 
     wants_guesses = False
+    wants_node_outputs = False  # observe() needs the target's token after every node
+    fixed_shape = False  # the tree's size is the method's: capped by the context, not the tokens left
 
     def __init__(self, config: SpecConfig):
         self.config = config
@@ -56,9 +63,19 @@ class Drafter:
         return 0
 
     def draft(self, sources: Sequence[NgramSource], context: Sequence[int], guesses: Sequence[int],
-              budget: int) -> DraftTree:
-        """``context`` ends with the root token (already emitted, not yet in the cache)."""
+              budget: int, state: Any = None) -> DraftTree:
+        """``context`` ends with the root token (already emitted, not yet in the cache); ``state``:
+        the row's (:meth:`new_state`)."""
         return DraftTree.single(context[-1])
+
+    def new_state(self, prompt: Sequence[int]) -> Any:
+        """A new row's drafting state (None: the drafter keeps none)."""
+        return None
+
+    def observe(self, state: Any, tree: DraftTree, path: Sequence[int], outputs: Sequence[int]) -> None:
+        """After a verified step: ``outputs[i]``, the target's token after node i of ``tree`` (the argmax;
+        when sampling, of the node's scores); ``path``: the accepted nodes. Called only when
+        ``wants_node_outputs``."""
 
 
 class PromptLookupDrafter(Drafter):
@@ -67,7 +84,7 @@ class PromptLookupDrafter(Drafter):
     def base_budget(self) -> int:
         return self.config.pld_max_tokens
 
-    def draft(self, sources, context, guesses, budget):
+    def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
         b = TreeBuilder(context[-1], budget)
         hits, _, src = retrieve_with_order(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram,
@@ -86,7 +103,7 @@ class LogitSpecDrafter(Drafter):
     def base_budget(self) -> int:
         return self.config.capacity
 
-    def draft(self, sources, context, guesses, budget):
+    def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
         b = TreeBuilder(context[-1], budget)
         chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
@@ -117,7 +134,7 @@ class RestDrafter(Drafter):
     def base_budget(self) -> int:
         return self.config.rest_num_draft
 
-    def draft(self, sources, context, guesses, budget):
+    def draft(self, sources, context, guesses, budget, state=None):
         from . import rest  # here, not at the top: `python -m logitspec.rest` must find it not yet imported
 
         c = self.config
@@ -135,5 +152,9 @@ class RestDrafter(Drafter):
 
 
 def make_drafter(config: SpecConfig) -> Drafter:
+    if config.method == "lookahead":
+        from .lookahead import LookaheadDrafter  # here: lookahead imports this module
+
+        return LookaheadDrafter(config)
     return {"ar": Drafter, "pld": PromptLookupDrafter, "logitspec": LogitSpecDrafter,
             "rest": RestDrafter}[config.method](config)

@@ -34,9 +34,12 @@ How it differs from the paper's implementation (one tree mask for every method):
 * Every node is verified by the acceptance rule, window nodes too: the trunk is a draft chain from
   the root (Jacobi decoding's own acceptance), so the window can add accepted tokens, never change
   the output. LADE accepts from the verification branch only.
-* The step's node budget (the policy's) keeps the window whole or drops it whole (then the window
-  and pool stay as they were); the verification branch takes what is left, most recent n-grams
-  first, each cut at the budget (a cut n-gram is still a valid draft).
+* The tree's size is the method's, fixed by (W, N, G) (``fixed_shape``: ``budget`` "auto" or "fixed"
+  and the batch scaling do not change it, as LADE's shape does not change; ``budget="auto"`` is
+  LogitSpec's only, as for ``pld`` and ``rest``). Only the model's context caps it: a step with less
+  room than the window drops the window whole (the window and pool then stay as they were) and the
+  verification branch takes what room there is, most recent n-grams first, each cut at the cap (a
+  cut n-gram is still a valid draft). A tree may hold more nodes than the row has tokens left.
 * When sampling, the window advances with the argmax of each node's scores, as with greedy
   decoding (LADE's ``TEMP_FOR_GUESS = 0``): drafts never depend on the target's random draws.
 """
@@ -225,6 +228,7 @@ class LookaheadDrafter(Drafter):
     (:meth:`new_state`), advanced by :meth:`observe` from the target's token after every node."""
 
     wants_node_outputs = True
+    fixed_shape = True  # (W, N, G) fix the tree: the window is kept whole or dropped whole
 
     def __init__(self, config):
         super().__init__(config)

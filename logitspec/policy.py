@@ -16,7 +16,7 @@ learned only from verified nodes and a pessimistic estimate could otherwise neve
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -53,6 +53,7 @@ class DraftRow(Protocol):
     sources: list[NgramSource]  # n-gram sources, best first
     guesses: list[int]  # next-next guesses from the last verified node's scores
     streak: int  # acceptance-rate state after its previous step (budget.streak_state)
+    draft_state: Any  # the drafter's state for the row (new_state; read only when the drafter keeps one)
 
     @property
     def tokens(self) -> Sequence[int]: ...  # context; the last token is the tree's root
@@ -116,11 +117,16 @@ class SpeculationPolicy:
                 self.expected = (0.0, self.cost_curve.step(len(rows), 1, self._columns(rows)))
             return [DraftTree.single(r.tokens[-1]) for r in rows]
         self.drafted = True
-        budget = self.config.budget_for(self.drafter.base_budget(), len(rows))
+        stateful, fixed = self.drafter.wants_node_outputs, self.drafter.fixed_shape
+        # a fixed-shape tree (lookahead's W, N, G) is the method's at any batch size
+        base = self.drafter.base_budget()
+        budget = base if fixed else self.config.budget_for(base, len(rows))
         trees = []
         for r in rows:
-            room = min(r.remaining, self.max_context - r.length) - 1
-            trees.append(self.drafter.draft(r.sources, r.tokens, r.guesses, max(0, min(budget, room))))
+            room = self.max_context - r.length  # a fixed-shape tree may outgrow the tokens left
+            room = (room if fixed else min(r.remaining, room)) - 1
+            trees.append(self.drafter.draft(r.sources, r.tokens, r.guesses, max(0, min(budget, room)),
+                                            r.draft_state if stateful else None))
         if self.auto_budget:
             trees = self._prune(trees, rows, draining)
         return trees
@@ -134,13 +140,28 @@ class SpeculationPolicy:
             return 0
         return self.config.top_k if self.drafted or not self.steps_without_drafts % self.recheck_every else 0
 
+    def new_state(self, prompt: Sequence[int]) -> Any:
+        """A new row's drafting state (the row keeps it as its ``draft_state``; None for most drafters)."""
+        return self.drafter.new_state(prompt)
+
+    @property
+    def wants_node_outputs(self) -> bool:
+        """Whether :meth:`observe` needs the target's token after every node (lookahead's window)."""
+        return self.drafter.wants_node_outputs
+
     def observe(self, trees: Sequence[DraftTree], paths: Sequence[Sequence[int]], streaks: Sequence[int],
-                times: dict[str, float]) -> list[int]:
+                times: dict[str, float], outputs: Sequence[Sequence[int]] | None = None,
+                states: Sequence[Any] | None = None) -> list[int]:
         """Learn from a verified step: per row its tree, accepted node path (root first) and
         acceptance state before the step; ``times``: the step's parts in seconds (``draft_s``,
-        ``forward_s``, ``verify_s``, ``commit_s``). Returns each row's acceptance state after it."""
+        ``forward_s``, ``verify_s``, ``commit_s``); where :attr:`wants_node_outputs`, per row the
+        target's token after each node (``outputs``) and the row's ``draft_state`` (``states``).
+        Returns each row's acceptance state after it."""
         for tree, path, streak in zip(trees, paths, streaks):
             self.acceptance.update(tree, path, streak)
+        if outputs is not None:
+            for state, tree, path, out in zip(states, trees, paths, outputs):
+                self.drafter.observe(state, tree, path, out)
         if self.expected is not None:
             expected, curve_s = self.expected
             self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s,

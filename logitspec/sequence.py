@@ -50,6 +50,7 @@ class DecodingSequence:
     guesses: list[int] = field(default_factory=list)
     finish: str | None = None
     streak: int = 0  # the acceptance-rate state: budget.streak_state of its previous step's accepted drafts
+    draft_state: Any = None  # the drafter's own state for this row (lookahead: its window and pool)
 
     @classmethod
     def start(cls, key: tuple[int, int], prompt_ids: list[int], max_new: int, params: SamplingParams,

@@ -365,6 +365,7 @@ class Session:
         last = req.last  # the final prompt token's output, [1, V]
         tok = int(last.argmax[0]) if q.greedy else last.sample(0, q.sampling, seq.generator)
         seq.guesses = next_guesses([last], [[0]], [tok], [None], self.policy.guess_count)[0]
+        seq.draft_state = self.policy.new_state(req.ids)
         seq.emit([tok], self.parts.eos_ids, self.parts.tokenizer)
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         return seq
@@ -379,14 +380,16 @@ class Session:
         cols = self.kv.columns
         fwd = self.runner.step(rows, self.kv, OutputMode.for_rows(self.parts.mode(s.params) for s in active))
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
-        k = self.policy.guess_count
-        paths, bonus, top = accept_step(trees, fwd, [s.params for s in active], [s.generator for s in active],
-                                        k, self.parts.sample_on_host)
+        k, want = self.policy.guess_count, self.policy.wants_node_outputs
+        params, generators = [s.params for s in active], [s.generator for s in active]
+        paths, bonus, top, outputs = accept_step(trees, fwd, params, generators, k, self.parts.sample_on_host,
+                                                 outputs=want)
         guesses = next_guesses(fwd.logits, paths, bonus, top, k)
         clock.lap("verify_s")
         self.kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
-        streaks = self.policy.observe(trees, paths, [s.streak for s in active], clock.times)
+        streaks = self.policy.observe(trees, paths, [s.streak for s in active], clock.times, outputs,
+                                      [s.draft_state for s in active])
         for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
             s.guesses, s.streak = g, streak
             tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]

@@ -96,11 +96,12 @@ class StepDecision:
     last: list[int]
     bonus: list[int]
     top: list[list[int]]  # top_k + 1 tokens per row, best first; empty lists when top_k is 0
+    outputs: list[list[int]] | None = None  # per row, the target's token after each node (when asked)
 
 
 def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor,
            params: SamplingParams | Sequence[SamplingParams | None], uniforms: torch.Tensor | None,
-           top_k: int, spans: Sequence[tuple[int, int]] | None = None) -> StepDecision:
+           top_k: int, spans: Sequence[tuple[int, int]] | None = None, outputs: bool = False) -> StepDecision:
     """Acceptance of all rows of a step where its logits are, with one transfer to the host.
 
     ``nodes``: the output of the N nodes of the :class:`~logitspec.masks.PackedStep` ``packed``, at
@@ -108,7 +109,10 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
     ``params``: every row's settings, or one per row (with ``spans``, the rows' node ranges; None:
     a row decided elsewhere, whose result here is meaningless). Sampling draws node i's token with
     ``uniforms[i]`` [N] float64, the draw of its depth: the walk visits one node per depth, so each
-    emitted token uses the sequence's next uniform exactly as :func:`sampled_accept` does."""
+    emitted token uses the sequence's next uniform exactly as :func:`sampled_accept` does.
+    ``outputs``: also per row the target's token after each of its nodes, in the same transfer (the
+    choice of greedy rows; the argmax of sampled rows' scores, never a draw: drafts built from them
+    must not depend on the target's random draws)."""
     choice = node_choices(nodes, params, uniforms, spans)  # [N]
     B, T = packed.ids.shape
     pad = torch.full((B * T,), -1, dtype=torch.int64, device=choice.device)
@@ -118,8 +122,26 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
     cols = [last[:, None], pad.gather(1, last[:, None])]
     if top_k:
         cols.append(top_tokens(nodes.scores, starts + last, top_k + 1))  # [B, top_k + 1]
+    if outputs:
+        cols.append(_drafting_choices(nodes, choice, params, spans, select, B * T).view(B, T))  # [B, T]
     host = torch.cat(cols, dim=1).tolist()  # the step's one wait for the device
-    return StepDecision([r[0] for r in host], [r[1] for r in host], [r[2:] for r in host])
+    k = top_k + 1 if top_k else 0
+    outs = [r[2 + k:] for r in host] if outputs else None
+    return StepDecision([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host], outs)
+
+
+def _drafting_choices(nodes: NodeLogits, choice: torch.Tensor, params, spans, select: torch.Tensor,
+                      size: int) -> torch.Tensor:
+    """[size]: at each node's flat position, ``choice`` for greedy rows and the argmax of the scores
+    for sampled ones (-1 at padding)."""
+    if isinstance(params, SamplingParams):
+        got = choice if params.greedy else nodes.scores.argmax(-1)
+    else:
+        greedy = np.concatenate([np.full(z - a, p is not None and p.greedy)
+                                 for (a, z), p in zip(spans, params)])  # [N]
+        got = torch.where(to_device(greedy, choice.device), choice, nodes.scores.argmax(-1))
+    out = torch.full((size,), -1, dtype=torch.int64, device=choice.device)
+    return out.index_copy_(0, select, got.to(torch.int64))
 
 
 def node_choices(nodes: NodeLogits, params, uniforms: torch.Tensor | None,
@@ -178,9 +200,11 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- one step, mixed rows
 def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams],
-                generators: Sequence[torch.Generator | None], top_k: int, on_host: bool):
-    """Per row of a step: the accepted node path (root first), the bonus token after it, and the
-    ``top_k + 1`` best tokens of its last node's scores where :func:`decide` found them (else None).
+                generators: Sequence[torch.Generator | None], top_k: int, on_host: bool,
+                outputs: bool = False):
+    """Per row of a step: the accepted node path (root first), the bonus token after it, the
+    ``top_k + 1`` best tokens of its last node's scores where :func:`decide` found them (else None),
+    and with ``outputs`` the target's token after each of its nodes (see :func:`decide`; else None).
     Sampled rows are walked on the host when ``on_host`` (drawing only at the nodes they visit);
     the other rows are decided where the logits are, in one call. ``fwd``: the step's
     :class:`~logitspec.target.ForwardResult`."""
@@ -188,6 +212,7 @@ def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams
     paths: list = [None] * B
     bonus: list = [None] * B
     top: list = [None] * B
+    outs: list = [None] * B
     walked = [b for b in range(B) if on_host and not params[b].greedy]
     if len(walked) < B:
         mine = [None if b in walked else params[b] for b in range(B)]
@@ -201,18 +226,20 @@ def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams
                 u = torch.zeros(fwd.nodes.scores.shape[0], dtype=torch.float64, device=u.device).index_copy_(
                     0, to_device(idx, u.device), u)
         same = mine[0] if all(p == mine[0] for p in mine) else mine
-        d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, same, u, top_k, fwd.spans)
+        d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, same, u, top_k, fwd.spans, outputs)
         for b in range(B):
             if mine[b] is not None:
                 paths[b], bonus[b] = trees[b].path_to(d.last[b]), d.bonus[b]
                 top[b] = d.top[b] if top_k else None
+                outs[b] = d.outputs[b][:len(trees[b])] if outputs else None
         for b, st in zip(drawn, states):
             generators[b].set_state(st[len(paths[b])])  # one uniform consumed per emitted token
     if walked:
         logits = fwd.logits
         for b in walked:
             paths[b], bonus[b] = walk(trees[b], logits[b], params[b], generators[b])
-    return paths, bonus, top
+            outs[b] = logits[b].scores.argmax(-1).tolist() if outputs else None
+    return paths, bonus, top, (outs if outputs else None)
 
 
 def next_guesses(logits: Sequence[NodeLogits], paths: Sequence[Sequence[int]], bonus: Sequence[int],

@@ -16,7 +16,7 @@ def family_case(request):
     return request.param, model, prompts, refs
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest"])
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest", "lookahead"])
 def test_greedy_equals_hf_generate_batch1(family_case, method):
     family, model, prompts, refs = family_case
     res = Engine(model, None, SpecConfig(method=method, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
@@ -30,7 +30,7 @@ def test_greedy_equals_hf_generate_batch1(family_case, method):
         assert max(r.stats["mean_accepted"] for r in res) > 1.2
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest"])
+@pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest", "lookahead"])
 def test_continuous_batching_equals_batch1(family_case, method):
     family, model, prompts, refs = family_case
     res = Engine(model, None, SpecConfig(method=method, max_batch_size=4, budget="fixed")).generate(

@@ -21,7 +21,7 @@ from .samples import Decoding, run_samples
 
 REFERENCE = "ar"
 HF_METHODS = ("hf", "hf-pld")
-DEFAULT_METHODS = "ar,pld,rest,logitspec,hf,hf-pld"
+DEFAULT_METHODS = "ar,pld,rest,lookahead,logitspec,hf,hf-pld"
 ENGINE_OPTIONS = ("history", "datastore")  # variant keys that are Engine options, not SpecConfig fields
 
 
