@@ -7,7 +7,10 @@ A corpus spec is ``PATH`` or ``PATH#COLUMN``:
   ``COLUMN`` (default ``text``);
 * a directory: every file in it (sorted, recursively, hidden files skipped), each read as above;
 * an ``.npz`` file written by ``jobs/build_index.py``: a prebuilt index, used as is (its tokenizer
-  fingerprint must match the job's model).
+  fingerprint must match the job's model);
+* a REST datastore directory (``meta.json``, ``tokens.npy``, ``suffixes.npy``: ``logitspec rest-build``):
+  loaded memory-mapped and shared like an index (its tokenizer's vocabulary, and its fingerprint where
+  recorded, must match the job's model); with ``--method rest`` drafts are retrieved from it.
 
 The driver builds each index once and puts its arrays in the Ray object store once; actors get the
 arrays zero-copy (read-only views of the node's shared memory), so a node holds one copy of each
@@ -130,12 +133,36 @@ def load_index_file(path: pathlib.Path) -> dict[str, np.ndarray]:
         raise ConfigError(f"cannot read the index file {str(path)!r}: {e}") from None
 
 
+def load_datastore(name: str, path: pathlib.Path, tokenizer, fp: str, t0: float) -> dict[str, np.ndarray]:
+    """A REST datastore directory's arrays (with metadata), checked against ``tokenizer``."""
+    from logitspec.rest import Datastore
+
+    try:
+        store = Datastore.load(path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot read the REST datastore {str(path)!r}: {e}") from None
+    meta = dict(store.meta)
+    vocab, recorded = meta.get("vocab_size"), meta.get("fingerprint")
+    if (recorded is not None and recorded != fp) or (vocab is not None and vocab != len(tokenizer)):
+        raise ConfigError(f"REST datastore {str(path)!r} was built with another tokenizer "
+                          f"({meta.get('tokenizer')}, vocabulary {vocab}; the model's has {len(tokenizer)}); "
+                          f"rebuild it with logitspec rest-build --model <the job's --model>")
+    meta.update(name=name, source=str(path), tokenizer=fp, datastore=True, prebuilt=True,
+                load_s=time.perf_counter() - t0)
+    plain = store.to_arrays()
+    meta["bytes"] = int(sum(a.nbytes for a in plain.values()))
+    plain[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    return plain
+
+
 def prepare_reference(name: str, spec: str, tokenizer, max_ngram: int = 3) -> dict[str, np.ndarray]:
     """Arrays (with metadata) of one corpus: a prebuilt ``.npz`` checked against ``tokenizer``, or
     built from the corpus text now."""
     t0 = time.perf_counter()
     fp = tokenizer_fingerprint(tokenizer)
     path, _ = split_spec(spec)
+    if path.is_dir() and (path / "meta.json").is_file() and (path / "suffixes.npy").is_file():
+        return load_datastore(name, path, tokenizer, fp, t0)
     if path.suffix.lower() == INDEX_SUFFIX and path.is_file():
         arrays = load_index_file(path)
         plain, meta = split_meta(arrays)

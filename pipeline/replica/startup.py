@@ -37,7 +37,7 @@ def model_memory(model) -> dict:
 
 
 def attach_references(reference_refs: dict) -> tuple[dict, dict]:
-    """The shared indexes (``{name: CorpusIndex}``) and what this process holds of them.
+    """The shared indexes (``{name: CorpusIndex or REST Datastore}``) and what this process holds of them.
 
     ``reference_refs``: ``{name: (ObjectRef,)}`` (1-tuples: Ray must not resolve them for us). An
     index is zero-copy when its arrays are read-only views that own no data and lie in no private
@@ -46,17 +46,20 @@ def attach_references(reference_refs: dict) -> tuple[dict, dict]:
     import ray
 
     from logitspec.index import CorpusIndex
+    from logitspec.rest import Datastore
 
     from ..io.reference import split_meta
 
     indexes, held = {}, {}
     for name, (ref,) in reference_refs.items():
-        arrays, _ = split_meta(ray.get(ref))
+        arrays, meta = split_meta(ray.get(ref))
         where = where_bytes_live(array_spans(arrays.values()))
         views = all(not a.flags.writeable and not a.flags.owndata for a in arrays.values())
         held[name] = {"bytes": int(sum(a.nbytes for a in arrays.values())), "private_bytes": where["private"],
                       "shared_bytes": where["shared"], "zero_copy": views and where["private"] == 0}
-        indexes[name] = CorpusIndex.from_arrays(arrays)
+        # a REST datastore (--reference NAME=DIR of python -m logitspec.rest build) or an n-gram index
+        indexes[name] = (Datastore.from_arrays(arrays, meta) if Datastore.holds(arrays)
+                         else CorpusIndex.from_arrays(arrays))
     zero_copy = all(h["zero_copy"] for h in held.values()) if held else None
     return indexes, {"reference_zero_copy": zero_copy, "references": held, "reference_names": sorted(indexes)}
 
