@@ -42,6 +42,8 @@ def test_rest_job_shares_a_datastore_and_is_lossless(tmp_path, tiny, ray_session
     notes = rest["mat"]["per_corpus_now"]["notes"]
     assert notes["reference"] is True and notes["mat"] > ar["mat"]["per_corpus_now"]["notes"]["mat"]
     assert rest["memory"]["reference_zero_copy"] is True
+    report = (tmp_path / "rest" / "_report.md").read_text()  # written at the end of every job
+    assert "rest" in report and (tmp_path / "rest" / "_report" / "mat_hist.png").is_file()
     # what a replica attaches: the datastore itself, zero-copy
     arrays = prepare_reference("notes", str(store_dir), tok)
     plain, meta = split_meta(arrays)

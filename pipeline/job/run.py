@@ -20,6 +20,7 @@ from .config import JobConfig
 from .pending import chunk_rows, stream_chunks
 from .plan import JobPlan, make_plan
 from .progress import Progress
+from .report import write_report_quietly
 from .summary import build_summary
 
 log = logging.getLogger("pipeline.job.run")
@@ -60,6 +61,7 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
         except OSError as e:  # e.g. the disk is full: the part file's error (if any) is the one to report
             log.error("cannot write the summary: %s", e)
             failure = failure or e
+        write_report_quietly(plan.store.root)  # _report.md and plots; never the job's failure
         plan.store.close()
         if record.ray_info and record.ray_info.get("started_here"):
             import ray
