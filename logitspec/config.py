@@ -79,7 +79,8 @@ class SpecConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.rest_min_span <= self.rest_max_span:
-            raise ValueError(f"need 1 <= rest_min_span <= rest_max_span, got {self.rest_min_span}, {self.rest_max_span}")
+            raise ValueError(f"need 1 <= rest_min_span <= rest_max_span, got {self.rest_min_span}, "
+                             f"{self.rest_max_span}")
         for name in ("rest_num_draft", "rest_max_matches", "rest_continuation"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -106,8 +106,8 @@ class LogitSpecDrafter(Drafter):
     def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens, c.continuations_per_key,
-                                                 c.max_ngram, c.min_ngram)
+        chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens,
+                                                 c.continuations_per_key, c.max_ngram, c.min_ngram)
         for chain in chains:
             b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram), origin=src) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
@@ -116,7 +116,8 @@ class LogitSpecDrafter(Drafter):
             if b.full:
                 break
             keep = c.keep_for_rank(rank)
-            hits, _, src = (retrieve_with_order(sources, tail + [int(g)], keep - 1, 1, c.max_ngram, c.min_ngram)
+            hits, _, src = (retrieve_with_order(sources, tail + [int(g)], keep - 1, 1, c.max_ngram,
+                                                c.min_ngram)
                             if keep > 1 else ([], 0, -1))
             added = b.add_chain([int(g)] + (hits[0] if hits else []), kind=guess_kind(rank), origin=src,
                                 first_origin=GUESS)
@@ -138,9 +139,11 @@ class RestDrafter(Drafter):
         from . import rest  # here, not at the top: `python -m logitspec.rest` must find it not yet imported
 
         c = self.config
-        store, origin = next(((s, i) for i, s in enumerate(sources) if isinstance(s, rest.Datastore)), (None, 0))
-        toks, parents, depths, span = rest.retrieve(store, context, min(budget, c.rest_num_draft), c.rest_max_span,
-                                                    c.rest_min_span, c.rest_continuation, c.rest_max_matches)
+        store, origin = next(((s, i) for i, s in enumerate(sources) if isinstance(s, rest.Datastore)),
+                             (None, 0))
+        toks, parents, depths, span = rest.retrieve(store, context, min(budget, c.rest_num_draft),
+                                                    c.rest_max_span, c.rest_min_span, c.rest_continuation,
+                                                    c.rest_max_matches)
         n = len(toks)
         if not n:
             return DraftTree.single(context[-1])

@@ -1,9 +1,8 @@
 """Greedy speculative output == plain greedy output, for every method and model family."""
 import pytest
-import torch
+from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 N_NEW = 24
 
@@ -19,7 +18,8 @@ def family_case(request):
 @pytest.mark.parametrize("method", ["ar", "pld", "logitspec", "rest", "lookahead"])
 def test_greedy_equals_hf_generate_batch1(family_case, method):
     family, model, prompts, refs = family_case
-    res = Engine(model, None, SpecConfig(method=method, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
+    res = Engine(model, None, SpecConfig(method=method, budget="fixed")).generate(
+        prompts, max_new_tokens=N_NEW)
     for r, ref in zip(res, refs):
         assert r.token_ids == ref
         assert sum(r.stats["accepted_lengths"]) == N_NEW
@@ -43,8 +43,12 @@ def test_paper_budget_lossless(family_case):
     res = Engine(model, None, SpecConfig.paper(method="logitspec", max_batch_size=3)).generate(
         prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
-    small = Engine(model, None, SpecConfig(method="logitspec", capacity=4, budget="fixed")).generate(prompts, max_new_tokens=N_NEW)
-    mean_tree = lambda rs: sum(r.stats["mean_tree_size"] for r in rs) / len(rs)
+    small = Engine(model, None, SpecConfig(method="logitspec", capacity=4, budget="fixed")).generate(
+        prompts, max_new_tokens=N_NEW)
+
+    def mean_tree(rs):
+        return sum(r.stats["mean_tree_size"] for r in rs) / len(rs)
+
     assert mean_tree(res) > mean_tree(small) + 4  # the big budget is really used
 
 
@@ -54,7 +58,8 @@ def test_long_prompt_admitted_mid_run_with_chunked_prefill():
     long_prompt = (prompts[0] * 20)[:70]
     prompts.insert(3, long_prompt)
     refs = [hf_greedy(model, p, N_NEW) for p in prompts]
-    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"), prefill_chunk=16)
+    eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=2, budget="fixed"),
+                 prefill_chunk=16)
     assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs
 
 
@@ -102,9 +107,11 @@ def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, 
     assert [r.token_ids for r in res] == refs
     row_steps = sum(r.stats["steps"] - 1 for r in res)  # decoding steps (the prefill emits the first token)
     if skips:
-        assert 0 < len(calls) <= row_steps / policy_module.RECHECK_EVERY + 2 * len(res), (len(calls), row_steps)
+        assert 0 < len(calls) <= row_steps / policy_module.RECHECK_EVERY + 2 * len(res), \
+            (len(calls), row_steps)
     else:
-        assert len(calls) >= row_steps - len(res), (len(calls), row_steps)  # every step drafts (less final steps)
+        # every step drafts (less final steps)
+        assert len(calls) >= row_steps - len(res), (len(calls), row_steps)
 
 
 def test_per_row_budget_at_batch_is_lossless(family_case):

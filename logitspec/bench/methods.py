@@ -15,8 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
-from .report import TIME_PARTS
 from ..session import sample_seed
+from .report import TIME_PARTS
 from .samples import Decoding, run_samples
 
 REFERENCE = "ar"
@@ -107,7 +107,8 @@ class EngineRunner:
         from ..engine import Engine
         from ..history import HistorySource
 
-        self.engine = Engine(model, tokenizer, config, history=HistorySource(max_tokens=history) if history else None)
+        self.engine = Engine(model, tokenizer, config, history=HistorySource(max_tokens=history) if history
+                             else None)
         self.decoding = decoding
         self.reference = None
         if datastore:
@@ -120,11 +121,13 @@ class EngineRunner:
         if self.reference is None:
             return self.engine
         engine, ref = self.engine, self.reference
-        return type("WithReference", (), {"run": staticmethod(lambda *a, **kw: engine.run(*a, reference=ref, **kw))})()
+        return type("WithReference", (),
+                    {"run": staticmethod(lambda *a, **kw: engine.run(*a, reference=ref, **kw))})()
 
     def run(self, prompts: list[list[int]], max_new_tokens: int,
             seeds: list[int] | None = None) -> tuple[float, list[dict]]:
-        """Wall time and one output per sample, prompt-major (:func:`~logitspec.bench.samples.run_samples`)."""
+        """Wall time and one output per sample, prompt-major
+        (:func:`~logitspec.bench.samples.run_samples`)."""
         dev = self.engine.target.device
         _sync(dev)
         t0 = time.perf_counter()
@@ -215,7 +218,8 @@ class HFRunner:
         starts = [int(p) if p is not None else None for p in starts]
         return wall, {
             "token_ids": new,
-            "text": self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None,
+            "text": (self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None
+                     else None),
             "finish_reason": "stop" if new and new[-1] in self.eos else "length",
             "steps": len(starts), "decode_steps": max(len(starts) - 1, 0),
             "accept_lengths": _accept_lengths(starts, len(ids), len(new)),
