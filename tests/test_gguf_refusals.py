@@ -11,7 +11,7 @@ import pytest
 from test_models import _tiny_llama, _write_tiny_gguf
 
 from logitspec.models import InvalidModelFileError, ModelNotFoundError, resolve_model_path
-from logitspec.models.gguf import check_gguf_file, read_gguf_metadata
+from logitspec.models.gguf_file import check_gguf_file, read_gguf_metadata
 
 
 @pytest.fixture()

@@ -19,6 +19,7 @@ from logitspec.models import (
     builtin,
     default_cache_dir,
     gguf,
+    gguf_file,
     load_model,
     paths,
     resolve_model_path,
@@ -473,7 +474,7 @@ def test_two_processes_converting_at_once(tmp_path, cache):
 def test_gguf_metadata_reader(tmp_path):
     ref = _tiny_llama(vocab_size=260, tie_word_embeddings=False)
     _write_tiny_gguf(tmp_path / "t.gguf", ref)
-    meta = gguf.read_gguf_metadata(tmp_path / "t.gguf")
+    meta = gguf_file.read_gguf_metadata(tmp_path / "t.gguf")
     assert meta["general.architecture"] == "llama"
     assert meta["tokenizer.ggml.eos_token_id"] == 259
     assert meta["tokenizer.ggml.add_bos_token"] is False

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import ModelConversionError, ModelNotFoundError
-from .gguf import check_gguf_header, read_gguf_metadata
+from .gguf_file import check_gguf_header, read_gguf_metadata
 from .paths import file_lock, remove_stale_temps
 
 __all__ = ["Builtin", "BUILTIN_MODELS", "ALIASES", "package_dir", "ensure_builtin_gguf"]
