@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from .longbench import Example, read_directory
 from .longbench_v2 import LETTERS, V2_NAME, ExampleV2, write_v2_dataset
-from .synth_facts import _CITIES, _SYLLABLES
+from .synth_facts import CITIES, SYLLABLES
 
 __all__ = ["SOURCES", "length_category", "convert", "generate", "main"]
 
@@ -63,10 +63,10 @@ def _fact(e: Example, rng: random.Random) -> tuple[str, list[str]]:
     answer = e.answers[0]
     if answer.isdigit():
         pool = sorted({str(k) for k in range(3, 98)} - {answer})
-    elif answer in _CITIES:
-        pool = sorted(set(_CITIES) - {answer})
+    elif answer in CITIES:
+        pool = sorted(set(CITIES) - {answer})
     else:  # a made-up code name of three syllables
-        codes = {"".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize() for _ in range(40)}
+        codes = {"".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize() for _ in range(40)}
         pool = sorted(codes - {answer})
     return e.input, rng.sample(pool, 3)
 

@@ -14,7 +14,7 @@ from .synth import Sources, context_budget, make_example
 from .synth_passages import fit_passages, pick_passages, pool_size
 from .token_count import TokenCounter
 
-__all__ = ["Fact", "make_fact", "plant", "build_hotpotqa", "build_kv_retrieval"]
+__all__ = ["CITIES", "SYLLABLES", "Fact", "make_fact", "plant", "build_hotpotqa", "build_kv_retrieval"]
 
 # Invented names, so a model cannot know the answer without reading the context.
 _FIRST = ("Orla", "Tamsin", "Idris", "Bertil", "Yannick", "Maelis", "Corvin", "Ysolde", "Anselm", "Perpetua")
@@ -28,8 +28,9 @@ _LAST = (
     "Tarrant",
     "Winterbourne",
 )
-_CITIES = ("Lisbon", "Tromso", "Valparaiso", "Ljubljana", "Marrakesh", "Hobart", "Tallinn", "Cusco", "Bergen")
-_SYLLABLES = ("ka", "lo", "mi", "ther", "vin", "dra", "sol", "pe", "rix", "an", "to", "bel")
+# the cities a fact names and the syllables of its made-up codes; make_data_v2 draws wrong choices from them
+CITIES = ("Lisbon", "Tromso", "Valparaiso", "Ljubljana", "Marrakesh", "Hobart", "Tallinn", "Cusco", "Bergen")
+SYLLABLES = ("ka", "lo", "mi", "ther", "vin", "dra", "sol", "pe", "rix", "an", "to", "bel")
 _TEMPLATES = (
     ("{name} was born in the city of {city}.", "In which city was {name} born?", "city"),
     (
@@ -60,10 +61,10 @@ class Fact:
 def make_fact(rng: random.Random) -> Fact:
     """A random made-up fact from a few sentence templates."""
     sentence, question, slot = rng.choice(_TEMPLATES)
-    code = "".join(rng.choice(_SYLLABLES) for _ in range(3)).capitalize()
+    code = "".join(rng.choice(SYLLABLES) for _ in range(3)).capitalize()
     values = {
         "name": f"{rng.choice(_FIRST)} {rng.choice(_LAST)}",
-        "city": rng.choice(_CITIES),
+        "city": rng.choice(CITIES),
         "thing": rng.choice(_THINGS),
         "code": code,
         "number": str(rng.randint(3, 97)),
