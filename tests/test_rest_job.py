@@ -60,3 +60,13 @@ def test_datastore_of_another_tokenizer_is_refused(tmp_path, tiny):  # noqa: F81
         "Enc", (), {"input_ids": [1, 2]})()})()
     with pytest.raises(ConfigError, match="another tokenizer"):
         prepare_reference("notes", str(tmp_path / "store"), other)
+
+
+def test_text_corpus_built_as_a_datastore_in_the_driver(tmp_path, tiny):  # noqa: F811
+    """``prepare_reference(..., datastore=True)``: what the driver builds for ``--method rest`` from text."""
+    tok = AutoTokenizer.from_pretrained(tiny)
+    (tmp_path / "corpus.txt").write_text("permission is hereby granted, free of charge, to any person")
+    plain, meta = split_meta(prepare_reference("notes", str(tmp_path / "corpus.txt"), tok, datastore=True))
+    assert Datastore.holds(plain) and meta["datastore"] and not meta["prebuilt"] and meta["documents"] == 1
+    store = Datastore.from_arrays(plain, meta)
+    assert store.longest_match(tok("permission is hereby", add_special_tokens=False).input_ids) > 0

@@ -155,9 +155,24 @@ def load_datastore(name: str, path: pathlib.Path, tokenizer, fp: str, t0: float)
     return plain
 
 
-def prepare_reference(name: str, spec: str, tokenizer, max_ngram: int = 3) -> dict[str, np.ndarray]:
-    """Arrays (with metadata) of one corpus: a prebuilt ``.npz`` checked against ``tokenizer``, or
-    built from the corpus text now."""
+def _built_datastore(name: str, spec: str, docs: list[str], tokenizer, fp: str, t0: float
+                     ) -> dict[str, np.ndarray]:
+    """A REST datastore of ``docs`` built now, as arrays with metadata."""
+    from logitspec.rest import build_datastore
+
+    store = build_datastore(docs, tokenizer)
+    plain = store.to_arrays()
+    meta = {**store.meta, "name": name, "source": spec, "tokenizer": fp, "datastore": True, "prebuilt": False,
+            "bytes": int(sum(a.nbytes for a in plain.values())), "build_s": time.perf_counter() - t0}
+    plain[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    return plain
+
+
+def prepare_reference(name: str, spec: str, tokenizer, max_ngram: int = 3,
+                      datastore: bool = False) -> dict[str, np.ndarray]:
+    """Arrays (with metadata) of one corpus: a prebuilt ``.npz`` or REST datastore directory checked
+    against ``tokenizer``, or built from the corpus text now (a REST datastore with ``datastore``, for
+    ``--method rest``; else an n-gram index)."""
     t0 = time.perf_counter()
     fp = tokenizer_fingerprint(tokenizer)
     path, _ = split_spec(spec)
@@ -175,6 +190,8 @@ def prepare_reference(name: str, spec: str, tokenizer, max_ngram: int = 3) -> di
         meta.update(name=name, load_s=time.perf_counter() - t0, prebuilt=True)
         return index_arrays(CorpusIndex.from_arrays(plain), meta)
     docs = read_documents(spec)
+    if datastore:
+        return _built_datastore(name, spec, docs, tokenizer, fp, t0)
     index = build_index(docs, tokenizer, max_ngram)
     plain = index.to_arrays()
     meta = {"name": name, "source": spec, "documents": len(docs),
