@@ -75,8 +75,10 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                          "starts no Ray and writes nothing")
     ref = p.add_argument_group("reference corpora (shared n-gram indexes)")
     ref.add_argument("--reference", action="append", default=[], metavar="[NAME=]PATH[#COLUMN]",
-                     help="text corpus (file, directory, table/dataset column) or an index from "
-                          "jobs/build_index.py; repeatable, NAME matches --corpus-column values")
+                     help="text corpus (file, directory, table/dataset column), an index from "
+                          "jobs/build_index.py, or a REST datastore directory from logitspec rest-build "
+                          "(what --method rest retrieves from); repeatable, NAME matches --corpus-column "
+                          "values")
     gen = p.add_argument_group("generation (as in the engine)")
     gen.add_argument("--model", default="default",
                      help="'default', a HF model dir, a .gguf file or a cached HF id")
