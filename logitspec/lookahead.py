@@ -50,7 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .draft import KIND, Drafter
+from .drafter import KIND, Drafter
 from .tree import GUESS, DraftTree
 
 WINDOW = 7  # W: columns of the Jacobi window (LADE WINDOW_SIZE)

@@ -31,7 +31,8 @@ from .budget import (
     top_nodes,
 )
 from .config import SpecConfig
-from .draft import LOOKUP_KINDS, N_KINDS, make_drafter
+from .draft import make_drafter
+from .drafter import LOOKUP_KINDS, N_KINDS
 from .feedback import Realised
 from .index import NgramSource
 from .tree import DraftTree
