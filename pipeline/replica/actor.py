@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -112,8 +113,9 @@ class EngineWorker:
             if not self.budget.decode_steps:
                 return
             stats["budget"] = self.budget.stats()
-            if self.budget.due():
-                log.info("replica pid %d, draft budget: %s", os.getpid(), self.budget.sentence())
+            if self.budget.due():  # the actor's stderr, which Ray forwards to the driver's log
+                print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pipeline.replica.budget INFO replica pid "
+                      f"{os.getpid()}, draft budget: {self.budget.sentence()}", file=sys.stderr, flush=True)
 
 
 class StreamingEngineWorker(EngineWorker):
