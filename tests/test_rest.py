@@ -7,7 +7,8 @@ from logitspec import rest
 from logitspec.config import SpecConfig
 from logitspec.draft import RestDrafter, make_drafter
 from logitspec.index import SequenceIndex
-from logitspec.rest import Datastore, context_matches, gather, select_trie, suffix_array
+from logitspec.rest import Datastore, suffix_array
+from logitspec.rest_trie import context_matches, gather, select_trie
 from logitspec.tree import GUESS
 
 
