@@ -215,11 +215,8 @@ def _f(x, fmt="{:.2f}", none="–") -> str:
     return fmt.format(x)
 
 
-def render_report(summary: dict) -> str:
-    """The paper-style Markdown report of a ``summary.json`` dict; every number comes from it."""
-    ms = summary["methods"]
-    tasks = summary.get("tasks") or [t for t in TASKS if any(t in v["speedup"] for v in ms.values())]
-    cols = list(tasks) + ["overall"]
+def _run_lines(summary: dict, tasks: list) -> list[str]:
+    """The report's title and what was run: command, code, machine, time and load, questions, settings."""
     s = summary.get("settings", {})
     lines = [f"# Spec-Bench: {summary.get('model', {}).get('name', '?')}", ""]
     if summary.get("partial"):
@@ -246,6 +243,48 @@ def render_report(summary: dict) -> str:
         f"batch size {s.get('max_batch_size', 1)}, reference `{summary.get('reference', 'ar')}`. "
         "All methods ran in one process on the same prompts, interleaved per question after a warm-up.")
     lines.append("")
+    return lines
+
+
+def _hist_lines(ms: dict) -> list[str]:
+    """The accepted-tokens-per-forward table, for methods that recorded the histogram."""
+    lines: list[str] = []
+    hists = {m: v["accept_hist"] for m, v in ms.items() if v.get("accept_hist")}
+    if hists:
+        top = min(HIST_CAP, max(int(k) for h in hists.values() for k in h))
+        labels = [str(i) for i in range(1, top)] + [f"{top}+" if top == HIST_CAP else str(top)]
+        lines += ["", "## Accepted tokens per forward (share of forwards, prefill included)", "",
+                  "| Method | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for m, h in hists.items():
+            total = sum(h.values())
+            shares = [h.get(str(i), 0) / total for i in range(1, top)]
+            shares.append(sum(n for k, n in h.items() if int(k) >= top) / total)
+            lines.append(f"| `{m}` | " + " | ".join(_f(x, "{:.1%}") for x in shares) + " |")
+    return lines
+
+
+def _curve_lines(summary: dict) -> list[str]:
+    """The forward cost curves the auto draft budget used, per method."""
+    lines: list[str] = []
+    curves = {m: c["cost_curve"] for m, c in (summary.get("method_configs") or {}).items()
+              if c.get("cost_curve")}
+    if curves:
+        lines += ["", "## Forward cost curves used by the auto draft budget", "",
+                  "Seconds per forward adding n tokens, as the engine loaded or measured them "
+                  "(`method_configs` in summary.json holds every method's full configuration).", ""]
+        for m, c in curves.items():
+            lines.append(f"- `{m}`: " + ", ".join(f"n={n}: {t:.3f}" for n, t in zip(c["tokens"],
+                                                                                    c["seconds"])))
+    return lines
+
+
+def render_report(summary: dict) -> str:
+    """The paper-style Markdown report of a ``summary.json`` dict; every number comes from it."""
+    ms = summary["methods"]
+    tasks = summary.get("tasks") or [t for t in TASKS if any(t in v["speedup"] for v in ms.values())]
+    cols = list(tasks) + ["overall"]
+    s = summary.get("settings", {})
+    lines = _run_lines(summary, tasks)
     head = "| Method | " + " | ".join(TASK_LABELS.get(c, c) for c in cols) + " | MAT | tok/s |"
     sep = "|---" * (len(cols) + 3) + "|"
     lines += ["## Speedup (mean over question-turns of tokens/s ÷ the reference's) and MAT", "", head, sep]
@@ -275,26 +314,7 @@ def render_report(summary: dict) -> str:
             + " | ".join(_f(ts.get(p), "{:.1%}") for p in SPLIT_COLUMNS)
             + " |")
     lines += _sources_table(ms)
-    hists = {m: v["accept_hist"] for m, v in ms.items() if v.get("accept_hist")}
-    if hists:
-        top = min(HIST_CAP, max(int(k) for h in hists.values() for k in h))
-        labels = [str(i) for i in range(1, top)] + [f"{top}+" if top == HIST_CAP else str(top)]
-        lines += ["", "## Accepted tokens per forward (share of forwards, prefill included)", "",
-                  "| Method | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-        for m, h in hists.items():
-            total = sum(h.values())
-            shares = [h.get(str(i), 0) / total for i in range(1, top)]
-            shares.append(sum(n for k, n in h.items() if int(k) >= top) / total)
-            lines.append(f"| `{m}` | " + " | ".join(_f(x, "{:.1%}") for x in shares) + " |")
-    curves = {m: c["cost_curve"] for m, c in (summary.get("method_configs") or {}).items()
-              if c.get("cost_curve")}
-    if curves:
-        lines += ["", "## Forward cost curves used by the auto draft budget", "",
-                  "Seconds per forward adding n tokens, as the engine loaded or measured them "
-                  "(`method_configs` in summary.json holds every method's full configuration).", ""]
-        for m, c in curves.items():
-            lines.append(f"- `{m}`: " + ", ".join(f"n={n}: {t:.3f}" for n, t in zip(c["tokens"],
-                                                                                    c["seconds"])))
+    lines += _hist_lines(ms) + _curve_lines(summary)
     plots = summary.get("plots") or []
     if plots:
         lines += [""] + [f"![{p}]({p})" for p in plots]
