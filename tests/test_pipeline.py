@@ -1076,23 +1076,26 @@ def test_request_columns_give_rows_their_own_settings_each_as_decoded_alone(tmp_
     from pipeline.replica.streaming import StreamingRows
     from pipeline.replica.worker import RowGenerator
 
-    rows = [{"id": 0, "prompt": "Hello there", "max_new_tokens": 3, "seed": None},
-            {"id": 1, "prompt": "Lorem ipsum dolor", "max_new_tokens": None, "seed": 9},
-            {"id": 2, "prompt": "Once upon a time", "max_new_tokens": 5, "seed": 4},
-            {"id": 3, "prompt": "A bad row", "max_new_tokens": 0, "seed": None},
-            {"id": 4, "prompt": "The job's settings", "max_new_tokens": None, "seed": None}]
+    none = {"max_new_tokens": None, "seed": None, "temperature": None, "top_p": None}
+    rows = [{"id": 0, "prompt": "Hello there", **none, "max_new_tokens": 3},
+            {"id": 1, "prompt": "Lorem ipsum dolor", **none, "seed": 9, "top_p": 0.9},
+            {"id": 2, "prompt": "Once upon a time", **none, "max_new_tokens": 5, "seed": 4, "temperature": 0},
+            {"id": 3, "prompt": "A bad row", **none, "max_new_tokens": 0},
+            {"id": 4, "prompt": "The job's settings", **none},
+            {"id": 5, "prompt": "Another bad row", **none, "temperature": -1.0}]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     cfg = _cfg(tiny, inp, tmp_path / "out", max_new_tokens=12, temperature=0.8, seed=3, num_samples=2,
-               max_batch_size=4, request_columns=("max_new_tokens", "seed"))
+               max_batch_size=4, request_columns=("max_new_tokens", "seed", "temperature", "top_p"))
     data = scan_ids(open_input(cfg))
     todo = pending(data, None, cfg.num_samples)
     got = [x for c in stream_chunks(data, cfg, todo.todo) for x in chunk_rows(c, cfg, None, {})]
     assert [p for _, p in got[:3]] == [None] * 3 and got[4][1] is None
     assert "--request-columns: max_new_tokens must be >= 1" in got[3][1]
+    assert "--request-columns: temperature must be >= 0" in got[5][1]
     inputs = [r for r, p in got if p is None]
     job = cfg.request
-    assert [r.request for r in inputs] == [job.with_(max_new_tokens=3), job.with_(seed=9),
-                                           job.with_(max_new_tokens=5, seed=4), None]
+    assert [r.request for r in inputs] == [job.with_(max_new_tokens=3), job.with_(seed=9, top_p=0.9),
+                                           job.with_(max_new_tokens=5, seed=4, temperature=0), None]
     model, tok = load_model(tiny)
     batch, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(inputs)
     stream, _ = StreamingRows(RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen))(inputs)
@@ -1289,3 +1292,19 @@ def test_shipped_synthetic_prompts_are_current_and_readable():
     for column in (None, "messages"):
         cfg = JobConfig(input=str(path), output="unused", messages_column=column)
         assert len(scan_ids(open_input(cfg)).ids) == len(make.rows()) == 21
+
+
+def test_request_columns_refuse_values_of_the_wrong_type(tmp_path, tiny):
+    """A --request-columns value of the wrong type (text, a bool, a fraction where an integer is due)
+    makes its row an error row naming the column; numbers of either kind are temperatures."""
+    from pipeline.job.pending import row_requests
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": 0, "prompt": "x"}])
+    cfg = _cfg(tiny, inp, tmp_path / "out", temperature=0.8, request_columns=("temperature", "top_k"))
+    t = pa.table({"temperature": pa.array(["hot", None, None]), "top_k": pa.array([None, True, None])})
+    got = row_requests(t, cfg)
+    assert "temperature must be numbers" in got[0][1] and "top_k must be integers" in got[1][1]
+    assert got[2] == (None, None)
+    floats = pa.table({"temperature": pa.array([0.5, 1]), "top_k": pa.array([3, None])})
+    assert [r for r, _ in row_requests(floats, cfg)] == [cfg.request.with_(temperature=0.5, top_k=3),
+                                                        cfg.request.with_(temperature=1.0)]

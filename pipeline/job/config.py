@@ -17,9 +17,10 @@ from ..errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_MAX_NEW_TOKENS = 64  # the job's --max-new-tokens
-# decoding settings a row may carry in an input column of the same name (--request-columns): the ones a
-# batch's rows may differ in (the engine's sampling settings are still one per batch)
-REQUEST_COLUMNS = ("max_new_tokens", "seed")
+# decoding settings a row may carry in an input column of the same name (--request-columns); rows with
+# different values share a batch, each decoding as it would alone
+REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k")
+INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 

@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type
 from ..io.row_checks import row_problem, row_prompt
 from ..rows import InputRow
-from .config import JobConfig
+from .config import INTEGER_REQUEST_COLUMNS, JobConfig
 
 
 @dataclass
@@ -154,14 +154,23 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
         given = {c: values[k] for c, values in columns if values[k] is not None}
         if not given:
             out.append((None, None))
-        elif any(not isinstance(v, int) or isinstance(v, bool) for v in given.values()):
-            out.append((None, f"--request-columns: {', '.join(given)} must be integers, got {given}"))
+        elif bad := [c for c, v in given.items() if not _fits(c, v)]:
+            out.append((None, f"--request-columns: {', '.join(bad)} must be "
+                              f"{'integers' if set(bad) <= set(INTEGER_REQUEST_COLUMNS) else 'numbers'}, "
+                              f"got {given}"))
         else:
             try:
                 out.append((cfg.request.with_(**given), None))
             except ValueError as e:
                 out.append((None, f"--request-columns: {e}"))
     return out
+
+
+def _fits(column: str, value) -> bool:
+    """Whether ``value`` has the type ``column`` takes (an integer, or for the others any real number)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (column not in INTEGER_REQUEST_COLUMNS and isinstance(value, float))
 
 
 def kept_columns(cfg: JobConfig) -> tuple[str, ...]:
