@@ -39,10 +39,8 @@ JOB_MEANING = {
 DESCRIPTION = "Batch generation with LogitSpec speculative decoding on Ray: one output row per input row."
 
 
-def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog, description=DESCRIPTION,
-        formatter_class=DefaultsHelpFormatter)
+def _add_io_arguments(p: argparse.ArgumentParser) -> None:
+    """The input and output flags."""
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True,
                     help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
@@ -73,6 +71,13 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     io.add_argument("--dry-run", action="store_true",
                     help="check and plan (rows to do after resume, batches, part files), print it, exit; "
                          "starts no Ray and writes nothing")
+
+
+def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=DESCRIPTION,
+        formatter_class=DefaultsHelpFormatter)
+    _add_io_arguments(p)
     ref = p.add_argument_group("reference corpora (shared n-gram indexes)")
     ref.add_argument("--reference", action="append", default=[], metavar="[NAME=]PATH[#COLUMN]",
                      help="text corpus (file, directory, table/dataset column), an index from "
