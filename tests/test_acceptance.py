@@ -50,8 +50,10 @@ def test_mixed_rows_accept_as_the_reference(seed, on_host):
     ref_gens = [None if g is None else torch.Generator().manual_seed(seed * 10 + b)
                 for b, g in enumerate(gens)]
     want = [reference_accept(t, lg, p, g) for t, lg, p, g in zip(trees, fwd.logits, PARAMS, ref_gens)]
-    paths, bonus, top = accept_step(trees, fwd, PARAMS, gens, 2, on_host)
+    paths, bonus, top, outputs = accept_step(trees, fwd, PARAMS, gens, 2, on_host, outputs=True)
     assert list(zip(paths, bonus)) == want
+    for p, lg, row in zip(PARAMS, fwd.logits, outputs):  # greedy rows: each node's argmax
+        assert not p.greedy or row == lg.scores.argmax(-1).tolist()
     for g, r in zip(gens, ref_gens):  # one uniform per emitted token, as the reference
         assert g is None or torch.equal(g.get_state(), r.get_state())
     guesses = next_guesses(fwd.logits, paths, bonus, top, 2)
