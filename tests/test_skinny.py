@@ -224,3 +224,48 @@ def test_f16_kernel_declines_what_it_cannot_do(kernel):
     assert skinny.skinny_linear_f16(torch.randn(2, 4), W16.float()) is None  # not float16
     assert skinny.skinny_linear_f16(torch.randn(skinny.MAX_ROWS + 1, 4), W16) is None  # too many rows
     assert skinny.skinny_linear_f16(torch.randn(2, 5), W16) is None  # shape mismatch
+
+
+def test_a_stale_build_baton_is_removed_not_waited_on(kernel, tmp_path):
+    """A build killed mid-way leaves torch's ``lock`` file behind; the next load removes it and loads
+    (before, every later load waited on it forever: a hung CI run)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from logitspec.models.paths import default_cache_dir
+
+    built = skinny.build_dir()
+    copy = tmp_path / "cache" / built.relative_to(default_cache_dir())
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()  # what a killed build leaves
+    code = ("from logitspec.kernels import skinny; import sys; "
+            "sys.exit(0 if skinny.available() else skinny.unavailable_reason())")
+    p = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ,
+                                                          "LOGITSPEC_CACHE": str(tmp_path / "cache")},
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "stale build lock" in p.stderr and not (copy / "lock").exists()
+
+
+def test_the_build_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
+    import fcntl
+    import subprocess
+    import sys
+
+    d = tmp_path / "build"
+    d.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(60)"), str(tmp_path / "build.flock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "build.flock") as f:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        holder.kill()
+        holder.wait()
+    with skinny._build_lock(d):  # the holder was killed: its lock went with it
+        pass

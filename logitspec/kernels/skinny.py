@@ -16,7 +16,8 @@ Use::
 Without a C++ compiler or AVX2/FMA, ``available()`` is False (one warning, with the reason),
 ``use_skinny_linears`` swaps nothing, and :func:`skinny_linear` / :class:`SkinnyLinear` fall back to
 ``F.linear``.
-The build goes to ``$LOGITSPEC_CACHE/torch_extensions`` (default ``~/.cache/logitspec/...``).
+The build goes to ``$LOGITSPEC_CACHE/torch_extensions`` (default ``~/.cache/logitspec/...``), one
+folder per version of the sources.
 """
 from __future__ import annotations
 
@@ -68,7 +69,30 @@ def _cpu_lacks_avx2_fma() -> str | None:
 
 
 def build_dir() -> pathlib.Path:
-    return default_cache_dir() / "torch_extensions" / _EXT_NAME
+    """Where this version of the sources is built: one folder per :func:`sources_digest`, so checkouts
+    of different versions on one machine do not rebuild over each other."""
+    return default_cache_dir() / "torch_extensions" / _EXT_NAME / sources_digest()
+
+
+@contextlib.contextmanager
+def _build_lock(d: pathlib.Path):
+    """Hold an exclusive ``flock`` on ``d``'s lock file while torch builds or loads into ``d``.
+
+    torch's own baton (a ``lock`` file it creates and deletes) outlives a process killed mid-build, and
+    every later ``load`` then waits on it forever. The kernel lock dies with its process; whoever holds
+    it is the only builder, so a baton found then is stale and is removed."""
+    import fcntl
+
+    with open(d.parent / f"{d.name}.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = d / "lock"
+            if stale.exists():
+                logger.warning("removing a stale build lock left by a killed build: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -120,7 +144,7 @@ def _load():
 
                 d = build_dir()
                 d.mkdir(parents=True, exist_ok=True)
-                with _venv_ninja_first():
+                with _build_lock(d), _venv_ninja_first():
                     _ext = load(name=_EXT_NAME, sources=[str(_SOURCE), *map(str, _OTHER_SOURCES)],
                                 build_directory=str(d),
                                 extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
