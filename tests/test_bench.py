@@ -421,10 +421,12 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
 
     seen, counts = [], []
 
-    def spy(self, prompts, _run=Engine.run, **kw):
+    real_run = Engine.run
+
+    def spy(self, prompts, request=None, **kw):
         seen.append([tuple(p) for p in prompts])
-        counts.append(kw.get("n", 1))
-        return _run(self, prompts, **kw)
+        counts.append(kw.get("n", getattr(request, "n", 1)))  # samples per prompt: a field or the request's
+        return real_run(self, prompts, request, **kw)
 
     monkeypatch.setattr(Engine, "run", spy)
     prompts = [list(q.turns[0]) for q in _tiny_questions()]
