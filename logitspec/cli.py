@@ -1,6 +1,6 @@
 """``logitspec``: one command for everything a user runs.
 
-The engine's commands (``generate``, ``bench``, ``calibrate``, ``throughput``, ``analyses``,
+The engine's commands (``generate``, ``bench``, ``calibrate``, ``throughput``, ``trace``, ``analyses``,
 ``rest-build``) and the Ray pipeline's (``job``, ``eval``, ``build-index``: the programs of ``jobs/*.py``,
 same flags; ``report``: a finished job's run report). The pipeline's are
 imported only when run, so this package still imports nothing of Ray or of :mod:`pipeline`.
@@ -137,18 +137,20 @@ def _add_pipeline_commands(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="logitspec", description="One command for everything a user runs: the engine's (generate, "
-        "bench, calibrate, throughput, analyses, rest-build) and the Ray pipeline's (job, eval, build-index, "
-        "report).")
+        "bench, calibrate, throughput, trace, analyses, rest-build) and the Ray pipeline's (job, eval, "
+        "build-index, report).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)
     from .bench.calibrate_cli import add_calibrate_command
     from .bench.cli import add_bench_command
     from .bench.throughput import add_throughput_command
+    from .bench.trace_cli import add_trace_command
 
     add_bench_command(sub)
     add_calibrate_command(sub)
     add_throughput_command(sub)
+    add_trace_command(sub)
     _add_analyses(sub)
     _add_rest_build(sub)
     _add_pipeline_commands(sub)

@@ -57,6 +57,7 @@ class Drafter:
 
     wants_guesses = False
     wants_node_outputs = False  # observe() needs the target's token after every node
+    keeps_state = False  # draft() reads the row's state (new_state); True wherever wants_node_outputs
     fixed_shape = False  # the tree's size is the method's: capped by the context, not the tokens left
 
     def __init__(self, config: SpecConfig):

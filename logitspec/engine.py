@@ -26,6 +26,7 @@ from .gpu import default_runner
 from .index import NgramSource
 from .policy import SpeculationPolicy
 from .prefix_cache import PrefixCache
+from .replay_hooks import ReplayHooks
 from .request import Request, per_prompt_requests
 from .runner import ModelRunner
 from .sequence import GenerationResult
@@ -51,7 +52,8 @@ class Engine:
                  fill_chunk: int | None = None, fast_head: bool = True, cost_curve: CostCurve | None = None,
                  sample_on_host: bool | None = None, prefix_cache: PrefixCache | None = None,
                  screened_sampling: bool = True, history: NgramSource | None = None,
-                 runner: ModelRunner | None = None, agree_on: Callable[[float], float] = float):
+                 runner: ModelRunner | None = None, agree_on: Callable[[float], float] = float,
+                 replay: ReplayHooks | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
         worth per decoding step). ``fill_chunk``: prompt tokens per forward of short prompts
         prefilled together while no row decodes (a batch filling up; default the larger of
@@ -68,7 +70,9 @@ class Engine:
         ``runner``: the model runner (default :func:`~logitspec.gpu.default_runner`: the CUDA-graph
         :class:`~logitspec.gpu.GraphRunner` on CUDA, the eager :class:`~logitspec.target.TargetForward`
         elsewhere). ``agree_on``: how a tensor-parallel group agrees on host-timed values
-        (:class:`~logitspec.policy.SpeculationPolicy`)."""
+        (:class:`~logitspec.policy.SpeculationPolicy`). ``replay``: a drafter, an acceptance
+        override, a step observer and EOS ids in place of the defaults (:mod:`logitspec.replay`:
+        recording and replaying acceptance traces; None, the normal path)."""
         if prefill_chunk < 1 or (fill_chunk is not None and fill_chunk < 1):
             raise ValueError(f"prefill_chunk and fill_chunk must be >= 1, got {prefill_chunk}, {fill_chunk}")
         self.model, self.tokenizer = model, tokenizer
@@ -79,17 +83,20 @@ class Engine:
         if prefix_cache is not None:
             prefix_cache.bind(model)
         self.max_context = self.runner.max_context
+        hooks = replay or ReplayHooks()
         self.policy = SpeculationPolicy(self.config, max_context=self.max_context,
                                         read_columns=self.runner.read_columns, cost_curve=cost_curve,
-                                        measure_curve=self._measure_curve, agree_on=agree_on)
+                                        measure_curve=self._measure_curve, agree_on=agree_on,
+                                        drafter=hooks.drafter)
         on_host = self.runner.device.type == "cpu" if sample_on_host is None else sample_on_host
+        stop_ids = eos_ids(model, tokenizer) if hooks.eos_ids is None else hooks.eos_ids
         self.parts = SessionParts(
             runner=self.runner, policy=self.policy, config=self.config, encode=self.encode,
-            tokenizer=tokenizer,
-            eos_ids=frozenset(eos_ids(model, tokenizer)), prefill_chunk=prefill_chunk,
+            tokenizer=tokenizer, eos_ids=frozenset(stop_ids), prefill_chunk=prefill_chunk,
             fill_chunk=max(prefill_chunk, FILL_CHUNK) if fill_chunk is None else fill_chunk,
             prefix_cache=prefix_cache, history=history, sample_on_host=on_host,
-            screened_sampling=screened_sampling)
+            screened_sampling=screened_sampling, forced_last=hooks.forced_last,
+            step_observer=hooks.step_observer)
 
     def _measure_curve(self) -> CostCurve:
         """The cost curve on first need: the stored one, or measured now (:mod:`logitspec.calibrate`)."""

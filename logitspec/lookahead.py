@@ -228,6 +228,7 @@ class LookaheadDrafter(Drafter):
     (:meth:`new_state`), advanced by :meth:`observe` from the target's token after every node."""
 
     wants_node_outputs = True
+    keeps_state = True
     fixed_shape = True  # (W, N, G) fix the tree: the window is kept whole or dropped whole
 
     def __init__(self, config):

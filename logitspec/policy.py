@@ -32,7 +32,7 @@ from .budget import (
 )
 from .config import SpecConfig
 from .draft import make_drafter
-from .drafter import LOOKUP_KINDS, N_KINDS
+from .drafter import LOOKUP_KINDS, N_KINDS, Drafter
 from .feedback import Realised
 from .index import NgramSource
 from .tree import DraftTree
@@ -74,16 +74,17 @@ class SpeculationPolicy:
 
     def __init__(self, config: SpecConfig, *, max_context: int, read_columns: Callable[[float], float],
                  cost_curve: CostCurve | None = None, measure_curve: Callable[[], CostCurve] | None = None,
-                 agree_on: Callable[[float], float] = float):
+                 agree_on: Callable[[float], float] = float, drafter: Drafter | None = None):
         """``max_context``: the model's context (no tree grows past it). ``read_columns``: cached
         columns a node's attention reads with n in its row (the model runner's). ``cost_curve``:
         forward seconds per new-token count for ``budget="auto"``; without one, ``measure_curve()``
         gives it on first need (e.g. loaded from ``logitspec calibrate``'s store or measured).
         ``agree_on``: a host-timed value -> the value every rank of a tensor-parallel group uses
         (rank 0's: :func:`~logitspec.distributed.rank0_value`); decisions taken from timings must
-        not differ between ranks."""
+        not differ between ranks. ``drafter``: the drafter (default the method's, :func:`make_drafter`;
+        :mod:`logitspec.replay` passes one that replays recorded trees)."""
         self.config = config
-        self.drafter = make_drafter(config)
+        self.drafter = make_drafter(config) if drafter is None else drafter
         self.max_context = max_context
         self.read_columns = read_columns
         self.cost_curve = cost_curve
@@ -118,7 +119,7 @@ class SpeculationPolicy:
                 self.expected = (0.0, self.cost_curve.step(len(rows), 1, self._columns(rows)))
             return [DraftTree.single(r.tokens[-1]) for r in rows]
         self.drafted = True
-        stateful, fixed = self.drafter.wants_node_outputs, self.drafter.fixed_shape
+        stateful, fixed = self.drafter.keeps_state, self.drafter.fixed_shape
         # a fixed-shape tree (lookahead's W, N, G) is the method's at any batch size
         base = self.drafter.base_budget()
         budget = base if fixed else self.config.budget_for(base, len(rows))

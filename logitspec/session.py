@@ -37,6 +37,7 @@ from .request import Request, SamplingParams
 from .runner import ModelRunner
 from .sequence import DecodingSequence, GenerationResult
 from .step_clock import StepClock
+from .tree import DraftTree
 from .verify import accept_step, next_guesses
 
 # prompt tokens per forward of short prompts prefilled together into an idle batch (Engine's
@@ -71,6 +72,10 @@ class SessionParts:
     history: Any = None  # an n-gram source fed with every finished answer (HistorySource)
     sample_on_host: bool = True  # walk sampled trees on the host (else decide where the logits are)
     screened_sampling: bool = True  # ... drawing from the greedy screen's scores where there is one
+    # replayed acceptance (logitspec.replay): per row of a step, the node to accept instead of the rule's
+    forced_last: Callable[[list[DraftTree]], list[int]] | None = None
+    # called after each decoding step with (rows, trees, accepted paths): a trace recorder
+    step_observer: Callable[[list[DecodingSequence], list[DraftTree], list[list[int]]], None] | None = None
 
     def mode(self, params: SamplingParams) -> OutputMode:
         """The output a row sampled with ``params`` needs: float32 rows of every node for sampling,
@@ -382,14 +387,17 @@ class Session:
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
         k, want = self.policy.guess_count, self.policy.wants_node_outputs
         params, generators = [s.params for s in active], [s.generator for s in active]
+        forced = None if self.parts.forced_last is None else self.parts.forced_last(trees)
         paths, bonus, top, outputs = accept_step(trees, fwd, params, generators, k, self.parts.sample_on_host,
-                                                 outputs=want)
+                                                 outputs=want, forced_last=forced)
         guesses = next_guesses(fwd.logits, paths, bonus, top, k)
         clock.lap("verify_s")
         self.kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
         streaks = self.policy.observe(trees, paths, [s.streak for s in active], clock.times, outputs,
                                       [s.draft_state for s in active])
+        if self.parts.step_observer is not None:
+            self.parts.step_observer(active, trees, paths)
         for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
             s.guesses, s.streak = g, streak
             tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]

@@ -101,7 +101,8 @@ class StepDecision:
 
 def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor,
            params: SamplingParams | Sequence[SamplingParams | None], uniforms: torch.Tensor | None,
-           top_k: int, spans: Sequence[tuple[int, int]] | None = None, outputs: bool = False) -> StepDecision:
+           top_k: int, spans: Sequence[tuple[int, int]] | None = None, outputs: bool = False,
+           forced_last: Sequence[int] | None = None) -> StepDecision:
     """Acceptance of all rows of a step where its logits are, with one transfer to the host.
 
     ``nodes``: the output of the N nodes of the :class:`~logitspec.masks.PackedStep` ``packed``, at
@@ -112,13 +113,17 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
     emitted token uses the sequence's next uniform exactly as :func:`sampled_accept` does.
     ``outputs``: also per row the target's token after each of its nodes, in the same transfer (the
     choice of greedy rows; the argmax of sampled rows' scores, never a draw: drafts built from them
-    must not depend on the target's random draws)."""
+    must not depend on the target's random draws). ``forced_last``: per row the node to accept
+    instead of the rule's (replayed acceptance, :mod:`logitspec.replay`); the bonus and top tokens
+    are then the target's at that node, and the device does the same work as without it."""
     choice = node_choices(nodes, params, uniforms, spans)  # [N]
     B, T = packed.ids.shape
     pad = torch.full((B * T,), -1, dtype=torch.int64, device=choice.device)
     # [B, T]: the target's token after each node
     pad = pad.index_copy_(0, select, choice.to(torch.int64)).view(B, T)
     last = accepted_last(pad, packed)  # [B]
+    if forced_last is not None:
+        last = to_device(np.asarray(forced_last, dtype=np.int64), last.device)  # [B]
     cols = [last[:, None], pad.gather(1, last[:, None])]
     if top_k:
         cols.append(top_tokens(nodes.scores, starts + last, top_k + 1))  # [B, top_k + 1]
@@ -201,19 +206,22 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------- one step, mixed rows
 def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None], top_k: int, on_host: bool,
-                outputs: bool = False):
+                outputs: bool = False, forced_last: Sequence[int] | None = None):
     """Per row of a step: the accepted node path (root first), the bonus token after it, the
     ``top_k + 1`` best tokens of its last node's scores where :func:`decide` found them (else None),
     and with ``outputs`` the target's token after each of its nodes (see :func:`decide`; else None).
     Sampled rows are walked on the host when ``on_host`` (drawing only at the nodes they visit);
     the other rows are decided where the logits are, in one call. ``fwd``: the step's
-    :class:`~logitspec.target.ForwardResult`."""
+    :class:`~logitspec.target.ForwardResult`. ``forced_last``: per row the node to accept (replayed
+    acceptance: greedy rows only, see :func:`decide`)."""
     B = len(trees)
     paths: list = [None] * B
     bonus: list = [None] * B
     top: list = [None] * B
     outs: list = [None] * B
     walked = [b for b in range(B) if on_host and not params[b].greedy]
+    if forced_last is not None and not all(p.greedy for p in params):
+        raise ValueError("replayed acceptance needs greedy rows")
     if len(walked) < B:
         mine = [None if b in walked else params[b] for b in range(B)]
         drawn = [b for b in range(B) if mine[b] is not None and not mine[b].greedy]
@@ -226,7 +234,8 @@ def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams
                 u = torch.zeros(fwd.nodes.scores.shape[0], dtype=torch.float64, device=u.device).index_copy_(
                     0, to_device(idx, u.device), u)
         same = mine[0] if all(p == mine[0] for p in mine) else mine
-        d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, same, u, top_k, fwd.spans, outputs)
+        d = decide(fwd.nodes, fwd.packed, fwd.select, fwd.starts, same, u, top_k, fwd.spans, outputs,
+                   forced_last)
         for b in range(B):
             if mine[b] is not None:
                 paths[b], bonus[b] = trees[b].path_to(d.last[b]), d.bonus[b]

@@ -19,7 +19,7 @@ def test_help_lists_every_subcommand_each_with_a_description(capsys):
     assert e.value.code == 0
     listed = capsys.readouterr().out.split("positional arguments:", 1)[1].split("options:", 1)[0]
     names = {line.split()[0] for line in listed.splitlines() if line.startswith("    ") and line[4] != " "}
-    engine = {"generate", "bench", "calibrate", "throughput", "analyses", "rest-build"}
+    engine = {"generate", "bench", "calibrate", "throughput", "trace", "analyses", "rest-build"}
     assert names == engine | set(PIPELINE_COMMANDS)
     for name in sorted(names):
         with pytest.raises(SystemExit) as e:

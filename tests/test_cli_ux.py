@@ -62,6 +62,8 @@ def _parsers():
     top = build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
     engine = {f"logitspec {name}": p for name, p in sub.choices.items() if name in ENGINE_COMMANDS}
+    trace = next(a for a in sub.choices["trace"]._actions if isinstance(a, argparse._SubParsersAction))
+    engine.update({f"logitspec trace {name}": p for name, p in trace.choices.items()})
     return {"job": job_parser(), "eval": sweep_parser(), "build-index": index_parser(), **engine}
 
 
