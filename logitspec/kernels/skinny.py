@@ -69,9 +69,13 @@ def _cpu_lacks_avx2_fma() -> str | None:
 
 
 def build_dir() -> pathlib.Path:
-    """Where this version of the sources is built: one folder per :func:`sources_digest`, so checkouts
-    of different versions on one machine do not rebuild over each other."""
-    return default_cache_dir() / "torch_extensions" / _EXT_NAME / sources_digest()
+    """Where this version of the sources is built for this environment: one folder per
+    :func:`sources_digest` and Python environment (its build file names the environment's torch
+    headers), so checkouts and virtual environments on one machine do not rebuild over each other."""
+    import hashlib
+
+    env = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:8]
+    return default_cache_dir() / "torch_extensions" / _EXT_NAME / f"{sources_digest()}-{env}"
 
 
 @contextlib.contextmanager
