@@ -9,6 +9,7 @@ needs no trace: it is the plain engine on the same prompts and token counts.
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 from typing import Any, Callable, Iterable, Sequence
 
@@ -41,7 +42,7 @@ def trace_sets(traces: Iterable[Trace]) -> dict[str, dict[str, Trace]]:
 
 
 def run_once(model, trace: Trace, method: str, batch_size: int, runner, seed: int = 0,
-             max_prompt_tokens: int | None = None, warmup_tokens: int = 16) -> dict[str, Any]:
+             max_prompt_tokens: int | None = None, warmup_tokens: int | None = 16) -> dict[str, Any]:
     """One replayed run of ``method`` (``ar``: the plain engine) on ``trace``'s rows at ``batch_size``:
     ms per token (decoding: the run's wall time less its prefills; and end to end), MAT, the rows'
     tokens and emitted counts per forward."""
@@ -51,10 +52,10 @@ def run_once(model, trace: Trace, method: str, batch_size: int, runner, seed: in
     engine = Engine(model, None, config, runner=runner,
                     replay=replay_hooks(None if method == "ar" else trace, config, prompts, seqs))
     check_fits(trace, engine.max_context, max_prompt_tokens)
-    if warmup_tokens:  # captures, kernels and caches: not measured
+    if warmup_tokens != 0:  # captures, kernels and caches: not measured (None: the whole run once)
         n = min(batch_size, len(prompts))
-        engine.run(prompts[:n], [r.with_(max_new_tokens=min(warmup_tokens, r.max_new_tokens))
-                                 for r in requests[:n]])
+        engine.run(prompts[:n], [r.with_(max_new_tokens=min(warmup_tokens or r.max_new_tokens,
+                                                             r.max_new_tokens)) for r in requests[:n]])
     run = engine.run(prompts, requests)
     tokens = sum(len(r.token_ids) for r in run.results)
     prefill = sum(r.stats["prefill_s"] for r in run.results)
@@ -68,7 +69,7 @@ def run_once(model, trace: Trace, method: str, batch_size: int, runner, seed: in
 
 def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequence[str] = METHODS,
            batch_sizes: Sequence[int] = BATCH_SIZES, rounds: int = 1, seed: int = 0,
-           max_prompt_tokens: int | None = None, warmup_tokens: int = 16,
+           max_prompt_tokens: int | None = None, warmup_tokens: int | None = 16,
            runner_for: Callable[[Any, int], Any] | None = None, details: bool = False) -> dict[str, Any]:
     """Replayed acceptance of every trace set at every batch size (see the module).
 
@@ -112,10 +113,19 @@ def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequen
                 results[f"{m}@{b}"] = row
             _speed_ups(results, b)
             del runner
+            _release(model)
         out["traces"][name] = {"recorded": {m: {"mat": t.mat, "batch_size": t.batch_size,
                                                 "sequences": len(t.sequences), "meta": t.meta}
                                             for m, t in by_method.items()}, "results": results}
     return out
+
+
+def _release(model) -> None:
+    """Free the last batch size's runner (engines hold it in reference cycles) before the next one's
+    slots are allocated."""
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _speed_ups(results: dict[str, dict], b: int) -> None:
