@@ -4,6 +4,11 @@
 engines with ``SpecConfig(budget="auto")`` load the stored curve, or measure a quick one on first
 use. The grid depends on the device (:func:`grid_for`): a CPU's forward grows with every token, a
 GPU's stays flat to far larger batches and trees, so it is measured there up to 64 rows x 64 nodes.
+
+Every forward runs through the model runner the engine uses (:class:`~logitspec.runner.ModelRunner`:
+the eager :class:`~logitspec.target.TargetForward`, or on CUDA the graph runner of
+:mod:`logitspec.gpu`, whose padded, captured steps cost what the engine pays); the runner is part of
+a stored curve's key (:func:`runner_fingerprint`).
 """
 from __future__ import annotations
 
@@ -21,12 +26,12 @@ import torch
 
 from . import allocator
 from .budget import CostCurve
-from .cache import GrowingLayer
+from .cache import BatchKV, GrowingLayer
 from .device import elapsed
 from .head import OutputMode
 from .kernels import skinny
 from .masks import StepRow
-from .target import TargetForward
+from .runner import ModelRunner
 
 log = logging.getLogger("logitspec.calibrate")
 TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -64,13 +69,17 @@ def grid_for(device, quick: bool = False) -> Grid:
     return GPU_GRID
 
 
-def rows_for(grid: Grid, max_batch_size: int) -> tuple[int, ...]:
+def rows_for(grid: Grid, max_batch_size: int, limit: int | None = None) -> tuple[int, ...]:
     """The grid's batch sizes an engine of up to ``max_batch_size`` rows needs: those up to the first
-    that covers it (the cost model interpolates between measured sizes)."""
+    that covers it (the cost model interpolates between measured sizes). ``limit``: the most rows
+    the runner holds (its slots); a larger size is measured at ``limit`` rows instead."""
     if max_batch_size <= 1:
         return ()
     cover = next((r for r in grid.rows if r >= max_batch_size), grid.rows[-1])
-    return tuple(r for r in grid.rows if r <= cover)
+    rows = [r for r in grid.rows if r <= cover]
+    if limit is not None:
+        rows = sorted({min(r, limit) for r in rows if min(r, limit) > 1})
+    return tuple(rows)
 
 
 def machine_fingerprint(device) -> str:
@@ -105,26 +114,34 @@ def kernel_fingerprint(model, head=None) -> str:
             f"|cache={GrowingLayer.__name__}|chains={CHAINS}|kernels={skinny.sources_digest()}")
 
 
-def curve_path(model, cache_dir=None, head=None) -> pathlib.Path | None:
-    """Where the curve of this model on this machine and kernels is stored (None for unnamed
-    in-memory models)."""
+def runner_fingerprint(runner) -> str:
+    """Which runner a curve's forwards went through (its ``kind``: "eager", or the graph runner with
+    its attention and capture), part of a stored curve's key: an eager curve never serves the graph
+    runner, or the other way round."""
+    return str(getattr(runner, "kind", type(runner).__name__))
+
+
+def curve_path(model, cache_dir=None, head=None, runner: str = "eager") -> pathlib.Path | None:
+    """Where the curve of this model on this machine, kernels and runner (:func:`runner_fingerprint`)
+    is stored (None for unnamed in-memory models)."""
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None
     from .models.paths import default_cache_dir
 
     p = next(model.parameters())
-    key = f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"
+    key = (f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"
+           f"|runner={runner}")
     slug = pathlib.Path(name).name.replace(os.sep, "_")[:40]
     root = pathlib.Path(cache_dir) if cache_dir else default_cache_dir()
     return root / "calibration" / f"{slug}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
 
 
 @torch.inference_mode()
-def measure(target: TargetForward, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
+def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
             batch_rows=None, batch_tokens=None) -> CostCurve:
     """Fastest time over ``reps`` (machine noise only adds time: a median of few reps took one
-    slow forward for the cost of its size) of one target forward (decoder + greedy output layer
+    slow forward for the cost of its size) of one step of the runner ``target`` (decoder + greedy output layer
     for every node, the device's work included) adding n tokens to a ``context``-token cache, for
     each n in ``tokens``; then, for each b in ``batch_rows``, b rows (caches of different lengths
     from ``context`` on) adding n tokens each, for n in ``batch_tokens``. Caches are rolled back
@@ -161,11 +178,11 @@ def _measure(target, tokens, context, reps, warmup, batch_rows, batch_tokens, g)
                      measure_columns(target, context, g.long_context, reps, warmup, at_low=one)).monotone()
 
 
-def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmup: int, nodes: int = 16,
+def measure_columns(target: ModelRunner, low: int, high: int, reps: int, warmup: int, nodes: int = 16,
                     at_low: CostCurve | None = None) -> dict | None:
     """What a node's attention adds per cached column it reads: the growth of one row's cost per
     node (``nodes`` new tokens against one) from ``low`` to ``high`` cached tokens, over the growth
-    of the columns read (:meth:`~logitspec.target.TargetForward.read_columns`); None where the
+    of the columns read (:meth:`~logitspec.runner.ModelRunner.read_columns`); None where the
     model's context or windows leave no difference to measure. ``at_low``: one row's curve already
     measured at ``low`` cached tokens with 1 and ``nodes`` tokens among its points (else measured)."""
     high = min(high, target.max_context - nodes - 1)
@@ -179,7 +196,7 @@ def measure_columns(target: TargetForward, low: int, high: int, reps: int, warmu
     return {"per_column": max(0.0, (per_node[1] - per_node[0]) / gained), "columns": target.read_columns(low)}
 
 
-def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCurve:
+def measure_head(target: ModelRunner, nodes, reps: int, warmup: int) -> CostCurve:
     """Fastest time of the output layer alone (greedy: the screen where the engine uses it) over n
     nodes' hidden states, for each n in ``nodes``."""
     hidden = target.head.weight.shape[1]
@@ -194,31 +211,44 @@ def measure_head(target: TargetForward, nodes, reps: int, warmup: int) -> CostCu
     return CostCurve(list(nodes), [min(times[n]) for n in nodes])
 
 
-def measure_rows(target: TargetForward, rows: int, tokens, context: int, reps: int, warmup: int,
+def measure_rows(target: ModelRunner, rows: int, tokens, context: int, reps: int, warmup: int,
                  own_chains: bool = False) -> CostCurve:
-    """Fastest forward time of ``rows`` rows (row r caching ``context + 16 r`` tokens) adding n tokens
+    """Fastest step time of ``rows`` rows (row r caching ``context + 16 r`` tokens) adding n tokens
     each, for each n in ``tokens`` (interleaved over ``warmup + reps`` rounds): chains of arbitrary
     tokens, or (``own_chains``) of the model's own continuation (:func:`own_continuations`)."""
     vocab = target.vocab_size
     lengths = [min(context + 16 * r, target.max_context - max(tokens) - 1) for r in range(rows)]
-    # one prefill (in the engine's chunks: a long context in one chunk is a large transient),
-    # copied to every row: the cost depends on the cached lengths, not the tokens
-    kv, _ = target.prefill([(7 * i + 3) % vocab for i in range(max(lengths))], chunk=CONTEXT_CHUNK)
-    kv.repeat_row(lengths)
+    kv = batch_cache(target, [(7 * i + 3) % vocab for i in range(max(lengths))], lengths)
     chains = (own_continuations(target, kv, max(tokens)) if own_chains
               else [[(5 * i + 1 + r) % vocab for i in range(max(tokens))] for r in range(rows)])
     times = {n: [] for n in tokens}
     for rep in range(warmup + reps):
         for n in tokens:  # interleaved, so machine noise hits all sizes alike
             step = [StepRow.chain(kv.lengths[r], chains[r][:n]) for r in range(rows)]
-            dt = elapsed(lambda: target(step, kv, all_logits=True, mode=OutputMode.GREEDY), target.device)
+            dt = elapsed(lambda: target.step(step, kv, OutputMode.GREEDY), target.device)
             kv.commit([[] for _ in range(rows)])  # drop the new columns
             if rep >= warmup:
                 times[n].append(dt)
     return CostCurve(list(tokens), [min(times[n]) for n in tokens])
 
 
-def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
+def batch_cache(target: ModelRunner, tokens: list[int], lengths: list[int]):
+    """The runner's batch cache of ``len(lengths)`` rows, row r committing the first ``lengths[r]`` of
+    ``tokens``: one prefill (in the engine's chunks: a long context in one chunk is a large
+    transient) copied to every row, since the cost depends on the cached lengths, not the tokens.
+    The eager cache repeats the prefilled row in place; another runner's storage (the graph
+    runner's slots) takes copies of it."""
+    row, _ = target.prefill(tokens, chunk=CONTEXT_CHUNK)
+    kv = target.new_batch(len(lengths))
+    if isinstance(kv, BatchKV):
+        row.repeat_row(lengths)
+        return row
+    kv.add_rows([(row, 0, len(lengths))])
+    kv.truncate(lengths)
+    return kv
+
+
+def own_continuations(target: ModelRunner, kv, n: int) -> list[list[int]]:
     """Per row of ``kv``, a chain of ``n`` tokens: an arbitrary first token, then what the model
     decodes greedily after it. A measured step verifies these, as the engine's steps verify drafts
     that read like text: on arbitrary token chains the screen's bound leaves thousands of candidate
@@ -230,7 +260,7 @@ def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
     for _ in range(n - 1):
         cols = kv.columns  # where the step's one new column per row lands
         step = [StepRow.chain(kv.lengths[r], c[-1:]) for r, c in enumerate(chains)]
-        out = target(step, kv, all_logits=True, mode=OutputMode.GREEDY)
+        out = target.step(step, kv, OutputMode.GREEDY)
         kv.commit([[cols]] * kv.rows)
         for c, t in zip(chains, out.nodes.argmax.tolist()):
             c.append(int(t))
@@ -238,21 +268,24 @@ def own_continuations(target: TargetForward, kv, n: int) -> list[list[int]]:
     return chains
 
 
-def load_or_measure(target: TargetForward, max_batch_size: int = 1, quick: bool = True) -> CostCurve:
-    """The stored curve of this model, machine and kernels if it has the batch sizes this engine
-    runs (:func:`rows_for`), else a measurement of them (stored)."""
+def load_or_measure(target: ModelRunner, max_batch_size: int = 1, quick: bool = True) -> CostCurve:
+    """The stored curve of this model, machine, kernels and runner if it has the batch sizes this
+    engine runs (:func:`rows_for`), else a measurement of them through ``target`` (stored). A runner
+    with fixed storage (``max_rows`` slots) measures batch sizes up to its slots only."""
     grid = grid_for(target.device, quick)
     rows = rows_for(grid, max_batch_size)
-    path = curve_path(target.model, head=target.head)
+    fits = rows_for(grid, max_batch_size, getattr(target, "max_rows", None))
+    path = curve_path(target.model, head=target.head, runner=runner_fingerprint(target))
     if path is not None and path.exists():
         try:
             d = json.loads(path.read_text())
-            if _covers(d, grid, rows) and (not rows or not target.head.fast or "head" in d):
+            covered = _covers(d, grid, rows) or _covers(d, grid, fits)
+            if covered and (not rows or not target.head.fast or "head" in d):
                 return curve_from_doc(d)
         except (OSError, ValueError, KeyError):
             log.warning("ignoring unreadable calibration %s", path)
     t0 = time.perf_counter()
-    curve = measure(target, tokens=grid.tokens, reps=3 if quick else 5, batch_rows=rows,
+    curve = measure(target, tokens=grid.tokens, reps=3 if quick else 5, batch_rows=fits,
                     batch_tokens=grid.per_row)
     log.info("measured forward cost curve in %.1f s: %s", time.perf_counter() - t0, curve.to_dict())
     if path is not None:
@@ -277,13 +310,14 @@ def _covers(doc: dict, grid: Grid, rows) -> bool:
     return "context" in doc and all(has(b) for b in rows)
 
 
-def save(curve: CostCurve, path: pathlib.Path, target: TargetForward) -> None:
-    """Write ``curve`` with what it was measured on (atomically); ``context`` is written even when
-    None, so a reader can tell a curve measured without a column cost from an older one."""
+def save(curve: CostCurve, path: pathlib.Path, target: ModelRunner) -> None:
+    """Write ``curve`` with what it was measured on, the runner included (atomically); ``context`` is
+    written even when None, so a reader can tell a curve measured without a column cost from an
+    older one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {**curve.to_dict(), "context": curve.context, "model": target.model.config._name_or_path,
            "dtype": str(target.dtype), "machine": machine_fingerprint(target.device),
-           "kernels": kernel_fingerprint(target.model, target.head)}
+           "kernels": kernel_fingerprint(target.model, target.head), "runner": runner_fingerprint(target)}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1))
     os.replace(tmp, path)

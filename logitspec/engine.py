@@ -174,6 +174,8 @@ class Engine:
         :class:`~logitspec.request.Request`, ``defaults`` where it has none), ``step`` to advance the
         batch and collect finished results. ``seed``: the session's base seed (a request without one
         is seeded ``seed`` + its request id)."""
+        if self.policy.auto_budget and getattr(self.runner, "static_storage", False):
+            self.policy.curve()  # measured through the runner's one storage before the session's rows take it
         return Session(self.parts, defaults or Request(), seed, apply_chat_template)
 
     @torch.inference_mode()

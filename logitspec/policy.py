@@ -178,13 +178,18 @@ class SpeculationPolicy:
         return self.realised.as_dict() if self.auto_budget else {}
 
     # ------------------------------------------------------------------ the auto budget
+    def curve(self) -> CostCurve:
+        """The cost curve the budget sizes trees from: the one given, else ``measure_curve()``'s, on
+        first need."""
+        if self.cost_curve is None:
+            self.cost_curve = self.measure_curve()
+        return self.cost_curve
+
     def _prune(self, trees: list[DraftTree], rows: Sequence[DraftRow], draining: bool) -> list[DraftTree]:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.budget`); a
         ``draining`` batch weighs its rows' tokens by :func:`~logitspec.budget.drain_weights`."""
         fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
-        if fresh:
-            self.cost_curve = self.measure_curve()
-        curve, B = self.cost_curve, len(rows)
+        curve, B = self.curve(), len(rows)
         weights, base = None, None
         if draining and B > 1:  # tokens worth what they save of the batch's time (budget.drain_weights)
             step = curve.step(B, 1)

@@ -41,6 +41,8 @@ class ForwardResult:
 class TargetForward:
     """The target model on :class:`~logitspec.masks.StepRow` batches against a :class:`BatchKV`."""
 
+    kind = "eager"  # the runner's name in a stored cost curve's key (calibrate.runner_fingerprint)
+
     def __init__(self, model, fast_head: bool = True):
         """``fast_head=False`` uses the model's own forward for the output layer (needed when the
         output layer is sharded, e.g. DeepSpeed AutoTP)."""

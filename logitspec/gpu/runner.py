@@ -66,6 +66,7 @@ class GraphRunner:
         self.row_buckets = tuple(b for b in row_buckets if b < max_rows) + (max_rows,)
         self.node_buckets = tuple(node_buckets)
         self.key_block, self.flex_block, self.warmup = key_block, flex_block, warmup
+        self.max_rows = max_rows
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
@@ -77,6 +78,16 @@ class GraphRunner:
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0}
 
     # ------------------------------------------------------------------ the seam (runner.ModelRunner)
+    # its batch cache is one fixed storage that new_batch empties: nothing (a cost measurement) may
+    # take it while a session holds rows (Engine.open measures the auto budget's curve before)
+    static_storage = True
+
+    @property
+    def kind(self) -> str:
+        """What its steps are (a stored cost curve's key: :func:`~logitspec.calibrate.runner_fingerprint`)."""
+        block = f"key_block={self.key_block}" if self.attention == "sdpa" else f"flex_block={self.flex_block}"
+        return f"graph:{self.attention}:{'cuda-graphs' if self.capture else 'uncaptured'}:{block}"
+
     def new_batch(self, max_rows: int = 0) -> SlotKV:
         """The runner's slot storage, emptied (one per runner: its graphs hold its addresses)."""
         if max_rows > self.kv.slots:
