@@ -1,11 +1,13 @@
 """Acceptance traces: recorded by the real engine, replayed exactly on another (random) model."""
 import dataclasses
+import json
 
 import pytest
-from tiny_models import repetitive_prompts, tiny_model
+from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.bench.replay import REPLAYED, replay, run_once
+from logitspec.cli import main
 from logitspec.gpu import GraphRunner
 from logitspec.replay_hooks import ReplayHooks
 from logitspec.target import TargetForward
@@ -120,3 +122,26 @@ def test_replay_result_labels_and_speed_ups(recorded):
     assert res["results"]["ar@2"]["x_ar"] == 1.0
     assert all(r["ms_per_token"] > 0 and r["x_ar"] > 0 for r in res["results"].values())
     assert res["recorded"]["logitspec"]["mat"] == traces["logitspec"][0].mat
+
+
+def test_trace_commands_record_and_replay(tmp_path, capsys):
+    save_tiny_text_model(tmp_path / "m")
+    questions = tmp_path / "question.jsonl"
+    rows = [(1, "qa", "the quick brown fox jumps over the lazy dog, the quick brown fox"),
+            (2, "rag", "four score and seven years ago four score and seven years ago")]
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, c, t in rows))
+    out = tmp_path / "traces"
+    assert main(["trace", "record", "--model", str(tmp_path / "m"), "--methods", "pld",
+                 "--max-new-tokens", "6", "--name", "tiny", "--questions", str(questions),
+                 "--out", str(out)]) == 0
+    trace = Trace.load(out / "tiny_spec_bench_pld.json.gz")
+    assert len(trace.sequences) == 2 and trace.method == "pld"
+    assert trace.meta["command"].startswith("logitspec trace record")
+    assert main(["trace", "replay", str(out), "--model", str(tmp_path / "m"), "--batch-sizes", "2",
+                 "--out", str(tmp_path / "r.json")]) == 0
+    printed = capsys.readouterr().out
+    assert REPLAYED in printed and "| 2 | pld |" in printed
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["label"] == REPLAYED
+    assert set(result["traces"]["tiny/spec_bench"]["results"]) == {"ar@2", "pld@2"}
