@@ -1,30 +1,33 @@
-"""The device check of issue 17, in one run (docs/gpu.md): lossless decoding on tiny models and the
-forward-cost curves of two real model shapes with random weights. Writes JSON under ``--out``.
+"""The device check (docs/gpu.md, "The device check"), in one run: by default issue 40's parts (the
+graph runner), with ``--parts all`` also issue 17's (eager lossless, device paths, cost curves).
+Writes JSON under ``--out``; on CPU (``--tiny``) every part runs in its CPU form.
 
-    bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 8 minutes)
+    bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 9 minutes)
     python scripts/gpu_check.py --tiny --device cpu --out out/check   # CI-sized, on CPU
 
-1. ``lossless.json``: greedy ``ar``/``pld``/``logitspec`` (batch 1 and 4) against HF ``generate`` on
-   tiny Llama, Qwen2 and Gemma 3 in float32; in bfloat16 against our own bfloat16 ``ar`` (and against
-   ``generate``, informational). A parting is allowed only where the reference's two tokens tie
-   within the dtype's rounding (the gap is recorded).
-2. ``curve_<shape>.json``: forward time at 1, 8, 32, 64 rows x 1..64 nodes per row (~1-2k cached
-   tokens per row), bfloat16 random weights, for a Llama-3-8B and a Qwen2.5-7B shape; ratios to
-   plain decoding (1 node per row) and the speed-up those ratios predict from the acceptance
-   measured on CPU (a prediction, labelled as one); and the engine's whole decode step (ar, and
-   logitspec with 16-node trees) at 1 and 64 rows, split into draft / pack / forward / verify /
-   commit, to show the host's share beside the forward.
-3. ``device_paths.json``: host waits for the device per step, by code location (CUDA's sync debug
-   mode), and seeded sampling with every node drawn on the device.
-4. ``graph_lossless.json``, ``graph_timing.json`` (issue 40): the graph runner (``logitspec.gpu``: static KV
-slots, one CUDA graph per
-   (rows, nodes) bucket): lossless greedy through it on the tiny families (the whole engine, ``ar``
-   and ``logitspec``, float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex
-   attention on head-dim-32 copies), and on the Llama-3-8B shape the step's time at 1/8/32/64 rows
-   x 1..32 nodes per row with SDPA and flex attention, captures and allocations on repeated shapes.
-   On CPU: its CPU form (float32, SDPA, eager, tiny shape).
-5. ``summary.json``: versions, device, what passed, timings. Exit 1 if a lossless case failed or a
-   part raised (its error is recorded; the other parts still run).
+Issue 40's parts, in order (each with a share of the time left: :data:`SHARE`):
+
+1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.gpu``: static KV
+   slots, one CUDA graph per (rows, nodes) bucket), ``ar`` and ``logitspec`` on tiny Llama, Qwen2
+   and Gemma 3: float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex attention
+   on head-dim-32 copies.
+2. ``hf_graph.json``: the reference step, HF's forward over a ``StaticCache`` captured once in a CUDA
+   graph and replayed (1 and 32 rows, 512-token prompts), on the Llama-3-8B shape (random bfloat16
+   weights, as every part below).
+3. ``ar_steps.json``: our engine's ``ar`` step through the graph runner at 1, 8, 32, 64 rows, greedy
+   and sampled (T 0.8, top-p 0.95): a warm-up run, then the same run timed (ms per steady step, its
+   captures, its host waits by code location).
+4. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
+5. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA
+   (and flex attention at a few points): the tree curve; captures and allocations on repeated shapes.
+6. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
+   per-part time and errors, issue 40's keys. Exit 1 if a lossless case failed or a part raised (its
+   error is recorded; the other parts still run).
+
+Issue 17's parts: ``lossless.json`` (the eager engine against ``generate`` / our bfloat16 ``ar``),
+``device_paths.json`` (host waits per step of the eager engine, sampling on the device),
+``curve_<shape>.json`` (the eager forward's cost at 1/8/32/64 rows x 1..64 nodes per row for a
+Llama-3-8B and a Qwen2.5-7B shape, the speed-up it predicts, the engine's step split and host profile).
 """
 from __future__ import annotations
 
@@ -43,14 +46,15 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
+from gpu_check_steps import ar_steps, count_host_waits, hf_graph_steps, prefill_timings  # noqa: E402
+from gpu_check_summary import summarise  # noqa: E402
+from gpu_check_summary import write as write_summary  # noqa: E402
 from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
 
 from logitspec import Engine, SpecConfig  # noqa: E402
@@ -71,7 +75,7 @@ SHAPES = {  # the real models' shapes; weights are random (nothing on disk)
                                  intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768)),
 }
 TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=128, vocab_size=512, max_position_embeddings=512)
+                  intermediate_size=128, vocab_size=512, max_position_embeddings=2048)
 # measured on CPU, batch 1, Spec-Bench, 128 new tokens (docs/benchmarks.md): (what, MAT, draft nodes per step)
 CPU_ACCEPTANCE = [("gemma3-270m logitspec, run 1", 2.90, 4.5), ("gemma3-270m logitspec, run 2", 2.72, 3.2),
                   ("gemma3-270m pld", 3.02, 5.3), ("qwen2.5-coder-0.5b logitspec", 1.68, 2.5),
@@ -93,13 +97,20 @@ class Plan:
     step_tokens: int = 32  # new tokens per row in the engine-step measurement (trees shrink near the end)
     shapes: tuple = tuple(SHAPES)
     tiny: bool = False
+    prompt_len: int = 512  # the decode-step parts' prompts (issue 40's table: 512-token prompts)
+    hf_rows: tuple = (1, 32)  # rows of the HF reference step
+    ar_tokens: int = 32  # new tokens per row in the ar-step part (each run twice: warm-up, timed)
+    prefill_tokens: int = 8192
+    prefill_chunk: int = 512  # the engine's default prefill chunk
 
 
 def plan_for(args) -> Plan:
     if not args.tiny:
         return Plan(args.device)
-    return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 2, 4), nodes=(1, 2, 4), context=24,
-                reps=1, step_tokens=4, tiny=True)
+    # the 8B shape's row and node counts (every summary key has a value), on a tiny model
+    return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 8, 32, 64), nodes=(1, 4, 8, 16),
+                context=24, reps=1, step_tokens=4, tiny=True, prompt_len=24, ar_tokens=6, prefill_tokens=256,
+                prefill_chunk=64)
 
 
 # ------------------------------------------------------------------------------------------ lossless
@@ -174,15 +185,8 @@ def host_waits(plan: Plan) -> dict:
     run_engine(model, prompts, plan, "logitspec", plan.batch)  # warm-up
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=plan.batch, budget="fixed"),
                     runner=TargetForward(model))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run = engine.run(prompts, max_new_tokens=plan.new_tokens)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    where = Counter(f"{pathlib.Path(w.filename).name}:{w.lineno}" for w in caught
-                    if "synchroniz" in str(w.message))
+    with count_host_waits(torch.device(plan.device)) as where:
+        run = engine.run(prompts, max_new_tokens=plan.new_tokens)
     steps = run.stats["batch_steps"]
     return {"measured": True, "batch_steps": steps, "admissions": len(prompts), "waits": sum(where.values()),
             "waits_per_step": round(sum(where.values()) / steps, 2), "by_location": dict(where.most_common())}
@@ -411,7 +415,7 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
     for attention, got in doc["attention"].items():  # issue 40's keys (None: not measured)
         ms, x = got["ms"], got["x_plain"]
         doc["goals" if attention == "sdpa" else f"goals_{attention}"] = {
-            "ar_ms_b1": ms.get("1x1"), "ar_ms_b32": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
+            "step_ms_1x1": ms.get("1x1"), "step_ms_32x1": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
             "tree16_x_b8": x.get("8x16"), "tree8_x_b32": x.get("32x8"), "tree4_x_b64": x.get("64x4")}
     if cuda:
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
@@ -432,22 +436,57 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-def part_names(plan: Plan) -> list[str]:
-    return (["lossless", "device_paths", "graph_lossless", "graph_timing"]
-            + [f"curve_{n}" for n in plan.shapes])
+# issue 40's check, in this order (the default): graph-mode lossless, then the 8B shape's steps; the
+# replayed-acceptance part (issue 40, item 5) goes before graph_timing once it exists
+GRAPH_PARTS = ("graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "graph_timing")
+EAGER_PARTS = ("lossless", "device_paths")  # issue 17's check (passed on the H200), with the curves
+# a part's share of the time left when it starts (the rest: the parts after it); graph_timing skips
+# what it cannot start by the end (flex attention's points last)
+SHARE = {"graph_lossless": 0.25, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3}
+
+
+def part_names(plan: Plan, asked: str | None = None) -> list[str]:
+    """The parts ``--parts`` names: a comma-separated list, "all", or (default) issue 40's."""
+    every = [*EAGER_PARTS, *GRAPH_PARTS] + [f"curve_{n}" for n in plan.shapes]
+    if asked == "all":
+        return every
+    return asked.split(",") if asked else list(GRAPH_PARTS)
 
 
 def run_part(name: str, plan: Plan, deadline: float) -> dict:
+    deadline = time.time() + SHARE.get(name, 1.0) * (deadline - time.time())
     if name == "lossless":
         return {"cases": [c for f in FAMILIES for c in lossless_family(f, plan)]}
     if name == "device_paths":
         return {"host_waits": host_waits(plan), "sampling": device_sampling(plan)}
-    if name == "graph_lossless":  # at most 45% of the time left: graph_timing comes next
-        cases = graph_lossless(plan, time.time() + 0.45 * (deadline - time.time()))
+    if name == "graph_lossless":
+        cases = graph_lossless(plan, deadline)
         return {"ok": all(c["ok"] for c in cases), "cases": cases}
     if name == "graph_timing":
         return graph_timings(plan, deadline)
+    if name in ("hf_graph", "ar_steps", "prefill_8k"):
+        return shape_steps(name, plan, deadline)
     return curve_for(name.removeprefix("curve_"), plan, deadline)
+
+
+def shape_steps(name: str, plan: Plan, deadline: float) -> dict:
+    """One decode-step part on the Llama-3-8B shape (random bfloat16 weights; the tiny stand-in on
+    CPU): the HF static-cache graph step, our ar step, or the long prefill (gpu_check_steps)."""
+    t0 = time.time()
+    model, _ = build_shape("llama3-8b", plan)
+    doc = {"shape": "tiny" if plan.tiny else "llama3-8b", "dtype": "bfloat16",
+           "build_s": round(time.time() - t0, 1)}
+    if name == "hf_graph":
+        doc.update(hf_graph_steps(model, plan.hf_rows, plan.prompt_len, max(3, plan.reps), deadline))
+    elif name == "ar_steps":
+        rows = sorted(plan.rows, key=lambda b: (b not in (1, 32), b))  # the summary's 1 and 32 rows first
+        doc.update(ar_steps(model, rows, plan.prompt_len, plan.ar_tokens, deadline))
+    else:
+        doc.update(prefill_timings(model, plan.prefill_tokens, plan.prefill_chunk, max(2, plan.reps)))
+    if plan.device.startswith("cuda"):
+        doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
+    doc["wall_s"] = round(time.time() - t0, 1)
+    return doc
 
 
 def part(name: str, plan: Plan, deadline: float, out: pathlib.Path) -> dict:
@@ -480,8 +519,10 @@ def part_in_process(name: str, args, start: float) -> dict:
     env = {**os.environ, **({"CUDA_LAUNCH_BLOCKING": "1"} if name == "lossless" else {})}
     rc = subprocess.run(cmd, env=env).returncode
     done = pathlib.Path(args.out, f"{name}.part.json")
-    if done.exists():
-        return json.loads(done.read_text())
+    if done.exists():  # read and removed at once: what comes back from the device is 8 files at most
+        outcome = json.loads(done.read_text())
+        done.unlink()
+        return outcome
     return {"wall_s": round(time.perf_counter() - t0, 1),
             "error": f"its process exited with {rc} before recording"}
 
@@ -491,10 +532,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
-    ap.add_argument("--budget-s", type=float, default=360.0,
-                    help="start no curve row or engine run past this")
-    ap.add_argument("--parts", help="comma-separated parts to run (default all; off CPU each in its own "
-                                    "process)")
+    ap.add_argument("--budget-s", type=float, default=400.0,
+                    help="start no curve row, engine run or timed point past this")
+    ap.add_argument("--parts", help="comma-separated parts to run, or 'all' (default: issue 40's, "
+                                    f"{','.join(GRAPH_PARTS)}; off CPU each in its own process)")
     ap.add_argument("--isolate", action="store_true", help="each part in its own process (the default "
                                                            "off CPU)")
     ap.add_argument("--start", type=float, help=argparse.SUPPRESS)  # the whole check's start (epoch seconds)
@@ -503,7 +544,7 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    names = args.parts.split(",") if args.parts else part_names(plan)
+    names = part_names(plan, args.parts)
     # a child of the run below: record the outcome for the parent
     if args.start is not None and len(names) == 1:
         outcome = part(names[0], plan, start + args.budget_s, out)
@@ -514,41 +555,10 @@ def main(argv=None) -> int:
     for name in names:
         summary["parts"][name] = (part_in_process(name, args, start) if isolate
                                   else part(name, plan, start + args.budget_s, out))
+        write_summary(summary, out, start)  # what is done so far, should the time limit stop the check
     for f in out.glob("*.part.json"):
         f.unlink()
     return summarise(summary, out, start)
-
-
-def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
-    """``summary.json`` from the parts' files; the exit status (0: every case lossless, no part failed)."""
-    read = {n: json.loads((out / f"{n}.json").read_text()) if (out / f"{n}.json").exists() else None
-            for n in ("lossless", "device_paths", "graph_lossless", "graph_timing")}
-    lossless, paths = read["lossless"], read["device_paths"]
-    graph = {}  # issue 40's figures, and whether graph mode was lossless
-    if read["graph_lossless"] is not None:
-        cases = read["graph_lossless"]["cases"]
-        graph.update(lossless_ok=read["graph_lossless"]["ok"], lossless_equal=sum(c["equal"] for c in cases),
-                     lossless_total=sum(c["of"] for c in cases),
-                     lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
-    if read["graph_timing"] is not None:
-        graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
-    if graph:
-        summary["graph"] = graph
-    cases = lossless["cases"] if lossless else []
-    ran = summary["parts"]  # a part not asked for (--parts) is neither passed nor failed: None
-    summary["lossless_ok"] = (bool(cases) and all(c["ok"] for c in cases)) if "lossless" in ran else None
-    summary["sampling_ok"] = (bool(paths) and paths["sampling"]["ok"]) if "device_paths" in ran else None
-    summary["host_waits_per_step"] = paths["host_waits"].get("waits_per_step") if paths else None
-    summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
-                               for c in cases if not c["ok"]]
-    summary["wall_s"] = round(time.time() - start, 1)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    summary["part_errors"] = [k for k, v in summary["parts"].items() if v["error"]]
-    keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s")
-    print(json.dumps({k: summary[k] for k in keys}), flush=True)
-    graph_ok = summary.get("graph", {}).get("lossless_ok", "graph_lossless" not in ran)
-    passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))
-    return 0 if passed and not summary["part_errors"] else 1
 
 
 if __name__ == "__main__":

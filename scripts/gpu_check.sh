@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The device check of issue 17 (docs/gpu.md): lossless decoding on tiny Llama / Qwen2 / Gemma 3 on the
-# GPU (float32 against HF generate, bfloat16 against our own bfloat16 ar), host waits per step, device
-# sampling, and the forward-cost curves of a Llama-3-8B and a Qwen2.5-7B shape (random bfloat16
-# weights) at 1/8/32/64 rows x 1..64 nodes per row. Under 8 minutes on one H200; JSON under OUT_DIR.
+# The device check (docs/gpu.md, "The device check"). By default issue 40's parts: lossless greedy through
+# the graph runner on tiny Llama / Qwen2 / Gemma 3, then on the Llama-3-8B shape (random bfloat16 weights)
+# the HF static-cache graph step, our ar step (1/8/32/64 rows, greedy and sampled), an 8k-token prefill
+# and the graph runner's tree curve; --parts all adds issue 17's (eager lossless, device paths, cost
+# curves). Under 9 minutes on one H200 (no part starts past --budget-s 400; stopped at GPU_CHECK_TIMEOUT,
+# default 520 s); JSON and summary.json under OUT_DIR, the summary rewritten after every part.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [gpu_check.py options]     # OUT_DIR defaults to $OUT, else out/gpu_check
 #   bash scripts/gpu_check.sh out/check --tiny --device cpu         # CI-sized, on CPU
@@ -25,5 +27,5 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_TIMEOUT:-450}" "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
+PYTHONUNBUFFERED=1 timeout "${GPU_CHECK_TIMEOUT:-520}" "$PY" scripts/gpu_check.py --out "$OUT_DIR" "$@" 2>&1 | tee "$OUT_DIR/log.txt"
 exit "${PIPESTATUS[0]}"

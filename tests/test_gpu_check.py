@@ -9,6 +9,9 @@ from conftest import REPO
 
 from logitspec.budget import CostCurve
 
+ROWS, NODES = (1, 8, 32, 64), (1, 4, 8, 16)  # the tiny plan's: the 8B shape's rows, nodes up to 16
+sys.path.insert(0, str(REPO / "scripts"))  # the check's modules (gpu_check, gpu_check_summary)
+
 
 def test_importing_the_engine_needs_no_ray_or_deepspeed():
     code = ("import sys, logitspec, logitspec.engine, logitspec.calibrate, logitspec.target; "
@@ -21,7 +24,8 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     # the script's own 450 s limit is sized for the H200; a shared 2-core CI box runs the CPU form slower
     env = {**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_TIMEOUT": "1200"}
     run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), str(tmp_path), "--tiny",
-                          "--device", "cpu", "--isolate", "--budget-s", "1000"], cwd=REPO, env=env,
+                          "--device", "cpu", "--isolate", "--budget-s", "1000", "--parts", "all"],
+                         cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=1300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert not list(tmp_path.glob("*.part.json"))  # each part's process left its outcome, gathered here
@@ -49,7 +53,8 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     assert all(c["equal"] == c["of"] == 3 and c["counters"]["replays"] > 0 for c in ran)
     sdpa = json.loads((tmp_path / "graph_timing.json").read_text())["attention"]["sdpa"]
     points = set(sdpa["ms"]) | {f"{b}x{n}" for b, n in sdpa["skipped"]}
-    assert points == {f"{b}x{n}" for b in (1, 2, 4) for n in (1, 2, 4)}
+    assert points == {f"{b}x{n}" for b in ROWS for n in NODES}
+    _check_issue40_parts(tmp_path, summary, sdpa["skipped"])
     assert sdpa["repeat"] == {"graphs": 0, "captures": 0, "allocations": 0, "cuda_allocations_per_step": None}
 
     paths = json.loads((tmp_path / "device_paths.json").read_text())
@@ -57,18 +62,61 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
 
     for shape in ("llama3-8b", "qwen2.5-7b"):
         doc = json.loads((tmp_path / f"curve_{shape}.json").read_text())
-        assert sorted(doc["rows"]) == ["1", "2", "4"] and doc["skipped_rows"] == []
+        assert {int(b) for b in doc["rows"]} == set(ROWS) and doc["skipped_rows"] == []
         for r in doc["rows"].values():
-            assert r["nodes_per_row"] == [1, 2, 4] and len(r["ms"]) == 3 and r["x_plain"][0] == 1.0
+            assert r["nodes_per_row"] == list(NODES) and len(r["ms"]) == 4 and r["x_plain"][0] == 1.0
         curve = CostCurve(**doc["cost_curve"])
-        assert sorted(curve.batches) == [2, 4] and curve.step(4, 2) > 0
-        assert all({"acceptance", "mat", "tokens_per_row", "1", "4"} <= set(p) for p in doc["prediction"])
+        assert sorted(curve.batches) == [8, 32, 64] and curve.step(8, 4) > 0
+        assert all({"acceptance", "mat", "tokens_per_row", "1", "64"} <= set(p) for p in doc["prediction"])
         assert any("forward" in line for line in doc["host_profile_ar@1"])  # the host's time by function
         steps = doc["engine_steps"]
-        assert sorted(steps) == ["ar@1", "ar@4", "logitspec@1", "logitspec@4"]
+        assert sorted(steps) == ["ar@1", "ar@64", "logitspec@1", "logitspec@64"]
         assert all(v["ms_per_step"] > 0
                    and set(v["split_ms"]) == {"draft", "pack", "forward", "verify", "commit"}
                    for v in steps.values())
+
+
+def _check_issue40_parts(out, summary, timing_skipped):
+    """Issue 40's decode-step parts ran in their CPU form, and the summary has every key of issue 40
+    with a value (CPU timings of the tiny stand-in), but for what the time budget skipped."""
+    from gpu_check_summary import ISSUE40_KEYS
+
+    assert set(ISSUE40_KEYS) <= set(summary)
+    assert summary["replay"] is None and summary["replay_note"]  # not wired into the check yet
+    hf = json.loads((out / "hf_graph.json").read_text())
+    assert hf["captured"] is False and set(hf["ms"]) == {"1", "32"} and summary["hf_graph_ms_b1"] > 0
+    ar = json.loads((out / "ar_steps.json").read_text())
+    ran = {(b, mode) for mode in ("greedy", "sampled") for b in ar[mode]}
+    assert ran | {(str(b), mode) for b, mode in ar["skipped"]} == {(str(b), m) for b in ROWS
+                                                                    for m in ("greedy", "sampled")}
+    for mode in ("greedy", "sampled"):
+        for case in ar[mode].values():
+            assert case["ms"] > 0 and case["steady_steps"] >= 3 and "host_waits" not in case  # CUDA only
+            assert case["timed_run"]["graphs"] == case["timed_run"]["allocations"] == 0  # shapes seen before
+            assert case["timed_run"]["replays"] > 0
+    prefill = json.loads((out / "prefill_8k.json").read_text())
+    assert prefill["tokens"] == 256
+    assert min(prefill[k] for k in ("engine_s", "slot_chunked_s", "slot_whole_s")) > 0
+    assert summary["prefill_8k_s"] == prefill["engine_s"]
+    assert summary["lossless_equal"] == summary["lossless_total"] > 0
+    assert summary["captures_after_warmup"] == 0
+    assert summary["graph_host_waits_per_step"] is None  # counted on CUDA only
+    if not ar["skipped"]:
+        assert all(summary[k] > 0 for k in ("ar_ms_b1", "ar_ms_b32", "sampled_x_greedy_b1",
+                                            "sampled_x_greedy_b32"))
+    if not timing_skipped:
+        assert all(summary[k] > 0 for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64"))
+
+
+def test_the_default_parts_are_issue_40s():
+    import gpu_check
+
+    plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))
+    assert gpu_check.part_names(plan) == ["graph_lossless", "hf_graph", "ar_steps", "prefill_8k",
+                                          "graph_timing"]
+    assert gpu_check.part_names(plan, "lossless,ar_steps") == ["lossless", "ar_steps"]
+    assert {"lossless", "device_paths", "curve_llama3-8b", "curve_qwen2.5-7b", "ar_steps"} <= set(
+        gpu_check.part_names(plan, "all"))
 
 
 def test_a_part_that_fails_in_its_process_is_recorded_and_the_others_still_run(tmp_path):

@@ -1,0 +1,101 @@
+"""``summary.json`` of the device check (scripts/gpu_check.py; docs/gpu.md, "The device check"): what
+passed, per-part times and errors, and issue 40's figures from the parts' JSON files. Written after
+every part, so a check stopped by its time limit still leaves the summary of what it finished."""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+# every part whose file the summary reads
+READS = ("lossless", "device_paths", "graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "graph_timing",
+         "replay")
+# issue 40's keys (item 8), always present (None: not measured in this run)
+ISSUE40_KEYS = ("ar_ms_b1", "ar_ms_b32", "hf_graph_ms_b1", "tree16_x_b1", "tree16_x_b8", "tree8_x_b32",
+                "tree4_x_b64", "prefill_8k_s", "sampled_x_greedy_b1", "sampled_x_greedy_b32",
+                "lossless_equal", "lossless_total", "replay")
+# the replayed-acceptance part (issue 40, item 5) writes replay.json with a "replay" entry (per trace and
+# method: ms per token and speed-up over ar); until it is wired into the check:
+REPLAY_PENDING = "no replay part in this check yet (issue 40, item 5: replayed acceptance)"
+
+
+def read_parts(out: pathlib.Path) -> dict:
+    """Each part's JSON document in ``out`` (None where the part wrote none)."""
+    return {n: json.loads((out / f"{n}.json").read_text()) if (out / f"{n}.json").exists() else None
+            for n in READS}
+
+
+def _ar_ms(ar: dict | None, mode: str, rows: int):
+    return ((ar or {}).get(mode) or {}).get(str(rows), {}).get("ms")
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def issue40(read: dict) -> dict:
+    """Issue 40's figures: our ``ar`` step (ms, greedy) at 1 and 32 rows and sampled over greedy, the
+    HF static-cache graph step, tree steps over one node per row (same rows), the 8k-token prefill
+    (the engine's way), graph-mode lossless counts, the replay, captures on repeated shapes and the
+    graph runner's host waits per step."""
+    ar, hf, timing = read["ar_steps"], read["hf_graph"], read["graph_timing"]
+    goals = (timing or {}).get("goals", {})
+    cases = [c for c in (read["graph_lossless"] or {}).get("cases", []) if not c.get("skipped")]
+    keys = {"ar_ms_b1": _ar_ms(ar, "greedy", 1), "ar_ms_b32": _ar_ms(ar, "greedy", 32),
+            "hf_graph_ms_b1": (hf or {}).get("ms", {}).get("1"),
+            "hf_graph_ms_b32": (hf or {}).get("ms", {}).get("32"),
+            **{k: goals.get(k) for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64")},
+            "prefill_8k_s": (read["prefill_8k"] or {}).get("engine_s"),
+            "sampled_x_greedy_b1": _ratio(_ar_ms(ar, "sampled", 1), _ar_ms(ar, "greedy", 1)),
+            "sampled_x_greedy_b32": _ratio(_ar_ms(ar, "sampled", 32), _ar_ms(ar, "greedy", 32)),
+            "lossless_equal": sum(c["equal"] for c in cases) if read["graph_lossless"] else None,
+            "lossless_total": sum(c["of"] for c in cases) if read["graph_lossless"] else None,
+            "replay": (read["replay"] or {}).get("replay"),
+            "replay_note": None if read["replay"] else REPLAY_PENDING}
+    timed = [c for mode in ("greedy", "sampled") for c in ((ar or {}).get(mode) or {}).values()]
+    repeats = [a["repeat"]["captures"] for a in ((timing or {}).get("attention") or {}).values()]
+    counted = [c["timed_run"]["captures"] for c in timed] + repeats
+    keys["captures_after_warmup"] = sum(counted) if counted else None
+    waits = [c["host_waits"]["per_step"] for c in timed if "host_waits" in c]
+    keys["graph_host_waits_per_step"] = max(waits) if waits else None
+    return keys
+
+
+def write(summary: dict, out: pathlib.Path, start: float) -> dict:
+    """Fill ``summary`` (environment and per-part outcomes already in it) from the parts' files and
+    write ``summary.json``; the summary."""
+    read = read_parts(out)
+    lossless, paths = read["lossless"], read["device_paths"]
+    graph = {}  # graph mode: lossless, and the graph runner's step goals per attention
+    if read["graph_lossless"] is not None:
+        cases = read["graph_lossless"]["cases"]
+        graph.update(lossless_ok=read["graph_lossless"]["ok"], lossless_equal=sum(c["equal"] for c in cases),
+                     lossless_total=sum(c["of"] for c in cases),
+                     lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
+    if read["graph_timing"] is not None:
+        graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
+    summary["graph"] = graph or None
+    summary.update(issue40(read))
+    cases = lossless["cases"] if lossless else []
+    ran = summary["parts"]  # a part not asked for (--parts) is neither passed nor failed: None
+    summary["lossless_ok"] = (bool(cases) and all(c["ok"] for c in cases)) if "lossless" in ran else None
+    summary["sampling_ok"] = (bool(paths) and paths["sampling"]["ok"]) if "device_paths" in ran else None
+    summary["host_waits_per_step"] = paths["host_waits"].get("waits_per_step") if paths else None
+    summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
+                               for c in cases if not c["ok"]]
+    summary["part_errors"] = [k for k, v in summary["parts"].items() if v["error"]]
+    summary["wall_s"] = round(time.time() - start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
+    """The final ``summary.json`` and a line of it on stdout; the exit status (0: every lossless case
+    passed, eager and graph, and no part failed)."""
+    summary = write(summary, out, start)
+    keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s",
+            *ISSUE40_KEYS[:-1], "captures_after_warmup", "graph_host_waits_per_step")
+    print(json.dumps({k: summary[k] for k in keys}), flush=True)
+    graph_ok = (summary["graph"] or {}).get("lossless_ok", "graph_lossless" not in summary["parts"])
+    passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))
+    return 0 if passed and not summary["part_errors"] else 1
