@@ -3,7 +3,7 @@
 # the graph runner on tiny Llama / Qwen2 / Gemma 3, then on the Llama-3-8B shape (random bfloat16 weights)
 # the HF static-cache graph step, our ar step (1/8/32/64 rows, greedy and sampled), an 8k-token prefill
 # and the graph runner's tree curve; --parts all adds issue 17's (eager lossless, device paths, cost
-# curves). Under 9 minutes on one H200 (no part starts past --budget-s 400; stopped at GPU_CHECK_TIMEOUT,
+# curves). Under 9 minutes on one H200 (no case starts past --budget-s 400; stopped at GPU_CHECK_TIMEOUT,
 # default 520 s); JSON and summary.json under OUT_DIR, the summary rewritten after every part.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR] [gpu_check.py options]     # OUT_DIR defaults to $OUT, else out/gpu_check
