@@ -116,31 +116,34 @@ def hf_graph_steps(model, rows, prompt_len: int, reps: int, deadline: float) -> 
 
 
 # ------------------------------------------------------------------------------------------ our ar step
-def decode_steps(engine: Engine, prompts, request: Request) -> tuple[list[float], list]:
+def decode_steps(engine: Engine, prompts, request: Request) -> tuple[list[float], list, Counter | None]:
     """Run ``prompts`` through a session of ``engine``: the wall time of each step in which every
-    row decoded and nothing waited for a prefill or a slot (the steady decode step), and the
-    results."""
+    row decoded and nothing waited for a prefill or a slot (the steady decode step), the results,
+    and the host's waits in the steady steps by code location (None off CUDA)."""
     session = engine.open()
     for p in prompts:
         session.submit(p, request)
-    times, results = [], []
+    times, results, waits = [], [], None
     while session.busy:
         steady = len(session.active) == len(prompts) and not (session.pending or session.ready
                                                                 or session.prefilling)
-        t0 = time.perf_counter()
-        results += session.step()
+        with count_host_waits(engine.runner.device) if steady else contextlib.nullcontext() as where:
+            t0 = time.perf_counter()
+            results += session.step()
+            dt = time.perf_counter() - t0
         if steady:
-            times.append(time.perf_counter() - t0)
-    return times, results
+            times.append(dt)
+            waits = None if where is None else (waits or Counter()) + where
+    return times, results, waits
 
 
 def ar_case(engine: Engine, runner: GraphRunner, prompts, request: Request) -> dict:
     """One row count and sampling setting: a warm-up run (captures its buckets), then the same run
-    timed; ms per steady step, the split of the engine's step, and what the timed run captured."""
+    timed; ms per steady step, the split of the engine's step, what the timed run captured, and on
+    CUDA the host's waits per steady step."""
     decode_steps(engine, prompts, request)
     before = dict(runner.counters)
-    with count_host_waits(runner.device) as waits:
-        times, results = decode_steps(engine, prompts, request)
+    times, results, waits = decode_steps(engine, prompts, request)
     after = dict(runner.counters)
     s = results[0].stats  # every row is charged the whole step
     n = max(1, s["steps"] - 1)
@@ -149,8 +152,9 @@ def ar_case(engine: Engine, runner: GraphRunner, prompts, request: Request) -> d
            "split_ms": {k[:-2]: round(s[k] / n * 1e3, 3)
                         for k in ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")},
            "timed_run": {k: after[k] - before[k] for k in ("graphs", "captures", "allocations", "replays")}}
-    if waits is not None:
-        doc["host_waits"] = {"total": sum(waits.values()), "per_step": round(sum(waits.values()) / n, 2),
+    if waits is not None:  # in the steady steps
+        total = sum(waits.values())
+        doc["host_waits"] = {"total": total, "per_step": round(total / len(times), 2),
                              "by_location": dict(waits.most_common())}
     return doc
 

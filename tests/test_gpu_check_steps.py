@@ -77,3 +77,32 @@ def test_the_summary_has_issue_40s_keys_from_the_parts_files(tmp_path):
     (tmp_path / "replay.json").write_text(json.dumps({"replay": {"trace": {"logitspec": {"x_ar": 2.5}}}}))
     summary = gpu_check_summary.write({"parts": {}}, tmp_path, 0.0)
     assert summary["replay"] == {"trace": {"logitspec": {"x_ar": 2.5}}} and summary["replay_note"] is None
+
+
+def test_the_ar_case_times_steady_steps_and_counts_their_host_waits(monkeypatch):
+    """A warm-up run, then the timed run of the same shapes: nothing built or captured in it; the host
+    waits (CUDA's sync debug mode, faked here: one per step) counted in its steady steps only."""
+    import contextlib
+    from collections import Counter
+
+    from logitspec import Engine, SpecConfig
+    from logitspec.gpu import GraphRunner
+    from logitspec.request import Request
+
+    @contextlib.contextmanager
+    def one_wait(device):
+        yield Counter({"verify.py:131": 1})
+
+    monkeypatch.setattr(gpu_check_steps, "count_host_waits", one_wait)
+    model = tiny_model("qwen2")
+    runner = GraphRunner(model, max_rows=2, max_len=128, key_block=32)
+    engine = Engine(model, None, SpecConfig(method="ar", max_batch_size=2), runner=runner)
+    prompts = gpu_check_steps.token_prompts(2, 10, model.config.vocab_size)
+    request = Request(max_new_tokens=8, **gpu_check_steps.SAMPLED)
+    with torch.inference_mode():
+        case = gpu_check_steps.ar_case(engine, runner, prompts, request)
+    steady = case["steady_steps"]
+    assert steady >= 5 and case["ms"] >= case["ms_min"] > 0
+    assert {k: case["timed_run"][k] for k in ("graphs", "captures", "allocations")} == dict.fromkeys(
+        ("graphs", "captures", "allocations"), 0)
+    assert case["host_waits"] == {"total": steady, "per_step": 1.0, "by_location": {"verify.py:131": steady}}
