@@ -9,6 +9,7 @@ import math
 import os
 import pathlib
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ def connect_ray(cfg) -> dict:
 
     if ray.is_initialized():
         return {"started_here": False, "reused_session": True}
+    if not sys.stderr.isatty():  # actors' lines forwarded into a log file: no ANSI colour in their prefix
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
