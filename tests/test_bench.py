@@ -227,15 +227,7 @@ def test_hf_accept_lengths_from_forward_positions():
 
 
 # ------------------------------------------------------------------------------- end to end (tiny)
-@pytest.fixture
-def one_thread():
-    """A tiny model gains nothing from threads, and on a busy 2-core box 2 threads ran it ~10x slower."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# (one_thread: tests/conftest.py)
 
 
 def _tiny_model():

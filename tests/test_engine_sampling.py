@@ -14,16 +14,11 @@ from logitspec.index import CorpusIndex
 from logitspec.request import SamplingParams
 from logitspec.verify import probs_from_logits
 
-pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
+pytestmark = [pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)),
+                                 reason="no float16 kernels"),
+              pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads (on a busy 2-core box 2 threads ran them far slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 DEPTH = 3  # tokens per sample: the prefill's draw, then a step whose tree the walk can follow
 PARAMS = [SamplingParams(0.8, top_p=0.95), SamplingParams(1.0, top_k=5), SamplingParams(1.0)]
 

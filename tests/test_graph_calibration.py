@@ -11,14 +11,7 @@ from logitspec import Engine, SpecConfig, calibrate
 from logitspec.gpu import GraphRunner
 from logitspec.target import TargetForward
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A tiny model gains nothing from threads, and on a busy 2-core box 2 threads ran it ~10x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ from logitspec import Engine, SpecConfig
 from logitspec.head import ScreenedArgmax
 from logitspec.request import Request
 
-pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
+pytestmark = [pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)),
+                                 reason="no float16 kernels"),
+              pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 
 class Letters:
@@ -20,12 +22,6 @@ class Letters:
         return "".join(chr(ord("a") + int(t) % 26) for t in ids)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _requests(model, prompt) -> list[Request]:
