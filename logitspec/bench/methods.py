@@ -245,7 +245,7 @@ def describe(runner) -> dict:
     out = {"config": asdict(eng.config)}
     if runner.reference is not None:
         out["datastore"] = getattr(runner.reference, "meta", {})
-    curve = getattr(eng, "cost_curve", None)
-    if curve is not None and hasattr(curve, "to_dict"):
+    curve = eng.policy.cost_curve
+    if curve is not None:
         out["cost_curve"] = curve.to_dict()
     return out
