@@ -282,6 +282,11 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert "| `ar` | 1.00x | 1.00x | 1.00x | 1.00x | 1.00 |" in md
     assert summary["method_configs"]["logitspec"]["config"]["method"] == "logitspec"
     assert summary["method_configs"]["hf-pld"]["generate"]["prompt_lookup_num_tokens"] == 10
+    # the auto budget's cost curve, as the engine loaded or measured it, is in the summary and the report
+    curve = summary["method_configs"]["logitspec"]["cost_curve"]
+    assert curve["tokens"][0] == 1 and min(curve["seconds"]) > 0
+    assert "cost_curve" not in summary["method_configs"]["pld"]
+    assert "## Forward cost curves used by the auto draft budget" in md
     # re-rendering from the records gives the same numbers; a cut-short file renders as partial
     assert rerender(tmp_path)["methods"] == on_disk["methods"] and "Partial" not in md
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
@@ -405,6 +410,44 @@ def test_batched_run_and_cli(tmp_path, one_thread):
     assert summary["methods"]["logitspec@capacity=4"]["lossless"] == 1.0
     assert main(["bench", "--model", str(model_dir), "--questions", str(tmp_path / "none.jsonl"),
                  "--out", str(out)]) == 2  # a clear error, not a traceback
+
+
+def test_longbench_rows_are_tasks_of_the_same_run(tmp_path, one_thread):
+    """``--data spec_bench,longbench``: the shipped LongBench-format rows join the Spec-Bench questions
+    in one run, each data set a task, prompts as the evaluation sweep builds them, answers at most
+    the data set's own length; unknown sets and a missing directory fail before the model loads."""
+    from tiny_models import save_tiny_text_model
+
+    from logitspec.bench.longbench_set import LONGBENCH_DIR
+    from logitspec.cli import main
+    from logitspec.evaluation.longbench import read_directory
+    from logitspec.evaluation.prompts import dataset_spec
+
+    model_dir = tmp_path / "tiny"
+    save_tiny_text_model(model_dir, max_positions=512)
+    qfile = _write_questions(tmp_path / "q.jsonl", [{"question_id": 1, "category": "qa",
+                                                     "turns": ["Name three colours of the rainbow."]}])
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(model_dir), "--questions", str(qfile),
+               "--data", "spec_bench,longbench", "--per-task", "1", "--methods", "ar,pld",
+               "--max-new-tokens", "40", "--out", str(out), "--no-progress", "--no-warmup"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    datasets = sorted(read_directory(LONGBENCH_DIR))
+    assert summary["tasks"] == ["qa", *datasets]
+    assert summary["settings"]["data"] == ["spec_bench", "longbench"]
+    assert "--data spec_bench,longbench" in summary["command"]
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in records} == {"qa", *datasets}
+    for r in records:
+        own = 40 if r["task"] == "qa" else min(40, dataset_spec(r["task"]).max_new_tokens)
+        assert 1 <= r["new_tokens"] <= own and r["prompt_tokens"] <= 512 - own
+    assert summary["methods"]["pld"]["lossless"] == 1.0
+    assert summary["methods"]["ar"]["speedup"]["overall"] == 1.0
+    assert set(summary["methods"]["pld"]["speedup"]) >= set(datasets)
+    assert main(["bench", "--data", "longbench,nope", "--out", str(out)]) == 2
+    assert main(["bench", "--data", "longbench", "--longbench-dir", str(tmp_path / "none"), "--out",
+                 str(out)]) == 2
 
 
 def test_throughput_table_from_engine_runs(one_thread, monkeypatch):

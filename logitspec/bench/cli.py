@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import shlex
 
+from ..evaluation.longbench import read_directory
 from ..helpfmt import DefaultsHelpFormatter
+from .longbench_set import LONGBENCH_DIR
 from .methods import DEFAULT_METHODS, parse_methods, split_top
 from .questions import DEFAULT_QUESTIONS, load_questions
 from .report import TASK_LABELS
@@ -12,6 +14,7 @@ from .run import bench
 from .samples import add_decoding_options, decoding_from_args, decoding_options
 
 QUICK = {"per_task": 1, "max_new_tokens": 16, "methods": "ar,logitspec,hf"}
+DATA_SETS = ("spec_bench", "longbench")
 DESCRIPTION = "Spec-Bench tables for our methods and the baselines users would pick instead."
 
 
@@ -25,9 +28,16 @@ def add_bench_command(sub) -> None:
                         "e.g. logitspec@capacity=8 or hf-pld@prompt_lookup_num_tokens=4; ar always runs")
     p.add_argument("--questions", default=None,
                    help=f"Spec-Bench question.jsonl (default: {DEFAULT_QUESTIONS})")
-    p.add_argument("--per-task", type=int, default=None, help="first N questions of each task (default: all)")
+    p.add_argument("--data", default="spec_bench",
+                   help="comma-separated question sets: spec_bench, longbench (the LongBench-format rows of "
+                        "--longbench-dir, each data set a task, prompts built as `logitspec eval` builds "
+                        "them, answers at most the data set's own length)")
+    p.add_argument("--longbench-dir", default=str(LONGBENCH_DIR), help="a LongBench-format directory")
+    p.add_argument("--per-task", type=int, default=None,
+                   help="first N questions of each task (LongBench: rows of each data set) (default: all)")
     p.add_argument("--categories", default=None,
-                   help="comma-separated categories or tasks to keep (e.g. mt_bench,translation,writing)")
+                   help="comma-separated Spec-Bench categories or tasks to keep (e.g. mt_bench,translation,"
+                        "writing)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default 64)")
     p.add_argument("--max-batch-size", type=int, default=1, help="engine batch size; a unit is that many "
                                                                  "questions")
@@ -64,7 +74,13 @@ def bench_command(args) -> int:
     max_new = args.max_new_tokens if args.max_new_tokens is not None else quick.get("max_new_tokens", 64)
     methods = [s.name for s in parse_methods(args.methods or quick.get("methods", DEFAULT_METHODS))]
     categories = split_top(args.categories, ",") if args.categories else None
-    load_questions(args.questions, per_task, categories)  # a missing file fails before the model loads
+    data = _data_sets(args.data)
+    if "spec_bench" in data:
+        load_questions(args.questions, per_task, categories)  # a missing file fails before the model loads
+    longbench = None
+    if "longbench" in data:
+        longbench = args.longbench_dir
+        read_directory(longbench)  # a missing or malformed directory fails before the model loads
     if args.threads:
         import torch
 
@@ -75,19 +91,34 @@ def bench_command(args) -> int:
                     decoding=decoding,
                     warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens,
                     progress=not args.no_progress, resume=args.resume,
+                    spec_bench="spec_bench" in data, longbench=longbench,
                     command=_command_line(args, per_task, max_new, methods),
-                    settings={"questions_file": str(args.questions or DEFAULT_QUESTIONS),
+                    settings={"data": data, "questions_file": str(args.questions or DEFAULT_QUESTIONS),
+                              "longbench_dir": longbench,
                               "per_task": per_task, "categories": categories, "quick": args.quick})
     print(_console_table(summary))
     print(f"wrote {args.out}/results.jsonl, summary.json, report.md, speedup.png, accept_hist.png")
     return 0
 
 
+def _data_sets(text: str) -> list[str]:
+    """``--data``'s sets, checked: ValueError on an unknown or missing name."""
+    data = split_top(text, ",")
+    unknown = sorted(set(data) - set(DATA_SETS))
+    if unknown or not data:
+        raise ValueError(f"--data: unknown question sets {unknown}; choose from {', '.join(DATA_SETS)}")
+    return data
+
+
 def _command_line(args, per_task, max_new, methods) -> str:
     """The effective command (presets resolved), so that the report says exactly what ran."""
     parts = ["logitspec", "bench", "--model", str(args.model), "--methods", ",".join(methods)]
+    if args.data != "spec_bench":
+        parts += ["--data", args.data]
     if args.questions:
         parts += ["--questions", str(args.questions)]
+    if "longbench" in args.data and args.longbench_dir != str(LONGBENCH_DIR):
+        parts += ["--longbench-dir", str(args.longbench_dir)]
     if per_task is not None:
         parts += ["--per-task", str(per_task)]
     if args.categories:

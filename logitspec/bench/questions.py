@@ -20,11 +20,13 @@ DEFAULT_QUESTIONS = (pathlib.Path(__file__).resolve().parents[3] / "shared" / "d
 
 @dataclass(frozen=True)
 class Question:
-    """One Spec-Bench row; ``turns`` are texts, or token-id lists for a model without a tokenizer."""
+    """One Spec-Bench row; ``turns`` are texts, or token-id lists for a model without a tokenizer.
+    ``max_new_tokens``: the question's own answer length (a LongBench data set's), None: the run's."""
 
     question_id: Any
     category: str
     turns: tuple
+    max_new_tokens: int | None = None
 
     @property
     def task(self) -> str:

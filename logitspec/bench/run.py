@@ -22,6 +22,7 @@ import sys
 from typing import Any, Sequence
 
 from . import report
+from .longbench_set import longbench_questions
 from .methods import (
     DEFAULT_METHODS,
     ENGINE_OPTIONS,
@@ -48,18 +49,26 @@ from .samples import Decoding
 
 def bench(model="default", questions=None, out_dir="bench_out",
           methods: str | Sequence[str] = DEFAULT_METHODS,
-          per_task: int | None = None, categories: Sequence[str] | None = None, **kwargs) -> dict:
+          per_task: int | None = None, categories: Sequence[str] | None = None,
+          spec_bench: bool = True, **kwargs) -> dict:
     """Python twin of ``logitspec bench``: ``model`` is a spec for :func:`logitspec.models.load_model` or a
     ``(model, tokenizer)`` pair; ``questions`` a ``question.jsonl`` path (default: Spec-Bench beside the
-    repository) or a list of :class:`Question`; other keywords go to :func:`run_bench`."""
+    repository) or a list of :class:`Question`; ``spec_bench=False`` runs no Spec-Bench questions (then
+    ``longbench=DIR`` must give some); other keywords go to :func:`run_bench` (``longbench``: also the
+    first ``per_task`` rows of each data set in that LongBench-format directory)."""
     parse_methods(methods)  # fail on a typo before loading anything
-    if questions is None or isinstance(questions, (str, os.PathLike)):
+    if not spec_bench:
+        if kwargs.get("longbench") is None:
+            raise ValueError("no questions: spec_bench=False needs longbench=DIR")
+        qs = []
+    elif questions is None or isinstance(questions, (str, os.PathLike)):
         qs = load_questions(questions, per_task, categories)
         kwargs.setdefault("settings", {"questions_file": str(questions or DEFAULT_QUESTIONS),
                                        "per_task": per_task,
                                        "categories": list(categories) if categories else None})
     else:
         qs = select_questions(list(questions), per_task, categories)
+    kwargs.setdefault("longbench_per_task", per_task)
     if isinstance(model, tuple):
         model_obj, tok = model
         kwargs.setdefault("model_name", getattr(model_obj.config, "name_or_path", None)
@@ -88,9 +97,14 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
               top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
               model_name: str = "?", command: str | None = None, settings: dict | None = None,
-              resume: bool = False, decoding: Decoding = Decoding()) -> dict:
+              resume: bool = False, decoding: Decoding = Decoding(), longbench=None,
+              longbench_per_task: int | None = None) -> dict:
     """Run every method on every question-turn, write ``results.jsonl``, ``summary.json``, ``report.md``
     and PNG plots into ``out_dir``, and return the summary.
+
+    ``longbench``: a LongBench-format directory whose first ``longbench_per_task`` rows per data set are
+    added after ``questions`` (prompts as the evaluation sweep builds them, with the model's tokenizer and
+    context; each data set a task, its answers at most its own length and ``max_new_tokens``).
 
     ``questions`` may hold token-id turns (then ``tokenizer`` may be None). ``capacity`` / ``top_k`` set
     those SpecConfig fields for every engine method (a variant's own ``@field=`` wins). ``warmup``: one
@@ -104,7 +118,13 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
     specs = parse_methods(methods)
     runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k, decoding)
     names = [s.name for s in specs]
-    build = PromptBuilder(tokenizer, runners[REFERENCE].engine.encode)
+    ref = runners[REFERENCE].engine
+    build = PromptBuilder(tokenizer, ref.encode)
+    if longbench is not None:
+        questions = list(questions) + longbench_questions(longbench, tokenizer, ref.encode, ref.max_context,
+                                                          longbench_per_task, max_new_tokens)
+    if not questions:
+        raise ValueError("no questions to run")
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups = _units(list(questions), max_batch_size)
@@ -216,7 +236,9 @@ def _run_units(runners: dict, names: list[str], build: PromptBuilder, groups: li
             else:
                 prompts = [build(q, turn, answers[q.question_id]) for q in qs]
                 seeds = decoding.seeds(unit * width, len(qs))
-                unit_records = _run_unit(runners, names, qs, turn, unit, prompts, max_new_tokens, bar, seeds)
+                # a unit is one task's: its questions share their own answer length, if they have one
+                new = min([max_new_tokens] + [q.max_new_tokens for q in qs if q.max_new_tokens])
+                unit_records = _run_unit(runners, names, qs, turn, unit, prompts, new, bar, seeds)
             # the next turn sees sample 0
             for q, r in zip(qs, unit_records[REFERENCE][::decoding.num_samples]):
                 answers[q.question_id].append(r["token_ids"])

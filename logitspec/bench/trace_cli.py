@@ -6,11 +6,10 @@ import pathlib
 
 from ..config import METHODS
 from ..helpfmt import DefaultsHelpFormatter
+from .longbench_set import LONGBENCH_DIR
 from .questions import DEFAULT_QUESTIONS
 from .throughput import parse_sizes
 from .trace_record import DATASETS
-
-LONGBENCH_DIR = pathlib.Path(__file__).resolve().parents[2] / "data" / "longbench_local"
 
 
 def add_trace_command(sub) -> None:

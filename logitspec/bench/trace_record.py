@@ -13,6 +13,7 @@ from ..engine import Engine
 from ..replay_hooks import ReplayHooks
 from ..request import Request
 from ..trace import Trace, TraceRecorder
+from .longbench_set import longbench_questions
 from .provenance import code_version
 from .questions import PromptBuilder, load_questions, warmup_question
 
@@ -38,19 +39,9 @@ def longbench_prompts(engine: Engine, directory, per_dataset: int = 1,
     """The first ``per_dataset`` rows of each dataset in a LongBench-format ``directory``, as the
     evaluation sweep builds them (template, truncation, chat rule; the dataset's own answer length,
     at most ``max_new_tokens``)."""
-    from ..evaluation.longbench import read_directory
-    from ..evaluation.sweep_rows import sweep_rows
-
-    chat = bool(getattr(engine.tokenizer, "chat_template", None))
-    rows = sweep_rows(read_directory(directory), engine.tokenizer, engine.max_context,
-                      max_new_cap=max_new_tokens, chat_template=chat)
-    taken: dict[str, int] = {}
-    out = []
-    for r in rows:
-        if taken.setdefault(r.dataset, 0) < per_dataset:
-            taken[r.dataset] += 1
-            out.append(Prompt(r.key, engine.encode(r.prompt, r.chat), r.max_new_tokens))
-    return out
+    qs = longbench_questions(directory, engine.tokenizer, engine.encode, engine.max_context, per_dataset,
+                             max_new_tokens)
+    return [Prompt(q.question_id, list(q.turns[0]), q.max_new_tokens) for q in qs]
 
 
 def record(engine: Engine, recorder: TraceRecorder, prompts: Sequence[Prompt], model_name: str, dataset: str,
