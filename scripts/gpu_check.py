@@ -18,9 +18,12 @@ Issue 40's parts, in order (each with a share of the time left: :data:`SHARE`):
    and sampled (T 0.8, top-p 0.95): a warm-up run, then the same run timed (ms per steady step, its
    captures, its host waits by code location).
 4. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
-5. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA
+5. ``replay.json``: replayed acceptance (docs/gpu.md): the traces in ``docs/results/traces`` (trees and
+   accepted lengths recorded by a real model on CPU) through the whole engine on the 8B shape at 1, 8
+   and 32 rows, a row per recorded method and ``ar``: ms per token and the speed-up over ``ar``.
+6. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA
    (and flex attention at a few points): the tree curve; captures and allocations on repeated shapes.
-6. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
+7. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
    per-part time and errors, issue 40's keys. Exit 1 if a lossless case failed or a part raised (its
    error is recorded; the other parts still run).
 
@@ -49,6 +52,7 @@ import traceback
 from dataclasses import asdict, dataclass
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+TRACES = REPO / "docs" / "results" / "traces"  # the replay part's recorded acceptance (docs/gpu.md)
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
@@ -102,6 +106,8 @@ class Plan:
     ar_tokens: int = 32  # new tokens per row in the ar-step part (each run twice: warm-up, timed)
     prefill_tokens: int = 8192
     prefill_chunk: int = 512  # the engine's default prefill chunk
+    replay_rows: tuple = (1, 8, 32)  # batch sizes of the replayed-acceptance part (rows repeat the traces')
+    replay_prompt_tokens: int | None = 2048  # replayed prompts cut to this many tokens (None: as recorded)
 
 
 def plan_for(args) -> Plan:
@@ -110,7 +116,7 @@ def plan_for(args) -> Plan:
     # the 8B shape's row and node counts (every summary key has a value), on a tiny model
     return Plan(args.device, prompts=3, new_tokens=12, batch=2, rows=(1, 8, 32, 64), nodes=(1, 4, 8, 16),
                 context=24, reps=1, step_tokens=4, tiny=True, prompt_len=24, ar_tokens=6, prefill_tokens=256,
-                prefill_chunk=64)
+                prefill_chunk=64, replay_rows=(1, 8), replay_prompt_tokens=16)
 
 
 # ------------------------------------------------------------------------------------------ lossless
@@ -436,13 +442,13 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-# issue 40's check, in this order (the default): graph-mode lossless, then the 8B shape's steps; the
-# replayed-acceptance part (issue 40, item 5) goes before graph_timing once it exists
-GRAPH_PARTS = ("graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "graph_timing")
+# issue 40's check, in this order (the default): graph-mode lossless, then the 8B shape's steps, the
+# recorded methods' acceptance replayed on it, the tree curve
+GRAPH_PARTS = ("graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "replay", "graph_timing")
 EAGER_PARTS = ("lossless", "device_paths")  # issue 17's check (passed on the H200), with the curves
 # a part's share of the time left when it starts (the rest: the parts after it); graph_timing skips
 # what it cannot start by the end (flex attention's points last)
-SHARE = {"graph_lossless": 0.25, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3}
+SHARE = {"graph_lossless": 0.25, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3, "replay": 0.5}
 
 
 def part_names(plan: Plan, asked: str | None = None) -> list[str]:
@@ -464,6 +470,8 @@ def run_part(name: str, plan: Plan, deadline: float) -> dict:
         return {"ok": all(c["ok"] for c in cases), "cases": cases}
     if name == "graph_timing":
         return graph_timings(plan, deadline)
+    if name == "replay":
+        return replayed(plan, deadline)
     if name in ("hf_graph", "ar_steps", "prefill_8k"):
         return shape_steps(name, plan, deadline)
     return curve_for(name.removeprefix("curve_"), plan, deadline)
@@ -483,6 +491,38 @@ def shape_steps(name: str, plan: Plan, deadline: float) -> dict:
         doc.update(ar_steps(model, rows, plan.prompt_len, plan.ar_tokens, deadline))
     else:
         doc.update(prefill_timings(model, plan.prefill_tokens, plan.prefill_chunk, max(2, plan.reps)))
+    if plan.device.startswith("cuda"):
+        doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
+    doc["wall_s"] = round(time.time() - t0, 1)
+    return doc
+
+
+def replayed(plan: Plan, deadline: float, traces: pathlib.Path = TRACES) -> dict:
+    """Replayed acceptance (docs/gpu.md): the recorded traces' trees and accepted lengths through the
+    whole engine on the Llama-3-8B shape (the graph runner on CUDA), a row per recorded method and
+    ``ar``, at each of ``plan.replay_rows`` it can start by ``deadline`` (the others: ``skipped``).
+    ``replay``: per trace set, ``"<method>@<rows>"`` -> ms per token, speed-up over ``ar``, MAT."""
+    from logitspec.bench.replay import replay
+    from logitspec.trace import load_traces
+
+    t0 = time.time()
+    model, _ = build_shape("llama3-8b", plan)
+    loaded = load_traces(traces)
+    methods = ["ar", *sorted({t.method for t in loaded} - {"ar"})]
+    doc = {"shape": "tiny" if plan.tiny else "llama3-8b", "dtype": "bfloat16", "methods": methods,
+           "prompt_tokens_cut": plan.replay_prompt_tokens, "replay": {}, "traces": {}, "skipped": []}
+    for rows in plan.replay_rows:
+        if time.time() > deadline:
+            doc["skipped"].append(rows)
+            continue
+        got = replay(model, loaded, methods, (rows,), max_prompt_tokens=plan.replay_prompt_tokens)
+        doc.update(label=got["label"], model=got["model"])
+        for name, t in got["traces"].items():
+            doc["traces"].setdefault(name, {"recorded": t["recorded"], "results": {}})["results"].update(
+                t["results"])
+            doc["replay"].setdefault(name, {}).update(
+                {k: {f: (round(r[f], 3) if r[f] is not None else None)
+                     for f in ("ms_per_token", "x_ar", "x_ar_e2e", "mat")} for k, r in t["results"].items()})
     if plan.device.startswith("cuda"):
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
     doc["wall_s"] = round(time.time() - t0, 1)

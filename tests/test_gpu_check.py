@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 from logitspec.budget import CostCurve
@@ -20,6 +21,7 @@ def test_importing_the_engine_needs_no_ray_or_deepspeed():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.timeout(1400)  # the check's own limits (run timeout 1300 s) rule, not the suite's 900 s
 def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     # the script's own 450 s limit is sized for the H200; a shared 2-core CI box runs the CPU form slower
     env = {**os.environ, "PY": sys.executable, "OMP_NUM_THREADS": "1", "GPU_CHECK_TIMEOUT": "1200"}
@@ -82,7 +84,19 @@ def _check_issue40_parts(out, summary, timing_skipped):
     from gpu_check_summary import ISSUE40_KEYS
 
     assert set(ISSUE40_KEYS) <= set(summary)
-    assert summary["replay"] is None and summary["replay_note"]  # not wired into the check yet
+    replay = json.loads((out / "replay.json").read_text())
+    assert replay["label"] == "replayed acceptance" and replay["methods"] == ["ar", "logitspec", "pld"]
+    rows = {1, 8} - set(replay["skipped"])
+    assert 1 in rows and summary["replay"] == replay["replay"] and summary["replay_note"] is None
+    assert set(replay["replay"]) == {"gemma3-270m/spec_bench", "gemma3-270m/longbench"}  # docs/results/traces
+    for name, got in replay["replay"].items():
+        recorded = replay["traces"][name]["recorded"]
+        assert set(got) == {f"{m}@{b}" for m in replay["methods"] for b in rows}
+        for b in rows:
+            assert got[f"ar@{b}"]["x_ar"] == 1.0 and got[f"ar@{b}"]["mat"] == 1.0
+            assert all(got[f"{m}@{b}"]["x_ar"] > 0 for m in ("pld", "logitspec"))
+        for m in ("pld", "logitspec"):  # at 1 row every recorded sequence once: the recorded MAT exactly
+            assert abs(got[f"{m}@1"]["mat"] - recorded[m]["mat"]) < 1e-3
     hf = json.loads((out / "hf_graph.json").read_text())
     assert hf["captured"] is False and set(hf["ms"]) == {"1", "32"} and summary["hf_graph_ms_b1"] > 0
     ar = json.loads((out / "ar_steps.json").read_text())
@@ -112,7 +126,7 @@ def test_the_default_parts_are_issue_40s():
     import gpu_check
 
     plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))
-    assert gpu_check.part_names(plan) == ["graph_lossless", "hf_graph", "ar_steps", "prefill_8k",
+    assert gpu_check.part_names(plan) == ["graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "replay",
                                           "graph_timing"]
     assert gpu_check.part_names(plan, "lossless,ar_steps") == ["lossless", "ar_steps"]
     assert {"lossless", "device_paths", "curve_llama3-8b", "curve_qwen2.5-7b", "ar_steps"} <= set(
