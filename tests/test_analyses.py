@@ -1,5 +1,8 @@
-"""The paper's analyses: counting on hand-made traces (no model)."""
+"""The paper's analyses: counting on hand-made traces (no model), and the command on a tiny model."""
+import json
+
 import numpy as np
+from tiny_models import save_tiny_text_model
 
 from logitspec.bench.analyses import (
     RETRIEVAL_VARIANTS,
@@ -49,3 +52,26 @@ def test_reports_group_by_task():
     r = retrieval_report([tr])
     assert r["qa"]["steps"] == 4 and set(RETRIEVAL_VARIANTS) <= set(r["all"])
     assert r["all"]["logitspec"] >= r["all"]["logitspec_no_guesses"]
+
+
+def test_analyses_command_writes_both_tables(tmp_path, capsys):
+    from logitspec.cli import main
+
+    save_tiny_text_model(tmp_path / "m")
+    questions = tmp_path / "question.jsonl"
+    rows = [(1, "qa", "the quick brown fox jumps over the lazy dog, the quick brown fox"),
+            (2, "rag", "four score and seven years ago four score and seven years ago")]
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, c, t in rows))
+    out = tmp_path / "out"
+    assert main(["analyses", "all", "--model", str(tmp_path / "m"), "--questions", str(questions),
+                 "--max-new-tokens", "6", "--out", str(out)]) == 0
+    topk = json.loads((out / "topk.json").read_text())
+    retrieval = json.loads((out / "retrieval.json").read_text())
+    assert topk["settings"]["command"].startswith("logitspec analyses all --model ")
+    assert topk["settings"]["questions"] == 2 and set(topk["tasks"]) == {"qa", "rag", "all"}
+    shares = topk["tasks"]["all"]["shares"]
+    assert len(shares) == 100 and shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 1
+    assert set(RETRIEVAL_VARIANTS) <= set(retrieval["tasks"]["all"])
+    assert retrieval["settings"]["logitspec"]["top_k"] == 64
+    assert "top60" in capsys.readouterr().out

@@ -208,7 +208,9 @@ def run_from_args(args) -> dict:
     traces = greedy_traces(model, tok, qs, args.max_new_tokens)
     settings = {"model": args.model, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
                 "questions": len(qs), "traces": len(traces), "trace_s": round(time.perf_counter() - t0, 1),
-                "command": "python -m logitspec.bench.analyses " + " ".join(sys.argv[1:])}
+                "command": f"logitspec analyses {args.analysis} --model {args.model} --per-task "
+                           f"{args.per_task} --max-new-tokens {args.max_new_tokens} --out {args.out}"
+                           + (f" --questions {args.questions}" if args.questions else "")}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {}
