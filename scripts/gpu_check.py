@@ -502,13 +502,13 @@ def replayed(plan: Plan, deadline: float, traces: pathlib.Path = TRACES) -> dict
     whole engine on the Llama-3-8B shape (the graph runner on CUDA), a row per recorded method and
     ``ar``, at each of ``plan.replay_rows`` it can start by ``deadline`` (the others: ``skipped``).
     ``replay``: per trace set, ``"<method>@<rows>"`` -> ms per token, speed-up over ``ar``, MAT."""
-    from logitspec.bench.replay import replay
+    from logitspec.bench.replay import replay, traced_methods
     from logitspec.trace import load_traces
 
     t0 = time.time()
     model, _ = build_shape("llama3-8b", plan)
     loaded = load_traces(traces)
-    methods = ["ar", *sorted({t.method for t in loaded} - {"ar"})]
+    methods = traced_methods(loaded)
     doc = {"shape": "tiny" if plan.tiny else "llama3-8b", "dtype": "bfloat16", "methods": methods,
            "prompt_tokens_cut": plan.replay_prompt_tokens, "replay": {}, "traces": {}, "skipped": []}
     for rows in plan.replay_rows:

@@ -14,6 +14,7 @@ from logitspec.target import TargetForward
 from logitspec.trace import Trace, TraceRecorder, load_traces
 
 N_NEW = 20
+RECORDED = ("pld", "rest", "lookahead", "logitspec")  # every drafting method records and replays
 
 
 def record(model, method: str, prompts, batch: int = 2) -> tuple[Trace, list]:
@@ -30,17 +31,18 @@ def record(model, method: str, prompts, batch: int = 2) -> tuple[Trace, list]:
 def recorded():
     model = tiny_model("llama")
     prompts = repetitive_prompts(5, seed=1)
-    return {m: record(model, m, prompts) for m in ("pld", "logitspec")}, model, prompts
+    return {m: record(model, m, prompts) for m in RECORDED}, model, prompts
 
 
 def test_recording_leaves_output_unchanged_and_trace_round_trips(recorded, tmp_path):
     traces, model, prompts = recorded
-    plain = Engine(model, None, SpecConfig(method="logitspec", budget="fixed", max_batch_size=2)).generate(
-        prompts, max_new_tokens=N_NEW)
-    trace, results = traces["logitspec"]
-    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
-    assert trace.mat > 1.05  # drafts were accepted, or the replay below proves little
-    assert [s.emitted for s in trace.sequences] == [tuple(r.stats["accepted_lengths"]) for r in results]
+    plain = Engine(model, None, SpecConfig(method="ar", max_batch_size=2)).generate(prompts,
+                                                                                  max_new_tokens=N_NEW)
+    for method, (trace, results) in traces.items():
+        assert [r.token_ids for r in results] == [r.token_ids for r in plain], method
+        assert trace.mat > 1.05, method  # drafts were accepted, or the replay below proves little
+        assert [s.emitted for s in trace.sequences] == [tuple(r.stats["accepted_lengths"]) for r in results]
+    trace = traces["logitspec"][0]
     for name in ("t.json.gz", "t.json"):
         assert Trace.load(trace.save(tmp_path / name)) == trace
     assert load_traces(tmp_path) == [trace, trace]
@@ -118,7 +120,7 @@ def test_replay_result_labels_and_speed_ups(recorded):
                  runner_for=lambda m, rows: TargetForward(m))
     assert out["label"] == REPLAYED
     res = out["traces"]["tiny-llama/repetitive"]
-    assert set(res["results"]) == {"ar@2", "pld@2", "logitspec@2"}
+    assert set(res["results"]) == {f"{m}@2" for m in ("ar", *RECORDED)}
     assert res["results"]["ar@2"]["x_ar"] == 1.0
     assert all(r["ms_per_token"] > 0 and r["x_ar"] > 0 for r in res["results"].values())
     assert res["recorded"]["logitspec"]["mat"] == traces["logitspec"][0].mat

@@ -20,7 +20,6 @@ from ..gpu import default_runner
 from ..replay import REPLAYED, check_fits, replay_config, replay_hooks, replay_plan
 from ..trace import Trace, load_traces
 
-METHODS = ("ar", "pld", "logitspec")
 BATCH_SIZES = (1, 8, 32, 64)
 
 
@@ -29,6 +28,11 @@ def random_like(model, seed: int = 0):
     torch.manual_seed(seed)
     fresh = type(model)(copy.deepcopy(model.config)).to(dtype=model.dtype, device=model.device).eval()
     return fresh
+
+
+def traced_methods(traces: Iterable[Trace]) -> list[str]:
+    """``ar`` (it needs no trace) and every method the traces recorded, sorted."""
+    return ["ar", *sorted({t.method for t in traces} - {"ar"})]
 
 
 def trace_sets(traces: Iterable[Trace]) -> dict[str, dict[str, Trace]]:
@@ -67,17 +71,19 @@ def run_once(model, trace: Trace, method: str, batch_size: int, runner, seed: in
             "token_ids": [r.token_ids for r in run.results]}
 
 
-def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequence[str] = METHODS,
+def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequence[str] | None = None,
            batch_sizes: Sequence[int] = BATCH_SIZES, rounds: int = 1, seed: int = 0,
            max_prompt_tokens: int | None = None, warmup_tokens: int | None = 16,
            runner_for: Callable[[Any, int], Any] | None = None, details: bool = False) -> dict[str, Any]:
     """Replayed acceptance of every trace set at every batch size (see the module).
 
-    ``traces``: :class:`Trace` objects, or trace files / directories. ``rounds``: measured runs per
-    (set, batch size, method), the median kept. ``max_prompt_tokens``: cut the replayed prompts (their
-    attention costs less than the recorded ones'). ``runner_for(model, rows)``: the model runner
-    shared by the methods at one batch size (default :func:`~logitspec.gpu.default_runner`: the graph
-    runner on CUDA). ``details``: keep each run's per-row emitted counts and token ids.
+    ``traces``: :class:`Trace` objects, or trace files / directories. ``methods``: default ``ar`` and
+    every method the traces recorded (a set without a trace of a method has no row for it).
+    ``rounds``: measured runs per (set, batch size, method), the median kept. ``max_prompt_tokens``:
+    cut the replayed prompts (their attention costs less than the recorded ones').
+    ``runner_for(model, rows)``: the model runner shared by the methods at one batch size (default
+    :func:`~logitspec.gpu.default_runner`: the graph runner on CUDA). ``details``: keep each run's
+    per-row emitted counts and token ids.
 
     Returns ``{"label": "replayed acceptance", "methods", "batch_sizes", "model", "traces": {name:
     {"recorded": {method: {"mat", "batch_size", "sequences"}}, "results": {"<method>@<batch>":
@@ -86,6 +92,7 @@ def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequen
     """
     loaded = load_traces(traces) if isinstance(traces, str) or (traces and isinstance(traces[0], str)) \
         else list(traces)
+    methods = list(methods) if methods is not None else traced_methods(loaded)
     runner_for = runner_for or (lambda m, rows: default_runner(m, rows))
     out: dict[str, Any] = {"label": REPLAYED, "methods": list(methods), "batch_sizes": list(batch_sizes),
                            "model": {"class": type(model).__name__,

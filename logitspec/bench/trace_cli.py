@@ -46,7 +46,8 @@ def add_trace_command(sub) -> None:
     y.add_argument("--model", default="default", help="the model whose shape (config) is replayed")
     y.add_argument("--weights", choices=("random", "real"), default="random",
                    help="random weights of the model's shape, or the model's own")
-    y.add_argument("--methods", default="ar,pld,logitspec", help="methods to replay (ar: the plain engine)")
+    y.add_argument("--methods", default=None, help="comma-separated methods to replay (ar: the plain engine) "
+                   "(default: ar and every method the traces recorded)")
     y.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     y.add_argument("--rounds", type=int, default=1, help="measured runs per case (the median is kept)")
     y.add_argument("--max-prompt-tokens", type=int, default=None, help="cut the replayed prompts to this "
@@ -84,9 +85,9 @@ def _replay(args) -> int:
     from ..trace import load_traces
     from .replay import random_like, render, replay
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or set(methods) - {"ar", "pld", "logitspec"}:
-        raise ValueError(f"--methods replays ar, pld and logitspec, got {args.methods!r}")
+    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
+    if methods is not None and (not methods or set(methods) - set(METHODS)):
+        raise ValueError(f"--methods must name methods of {', '.join(METHODS)}, got {args.methods!r}")
     traces = load_traces(args.traces)  # a bad file fails before the model loads
     model, _ = load_model(args.model)
     if args.weights == "random":
