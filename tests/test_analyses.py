@@ -2,7 +2,7 @@
 import json
 
 import numpy as np
-from tiny_models import save_tiny_text_model
+from tiny_models import save_tiny_text_model, write_two_questions
 
 from logitspec.bench.analyses import (
     RETRIEVAL_VARIANTS,
@@ -58,11 +58,7 @@ def test_analyses_command_writes_both_tables(tmp_path, capsys):
     from logitspec.cli import main
 
     save_tiny_text_model(tmp_path / "m")
-    questions = tmp_path / "question.jsonl"
-    rows = [(1, "qa", "the quick brown fox jumps over the lazy dog, the quick brown fox"),
-            (2, "rag", "four score and seven years ago four score and seven years ago")]
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                                 for i, c, t in rows))
+    questions = write_two_questions(tmp_path / "question.jsonl")
     out = tmp_path / "out"
     assert main(["analyses", "all", "--model", str(tmp_path / "m"), "--questions", str(questions),
                  "--max-new-tokens", "6", "--out", str(out)]) == 0

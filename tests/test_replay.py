@@ -3,7 +3,7 @@ import dataclasses
 import json
 
 import pytest
-from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
+from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model, write_two_questions
 
 from logitspec import Engine, SpecConfig
 from logitspec.bench.replay import REPLAYED, replay, run_once
@@ -128,11 +128,7 @@ def test_replay_result_labels_and_speed_ups(recorded):
 
 def test_trace_commands_record_and_replay(tmp_path, capsys):
     save_tiny_text_model(tmp_path / "m")
-    questions = tmp_path / "question.jsonl"
-    rows = [(1, "qa", "the quick brown fox jumps over the lazy dog, the quick brown fox"),
-            (2, "rag", "four score and seven years ago four score and seven years ago")]
-    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
-                                 for i, c, t in rows))
+    questions = write_two_questions(tmp_path / "question.jsonl")
     out = tmp_path / "traces"
     assert main(["trace", "record", "--model", str(tmp_path / "m"), "--methods", "pld",
                  "--max-new-tokens", "6", "--name", "tiny", "--questions", str(questions),

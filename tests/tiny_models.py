@@ -1,4 +1,5 @@
 """Tiny random models of each supported family, built from configs (no downloads)."""
+import json
 import pathlib
 
 import torch
@@ -97,3 +98,13 @@ def save_tiny_text_model(path, hidden: int = 32, heads: int = 2, kv_heads: int =
         model.get_output_embeddings().weight.mul_(8.0)
     model.save_pretrained(path)
     fast.save_pretrained(path)
+
+
+def write_two_questions(path) -> pathlib.Path:
+    """A Spec-Bench ``question.jsonl`` of two one-turn questions (qa, rag) whose text repeats itself."""
+    rows = [(1, "qa", "the quick brown fox jumps over the lazy dog, the quick brown fox"),
+            (2, "rag", "four score and seven years ago four score and seven years ago")]
+    path = pathlib.Path(path)
+    path.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                            for i, c, t in rows))
+    return path
