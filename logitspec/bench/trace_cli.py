@@ -62,13 +62,19 @@ def _model_name(spec: str, model) -> str:
     return pathlib.Path(str(getattr(model.config, "name_or_path", "") or spec)).name
 
 
+def _engine_methods(text: str) -> list[str]:
+    """``--methods``' comma-separated names; ValueError unless each is an engine method."""
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    if not methods or set(methods) - set(METHODS):
+        raise ValueError(f"--methods must name methods of {', '.join(METHODS)}, got {text!r}")
+    return methods
+
+
 def _record(args) -> int:
     from ..models import load_model
     from .trace_record import record_all
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if not methods or set(methods) - set(METHODS):
-        raise ValueError(f"--methods must name methods of {', '.join(METHODS)}, got {args.methods!r}")
+    methods = _engine_methods(args.methods)
     model, tok = load_model(args.model)
     record_all(model, tok, methods, args.data, args.out, args.name or _model_name(args.model, model),
                batch_size=args.batch_size, per_task=args.per_task, max_new_tokens=args.max_new_tokens,
@@ -85,9 +91,7 @@ def _replay(args) -> int:
     from ..trace import load_traces
     from .replay import random_like, render, replay
 
-    methods = None if args.methods is None else [m.strip() for m in args.methods.split(",") if m.strip()]
-    if methods is not None and (not methods or set(methods) - set(METHODS)):
-        raise ValueError(f"--methods must name methods of {', '.join(METHODS)}, got {args.methods!r}")
+    methods = None if args.methods is None else _engine_methods(args.methods)
     traces = load_traces(args.traces)  # a bad file fails before the model loads
     model, _ = load_model(args.model)
     if args.weights == "random":
