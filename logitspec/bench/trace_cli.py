@@ -80,8 +80,8 @@ def _record(args) -> int:
                batch_size=args.batch_size, per_task=args.per_task, max_new_tokens=args.max_new_tokens,
                questions=args.questions, longbench_dir=args.longbench_dir,
                meta={"command": f"logitspec trace record --model {args.model} --data {args.data} "
-                                f"--per-task {args.per_task} --max-new-tokens {args.max_new_tokens} "
-                                f"--batch-size {args.batch_size}"})
+                                f"--methods {','.join(methods)} --per-task {args.per_task} "
+                                f"--max-new-tokens {args.max_new_tokens} --batch-size {args.batch_size}"})
     return 0
 
 
