@@ -12,10 +12,11 @@ import json
 import logging
 import sys
 
+from logitspec.engine.request import add_request_flags, request_from_args
+
 from . import allocator
 from .config import METHODS, SpecConfig
 from .helpfmt import METHOD_HELP, DefaultsHelpFormatter
-from .request import add_request_flags, request_from_args
 
 
 def _add_generate(sub) -> None:
@@ -49,7 +50,8 @@ def stats_line(r) -> str:
 def _generate(args) -> int:
     config = SpecConfig(method=args.method, max_batch_size=args.max_batch_size)  # validates first
     request = request_from_args(args)  # ValueError (exit 2) before the model loads
-    from .engine import Engine
+    from logitspec.engine.engine import Engine
+
     from .models import load_model
 
     model, tok = load_model(args.model)
@@ -79,17 +81,17 @@ def _add_analyses(sub) -> None:
 
 
 def _add_rest_build(sub) -> None:
-    from .rest import add_build_arguments
+    from logitspec.spec_decode.rest import add_build_arguments
 
     text = "build a REST datastore (for --method rest) from local text or code"
     p = sub.add_parser("rest-build", help=text, description=f"Rest-build: {text}, with its build time and "
-                       "size (as python -m logitspec.rest build).")
+                       "size (as python -m logitspec.spec_decode.rest build).")
     add_build_arguments(p)
     p.set_defaults(func=_rest_build)
 
 
 def _rest_build(args) -> int:
-    from .rest import run_build
+    from logitspec.spec_decode.rest import run_build
 
     return run_build(args)
 

@@ -42,7 +42,8 @@ class SpecConfig:
     rank_keep: tuple[int, ...] = (4, 3)
     rank_keep_else: int = 1
     continuations_per_key: int = 1  # distinct continuations retrieved per n-gram key
-    # --- rest (logitspec.rest; REST's defaults): the longest context suffix of rest_max_span down to
+    # --- rest (logitspec.spec_decode.rest; REST's defaults): the longest context suffix of rest_max_span
+    # down to
     # rest_min_span tokens found in the datastore (the row's reference, if a rest.Datastore; else the
     # row's own context), continuations of up to rest_continuation tokens after its first
     # rest_max_matches occurrences, merged into a trie cut to its rest_num_draft most frequent nodes
@@ -51,7 +52,7 @@ class SpecConfig:
     rest_num_draft: int = 64
     rest_max_matches: int = 5000
     rest_continuation: int = 10
-    # --- lookahead (logitspec.lookahead; LADE's recommended N, W, G): a Jacobi window of
+    # --- lookahead (logitspec.spec_decode.lookahead; LADE's recommended N, W, G): a Jacobi window of
     # lookahead_window columns and lookahead_level - 1 levels, n-grams of lookahead_level tokens, up to
     # lookahead_guesses of them kept per first token and verified per step
     lookahead_window: int = 7

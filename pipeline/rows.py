@@ -16,12 +16,12 @@ from typing import Annotated, Any, get_type_hints
 
 import pyarrow as pa
 
+from logitspec.engine.request import Request
+from logitspec.engine.stats import ORIGINS
 from logitspec.evaluation.sweep_rows import SweepRow
-from logitspec.request import Request
-from logitspec.stats import ORIGINS
 
 INPUT_ID = "the input's id type"  # the Arrow type of a job's id column: its input's
-# accepted draft tokens by the source that supplied them (logitspec.stats.ORIGINS)
+# accepted draft tokens by the source that supplied them (logitspec.engine.stats.ORIGINS)
 ACCEPTED_FROM = pa.struct([(name, pa.int32()) for name in ORIGINS])
 
 
@@ -79,9 +79,10 @@ class OutputRow(_Arrow):
     model: Annotated[str | None, pa.string()] = None
     error: Annotated[str | None, pa.string()] = None
     corpus: Annotated[str | None, pa.string()] = None
-    # accepted draft tokens by the source that supplied them (logitspec.stats.ORIGINS)
+    # accepted draft tokens by the source that supplied them (logitspec.engine.stats.ORIGINS)
     accepted_from: Annotated[dict | None, ACCEPTED_FROM] = None
-    # decode steps that verified a drafted token (logitspec.stats: tree size > 0); the rest decoded plainly
+    # decode steps that verified a drafted token (logitspec.engine.stats: tree size > 0); the rest decoded
+    # plainly
     verified_steps: Annotated[int | None, pa.int32()] = None
 
 

@@ -7,7 +7,7 @@ Writes JSON under ``--out``; on CPU (``--tiny``) every part runs in its CPU form
 
 Issue 40's parts, in order (each with a share of the time left: :data:`SHARE`):
 
-1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.gpu``: static KV
+1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.worker.gpu``: static KV
    slots, one CUDA graph per (rows, nodes) bucket), ``ar`` and ``logitspec`` on tiny Llama, Qwen2
    and Gemma 3: float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex attention
    on head-dim-32 copies.
@@ -62,13 +62,13 @@ from gpu_check_summary import write as write_summary  # noqa: E402
 from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
 
 from logitspec import Engine, SpecConfig  # noqa: E402
-from logitspec.budget import CostCurve  # noqa: E402
-from logitspec.calibrate import measure_rows  # noqa: E402
 from logitspec.device import fastest  # noqa: E402
-from logitspec.head import OutputMode  # noqa: E402
-from logitspec.masks import StepRow  # noqa: E402
-from logitspec.request import Request  # noqa: E402
-from logitspec.target import TargetForward  # noqa: E402
+from logitspec.engine.request import Request  # noqa: E402
+from logitspec.sample.node_logits import OutputMode  # noqa: E402
+from logitspec.spec_decode.budget import CostCurve  # noqa: E402
+from logitspec.worker.calibrate import measure_rows  # noqa: E402
+from logitspec.worker.eager_runner import EagerRunner  # noqa: E402
+from logitspec.worker.masks import StepRow  # noqa: E402
 
 SHAPES = {  # the real models' shapes; weights are random (nothing on disk)
     "llama3-8b": ("llama", dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -149,7 +149,7 @@ def compare(model, prompts, refs, outs) -> dict:
 def run_engine(model, prompts, plan: Plan, method: str, batch: int, **kw):
     budget = kw.pop("budget", "fixed")
     engine = Engine(model, None, SpecConfig(method=method, max_batch_size=batch, budget=budget),
-                    **{"runner": TargetForward(model), **kw.pop("engine", {})})  # eager unless asked
+                    **{"runner": EagerRunner(model), **kw.pop("engine", {})})  # eager unless asked
     run = engine.run(prompts, max_new_tokens=plan.new_tokens, **kw)
     mat = sum(len(r.token_ids) for r in run.results) / max(1, sum(r.stats["steps"] for r in run.results))
     info = {"method": method, "batch": batch, "budget": budget, "mat": round(mat, 3),
@@ -190,7 +190,7 @@ def host_waits(plan: Plan) -> dict:
     prompts = repetitive_prompts(plan.prompts, seed=2)
     run_engine(model, prompts, plan, "logitspec", plan.batch)  # warm-up
     engine = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=plan.batch, budget="fixed"),
-                    runner=TargetForward(model))
+                    runner=EagerRunner(model))
     with count_host_waits(torch.device(plan.device)) as where:
         run = engine.run(prompts, max_new_tokens=plan.new_tokens)
     steps = run.stats["batch_steps"]
@@ -245,7 +245,7 @@ def engine_steps(model, plan: Plan) -> tuple[dict, list[str]]:
         prompts = [[(31 * (i % 50) + r) % vocab for i in range(plan.context)] for r in range(b)]
         for method, extra in (("ar", {}), ("logitspec", {"budget": "fixed", "capacity": 16})):
             engine = Engine(model, None, SpecConfig(method=method, max_batch_size=b, **extra),
-                            runner=TargetForward(model))
+                            runner=EagerRunner(model))
             profile = cProfile.Profile() if b == 1 and method == "ar" else None
             with profile or contextlib.nullcontext():
                 run = engine.run(prompts, max_new_tokens=plan.step_tokens)
@@ -272,7 +272,7 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
     """t(rows, nodes per row) of one shape; rows are skipped once the time budget runs short."""
     t0 = time.time()
     model, cfg = build_shape(name, plan)
-    target = TargetForward(model)
+    target = EagerRunner(model)
     doc = {"shape": name, "dtype": "bfloat16", "attn": model.config._attn_implementation,
            "context": plan.context,
            "config": {k: getattr(cfg, k) for k in (TINY_SHAPE if plan.tiny else SHAPES[name][1])},
@@ -310,7 +310,7 @@ FLEX_POINTS = ((1, 1), (1, 16), (8, 16), (32, 1), (32, 8), (64, 1), (64, 4))
 def graph_engine_run(model, prompts, plan: Plan, method: str, **runner_kw) -> tuple[list[list[int]], dict]:
     """The whole engine with the graph runner as its model runner: tokens per prompt, and the
     runner's counters."""
-    from logitspec.gpu import GraphRunner
+    from logitspec.worker.gpu import GraphRunner
 
     runner = GraphRunner(model, max_rows=plan.batch, max_len=256, **runner_kw)
     config = SpecConfig(method=method, max_batch_size=plan.batch, budget="fixed")
@@ -367,7 +367,7 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
     CPU): ms per step (the forward, the output layer over the real nodes and the wait for it) at
     ``plan.rows`` x nodes per row (1..32), row r holding context + 16 r tokens; SDPA at every point,
     flex attention at ``FLEX_POINTS``; then every point again: captures and allocations then."""
-    from logitspec.gpu import GraphRunner
+    from logitspec.worker.gpu import GraphRunner
 
     t0 = time.time()
     model, cfg = build_shape("llama3-8b", plan)
@@ -503,7 +503,7 @@ def replayed(plan: Plan, deadline: float, traces: pathlib.Path = TRACES) -> dict
     ``ar``, at each of ``plan.replay_rows`` it can start by ``deadline`` (the others: ``skipped``).
     ``replay``: per trace set, ``"<method>@<rows>"`` -> ms per token, speed-up over ``ar``, MAT."""
     from logitspec.bench.replay import replay, traced_methods
-    from logitspec.trace import load_traces
+    from logitspec.bench.trace import load_traces
 
     t0 = time.time()
     model, _ = build_shape("llama3-8b", plan)

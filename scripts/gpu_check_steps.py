@@ -25,8 +25,8 @@ import torch
 
 from logitspec import Engine, SpecConfig
 from logitspec.device import fastest
-from logitspec.gpu import GraphRunner
-from logitspec.request import Request
+from logitspec.engine.request import Request
+from logitspec.worker.gpu import GraphRunner
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the synthetic-data setting of issue 40's sampling goal
 GREEDY = {"temperature": 0.0}

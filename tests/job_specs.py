@@ -1,6 +1,6 @@
 """A job's :class:`~pipeline.job.config.GenerationSpec` in one call, for tests: the decoding settings
 among the keywords (``max_new_tokens``, ``temperature``, ``seed``, ``n`` ...) go into its request."""
-from logitspec.request import Request
+from logitspec.engine.request import Request
 from pipeline.job.config import DEFAULT_MAX_NEW_TOKENS, GenerationSpec
 
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from logitspec.head import NodeLogits
-from logitspec.masks import StepRow, pack
-from logitspec.request import SamplingParams
-from logitspec.target import ForwardResult
-from logitspec.tree import DraftTree, TreeBuilder
-from logitspec.verify import accept_step, next_guesses, reference_accept
+from logitspec.sample.acceptance import accept_step, next_guesses, reference_accept
+from logitspec.sample.node_logits import NodeLogits
+from logitspec.sample.params import SamplingParams
+from logitspec.spec_decode.tree import DraftTree, TreeBuilder
+from logitspec.worker.eager_runner import ForwardResult
+from logitspec.worker.masks import StepRow, pack
 
 V = 7
 PARAMS = [SamplingParams(), SamplingParams(0.8, top_p=0.9), SamplingParams(1.2, top_k=3), SamplingParams(),
@@ -50,7 +50,8 @@ def test_mixed_rows_accept_as_the_reference(seed, on_host):
     ref_gens = [None if g is None else torch.Generator().manual_seed(seed * 10 + b)
                 for b, g in enumerate(gens)]
     want = [reference_accept(t, lg, p, g) for t, lg, p, g in zip(trees, fwd.logits, PARAMS, ref_gens)]
-    paths, bonus, top, outputs = accept_step(trees, fwd, PARAMS, gens, 2, on_host, outputs=True)
+    r = accept_step(trees, fwd, PARAMS, gens, 2, on_host, outputs=True)
+    paths, bonus, top, outputs = r.paths, r.bonus, r.top, r.outputs
     assert list(zip(paths, bonus)) == want
     for p, lg, row in zip(PARAMS, fwd.logits, outputs):  # greedy rows: each node's argmax
         assert not p.greedy or row == lg.scores.argmax(-1).tolist()

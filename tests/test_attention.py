@@ -1,4 +1,4 @@
-"""The engine's attention function (logitspec.attention) against transformers' SDPA."""
+"""The engine's attention function (logitspec.worker.attention) against transformers' SDPA."""
 import types
 
 import pytest
@@ -6,10 +6,10 @@ import torch
 from tiny_models import repetitive_prompts, tiny_model
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from logitspec.attention import NAME, PREFILL_BLOCK, attention
 from logitspec.config import SpecConfig
-from logitspec.engine import Engine
+from logitspec.engine.engine import Engine
 from logitspec.kernels import gemm_attention, onednn
+from logitspec.worker.attention import NAME, PREFILL_BLOCK, attention
 
 
 def _qkv(B, H, KV, T, S, D=8, seed=0):

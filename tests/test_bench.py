@@ -22,6 +22,7 @@ from logitspec.bench.methods import _accept_lengths, split_top
 from logitspec.bench.questions import TASKS, first_turns
 from logitspec.bench.samples import Decoding
 from logitspec.config import SpecConfig
+from logitspec.sample.params import SamplingParams
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -340,7 +341,7 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     model, qs = _tiny_model(), _tiny_questions()
     fixed = "logitspec@budget=fixed"
     kw = dict(methods=f"{fixed},hf,logitspec@history=2000", max_new_tokens=8, warmup_tokens=4, progress=False,
-              decoding=Decoding(temperature=0.9, top_p=0.95, num_samples=2, seed=3))
+              decoding=Decoding(SamplingParams(0.9, 0.95), num_samples=2, seed=3))
     summary = bench((model, None), qs, tmp_path, **kw)
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(records) == 4 * 4 * 2  # methods x question-turns x samples
@@ -370,8 +371,8 @@ def test_sampled_run_records_every_sample_with_shared_seeds(tmp_path, one_thread
     # same seeds
     assert [r["token_ids"] for r in resumed if r["method"] == "ar"] == [r["token_ids"] for r in ar]
     with pytest.raises(ValueError, match="cannot resume"):
-        bench((model, None), qs, tmp_path, resume=True, **{**kw, "decoding": Decoding(0.9, 0.95, 0, 2,
-                                                                                      seed=4)})
+        other = Decoding(SamplingParams(0.9, 0.95, 0), 2, seed=4)
+        bench((model, None), qs, tmp_path, resume=True, **{**kw, "decoding": other})
 
 
 def test_decoding_needs_a_temperature_for_sampling_options(tmp_path):
@@ -380,9 +381,9 @@ def test_decoding_needs_a_temperature_for_sampling_options(tmp_path):
     with pytest.raises(ValueError, match="temperature > 0"):
         Decoding(num_samples=2)
     with pytest.raises(ValueError, match="top_p"):
-        Decoding(temperature=1.0, top_p=0.0)
+        Decoding(SamplingParams(temperature=1.0, top_p=0.0))
     assert main(["bench", "--top-k", "8", "--out", str(tmp_path)]) == 2  # before any model or questions load
-    assert Decoding(0.8, 0.95, 0, 4, 0).seeds(2, 3) == [8, 12, 16]
+    assert Decoding(SamplingParams(0.8, 0.95, 0), 4, 0).seeds(2, 3) == [8, 12, 16]
 
 
 def test_batched_run_and_cli(tmp_path, one_thread):
@@ -452,7 +453,7 @@ def test_longbench_rows_are_tasks_of_the_same_run(tmp_path, one_thread):
 
 def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     from logitspec.bench import throughput
-    from logitspec.engine import Engine
+    from logitspec.engine.engine import Engine
 
     seen, counts = [], []
 
@@ -482,7 +483,7 @@ def test_throughput_table_from_engine_runs(one_thread, monkeypatch):
     assert table["ar@2"]["vs_ar_paired"] == 1.0
     assert "| 2 | pld |" in throughput.render(table)
     sampled = throughput.run(_tiny_model(), None, prompts, ["ar", "pld"], [2], max_new_tokens=6, rounds=1,
-                             decoding=Decoding(temperature=0.8, num_samples=2))
+                             decoding=Decoding(SamplingParams(temperature=0.8), num_samples=2))
     assert len(seen[-1]) == len(prompts) and counts[-1] == 2  # a prompt's samples share its prefill (n=2)
     assert sampled["pld@2"]["same_as_ar"] is True and len(sampled["pld@2"]["token_ids"]) == 2 * len(prompts)
     variant = "logitspec@capacity=4"  # a SpecConfig variant, named as in bench

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from logitspec.budget import (
+from logitspec.spec_decode.budget import (
     N_STREAK_STATES,
     AcceptanceStats,
     CostCurve,
@@ -11,7 +11,7 @@ from logitspec.budget import (
     streak_state,
     top_nodes,
 )
-from logitspec.tree import DraftTree
+from logitspec.spec_decode.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4]), np.array([-1, 0, 1, 2, 0]),
                  kinds=np.array([0, 1, 1, 1, 2]), offsets=np.array([0, 0, 1, 2, 0]))

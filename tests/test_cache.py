@@ -5,15 +5,16 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
-from logitspec.cache import BatchKV, _cache_of
-from logitspec.masks import StepRow, layer_windows, pack_step
-from logitspec.target import TargetForward
-from logitspec.tree import DraftTree
+from logitspec.spec_decode.tree import DraftTree
+from logitspec.worker.eager_runner import EagerRunner
+from logitspec.worker.kv_cache import BatchKV, _cache_of
+from logitspec.worker.masks import StepRow, layer_windows, pack
 
 
 def _forward(model, rows, kv):
-    ids, pos, mask = pack_step(rows, kv.columns, layer_windows(model.config), torch.float32)
-    return model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=kv.hf, use_cache=True).logits
+    p = pack(rows, kv.columns, layer_windows(model.config), torch.float32)
+    out = model(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask, cache=kv.hf, use_cache=True)
+    return out.logits
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: full + sliding (window 6) layers
@@ -100,7 +101,7 @@ def test_keep_rows_moves_the_last_rows_into_freed_slots():
 
 
 def test_growing_layer_appends_in_place_and_matches_concatenation():
-    from logitspec.cache import GrowingLayer
+    from logitspec.worker.kv_cache import GrowingLayer
 
     g = torch.Generator().manual_seed(0)
     layer, ref_k, ref_v = GrowingLayer(), [], []
@@ -212,11 +213,11 @@ def test_prompts_side_by_side_restart_positions_and_see_only_themselves():
 def test_prefill_side_by_side_equals_prefill_alone(family):
     """Each prompt's KV and last-token logits from a ragged prefill equal its own prefill's (the
     forward differs only in rows, so up to float32 summation order)."""
-    from logitspec.head import OutputMode
-    from logitspec.target import TargetForward
+    from logitspec.sample.node_logits import OutputMode
+    from logitspec.worker.eager_runner import EagerRunner
 
     model = tiny_model(family)
-    target = TargetForward(model)
+    target = EagerRunner(model)
     prompts = [[3, 9, 4, 1, 7, 7, 2], [5, 8], [11, 2, 6, 6, 1, 9, 4, 3, 8, 8, 2]]  # gemma3 window 6 < 11
     with torch.inference_mode():
         rows, lasts = target.prefill_rows(prompts, OutputMode.EXACT)
@@ -230,7 +231,7 @@ def test_prefill_side_by_side_equals_prefill_alone(family):
 
 
 def test_a_reserved_row_grows_its_buffers_once_over_a_chunked_prefill():
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     tokens = [(5 * i + 2) % VOCAB for i in range(200)]
     reserved, plain = BatchKV.empty_row(reserve=len(tokens)), BatchKV.empty_row()
     buffers = {"reserved": set(), "plain": set()}

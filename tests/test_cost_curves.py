@@ -7,9 +7,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from logitspec import calibrate
-from logitspec.budget import CostCurve, choose_size
-from logitspec.target import TargetForward
+from logitspec.spec_decode.budget import CostCurve, choose_size
+from logitspec.worker import calibrate
+from logitspec.worker.eager_runner import EagerRunner
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -60,7 +60,7 @@ def test_grid_depends_on_the_device():
 
 
 def test_measure_times_rows_and_nodes_per_row():
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     c = calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3),
                           batch_tokens=(1, 2))
     assert c.tokens == [1, 4] and sorted(c.batches) == [2, 3]
@@ -71,7 +71,7 @@ def test_one_slow_forward_does_not_become_the_cost_of_its_size(monkeypatch):
     """Machine noise only adds time: a forward slowed by another process in one of the reps must
     not be taken for the cost of its size (with a median of two, it made a second token a row
     look free at 8 rows and the budget drafted at a loss)."""
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     real, calls = calibrate.elapsed, []
 
     def noisy(fn, device):
@@ -93,7 +93,7 @@ def test_the_allocator_is_part_of_the_machine_key(monkeypatch):
 
 def test_batch_curves_verify_the_models_own_continuation(monkeypatch):
     """Every curve verifies chains of the model's own continuation, and the stored curve's key says so."""
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     seen = []
     real = calibrate.measure_rows
     def spy(*a, own_chains=False, **k):
@@ -125,7 +125,7 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
     model = tiny_model("qwen2")
     model.config._name_or_path = "tiny-curve-test"
-    target = TargetForward(model)
+    target = EagerRunner(model)
     path = calibrate.curve_path(model, head=target.head)
     assert path.parent == tmp_path / "calibration"
     model_half = tiny_model("qwen2").to(torch.bfloat16)
@@ -155,10 +155,10 @@ def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
 def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
     """The rows of a batch measurement are copies of one prefilled row with their own committed
     lengths: a step on them equals the same step on rows prefilled apart."""
-    from logitspec.cache import BatchKV
-    from logitspec.masks import StepRow
+    from logitspec.worker.kv_cache import BatchKV
+    from logitspec.worker.masks import StepRow
 
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     toks = [(7 * i + 3) % target.vocab_size for i in range(20)]
     lengths = [12, 20, 16]
     tiled, _ = target.prefill(toks, chunk=20)
@@ -177,12 +177,12 @@ def test_batch_rows_share_one_prefill_and_the_head_is_measured_apart():
 
 
 def test_columns_read_follow_the_windows_and_their_cost_is_measured():
-    gemma = TargetForward(tiny_model("gemma3"))  # sliding window 6 on all but every 6th layer
+    gemma = EagerRunner(tiny_model("gemma3"))  # sliding window 6 on all but every 6th layer
     kinds = gemma.model.config.layer_types
     full = sum(k == "full_attention" for k in kinds)
     assert gemma.read_columns(100) == pytest.approx((full * 100 + (len(kinds) - full) * 6) / len(kinds))
     assert gemma.read_columns(4) == 4
-    llama = TargetForward(tiny_model("llama"))
+    llama = EagerRunner(tiny_model("llama"))
     assert llama.read_columns(300) == 300
     ctx = calibrate.measure_columns(llama, 16, 200, reps=1, warmup=0, nodes=4)
     assert ctx["columns"] == 16 and ctx["per_column"] >= 0
@@ -210,10 +210,10 @@ def test_one_row_is_measured_on_the_models_own_continuation():
     """The one-row curve verifies a chain that reads like text to the model: an arbitrary first
     token, then the model's greedy continuation (as stock ``generate`` gives it); the measured
     cache is left as it was (lengths, columns, and the next forward's output)."""
-    from logitspec.masks import StepRow
+    from logitspec.worker.masks import StepRow
 
     model = tiny_model("llama")
-    target = TargetForward(model)
+    target = EagerRunner(model)
     context = [(7 * i + 3) % target.vocab_size for i in range(20)]
     with torch.inference_mode():
         kv, _ = target.prefill(context, chunk=8)

@@ -6,13 +6,15 @@ import torch
 from tiny_models import FAMILIES, VOCAB, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec import attention as attention_module
-from logitspec.head import Head, NodeLogits, OutputMode
 from logitspec.kernels import onednn, rms_norm
-from logitspec.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
-from logitspec.request import SamplingParams
-from logitspec.tree import DraftTree, TreeBuilder
-from logitspec.verify import decide, greedy_accept, inverse_cdf, sample_token
+from logitspec.sample.acceptance import decide, greedy_accept
+from logitspec.sample.node_logits import NodeLogits, OutputMode
+from logitspec.sample.params import SamplingParams
+from logitspec.sample.sampler import inverse_cdf, sample_token
+from logitspec.spec_decode.tree import DraftTree, TreeBuilder
+from logitspec.worker import attention as attention_module
+from logitspec.worker.head import Head
+from logitspec.worker.masks import MASK_ALIGN, StepRow, attention_masks, fold_groups, pack, sdpa_aligned
 
 N_NEW = 20
 
@@ -103,7 +105,7 @@ def test_bfloat16_greedy_equals_bfloat16_ar_batch1(bf16_case, method):
     """Our own bfloat16 ``ar`` is the reference (docs/gpu.md says why not HF generate)."""
     model, prompts, refs = bf16_case
     eng = Engine(model, None, SpecConfig(method=method, budget="fixed"))
-    assert eng.target.head.screen is not None  # on CPU the screen serves bfloat16 weights too
+    assert eng.runner.head.screen is not None  # on CPU the screen serves bfloat16 weights too
     res = eng.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
     assert max(r.stats["mean_accepted"] for r in res) > 1.2
@@ -146,7 +148,7 @@ def test_bfloat16_head_logits_are_float32_products_of_the_widened_weights():
     head = Head(model)
     assert head.fast and head.screen is not None
     rows = [StepRow.chain(0, [1, 2, 3])]
-    from logitspec.cache import BatchKV
+    from logitspec.worker.kv_cache import BatchKV
 
     p = pack(rows, 0, {"full_attention": None}, torch.bfloat16)
     out = head(p.ids, p.pos, p.mask, BatchKV.empty_row().hf, torch.tensor([2]))

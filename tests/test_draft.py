@@ -1,7 +1,7 @@
 from logitspec.config import SpecConfig
-from logitspec.draft import LogitSpecDrafter, PromptLookupDrafter, make_drafter
-from logitspec.index import SequenceIndex
-from logitspec.tree import GUESS
+from logitspec.spec_decode.drafters import LogitSpecDrafter, PromptLookupDrafter, make_drafter
+from logitspec.spec_decode.ngram_index import SequenceIndex
+from logitspec.spec_decode.tree import GUESS
 
 
 def test_ar_drafts_nothing():

@@ -8,11 +8,12 @@ import torch
 from chi2 import chi2, chi2_limit
 from tiny_models import VOCAB, repetitive_prompts, tiny_model
 
-from logitspec import Engine, SpecConfig, sampling
-from logitspec.head import ScreenedArgmax
-from logitspec.index import CorpusIndex
-from logitspec.request import SamplingParams
-from logitspec.verify import probs_from_logits
+from logitspec import Engine, SpecConfig
+from logitspec.sample import screened as sampling
+from logitspec.sample.params import SamplingParams
+from logitspec.sample.sampler import probs_from_logits
+from logitspec.spec_decode.ngram_index import CorpusIndex
+from logitspec.worker.head import ScreenedArgmax
 
 pytestmark = [pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)),
                                  reason="no float16 kernels"),

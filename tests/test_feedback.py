@@ -1,11 +1,12 @@
-"""The budget's estimates corrected by what steps deliver (logitspec/feedback.py) and their use."""
+"""The budget's estimates corrected by what steps deliver (logitspec/spec_decode/feedback.py) and their
+use."""
 import numpy as np
 import pytest
 from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.budget import CostCurve, choose_sizes, estimate
-from logitspec.feedback import LIMIT, Realised
+from logitspec.spec_decode.budget import CostCurve, choose_sizes, estimate
+from logitspec.spec_decode.feedback import LIMIT, Realised
 
 
 def test_corrections_start_neutral_and_learn_tokens_and_cost():

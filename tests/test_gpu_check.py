@@ -8,14 +8,15 @@ import sys
 import pytest
 from conftest import REPO
 
-from logitspec.budget import CostCurve
+from logitspec.spec_decode.budget import CostCurve
 
 ROWS, NODES = (1, 8, 32, 64), (1, 4, 8, 16)  # the tiny plan's: the 8B shape's rows, nodes up to 16
 sys.path.insert(0, str(REPO / "scripts"))  # the check's modules (gpu_check, gpu_check_summary)
 
 
 def test_importing_the_engine_needs_no_ray_or_deepspeed():
-    code = ("import sys, logitspec, logitspec.engine, logitspec.calibrate, logitspec.target; "
+    code = ("import sys, logitspec, logitspec.engine.engine, logitspec.worker.calibrate, "
+            "logitspec.worker.eager_runner; "
             "print(sorted(m for m in ('ray', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -86,8 +86,8 @@ def test_the_ar_case_times_steady_steps_and_counts_their_host_waits(monkeypatch)
     from collections import Counter
 
     from logitspec import Engine, SpecConfig
-    from logitspec.gpu import GraphRunner
-    from logitspec.request import Request
+    from logitspec.engine.request import Request
+    from logitspec.worker.gpu import GraphRunner
 
     @contextlib.contextmanager
     def one_wait(device):

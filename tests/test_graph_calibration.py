@@ -8,8 +8,8 @@ import torch
 from tiny_models import repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig, calibrate
-from logitspec.gpu import GraphRunner
-from logitspec.target import TargetForward
+from logitspec.worker.eager_runner import EagerRunner
+from logitspec.worker.gpu import GraphRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -41,7 +41,7 @@ def test_measuring_through_the_graph_runner_takes_its_static_steps():
 
 def test_the_runner_is_part_of_the_stored_curves_key():
     model = _named()
-    eager, graph = TargetForward(model), GraphRunner(model, max_rows=2, max_len=64)
+    eager, graph = EagerRunner(model), GraphRunner(model, max_rows=2, max_len=64)
     assert calibrate.runner_fingerprint(eager) == "eager"
     assert calibrate.runner_fingerprint(graph) == "graph:sdpa:uncaptured:key_block=256"
     flex = GraphRunner(model, max_rows=2, max_len=128, attention="flex")
@@ -77,7 +77,7 @@ def test_load_or_measure_stores_the_graph_curve_apart(tmp_path, monkeypatch, sma
     assert measured == [(runner.kind, (3,))]
     stored = [json.loads(p.read_text()) for p in (tmp_path / "calibration").glob("*.json")]
     assert [d["runner"] for d in stored] == [runner.kind] and "3" in stored[0]["batches"]
-    calibrate.load_or_measure(TargetForward(model), 3)  # the eager runner's curve is its own
+    calibrate.load_or_measure(EagerRunner(model), 3)  # the eager runner's curve is its own
     assert measured[-1] == ("eager", (4,))
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
 

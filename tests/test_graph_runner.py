@@ -1,18 +1,18 @@
-"""The graph runner's static path on CPU (logitspec.gpu): slots, buckets, device-built masks, the
-commit, and lossless decoding against HF generate and the eager TargetForward."""
+"""The graph runner's static path on CPU (logitspec.worker.gpu): slots, buckets, device-built masks, the
+commit, and lossless decoding against HF generate and the eager EagerRunner."""
 import numpy as np
 import pytest
 import torch
 from tiny_models import FAMILIES, VOCAB, hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.cache import BatchKV
-from logitspec.gpu import GraphRunner, SlotKV, bucket, greedy_chains
-from logitspec.masks import StepRow
-from logitspec.request import Request
-from logitspec.target import TargetForward
-from logitspec.tree import DraftTree
-from logitspec.verify import greedy_accept
+from logitspec.engine.request import Request
+from logitspec.sample.acceptance import greedy_accept
+from logitspec.spec_decode.tree import DraftTree
+from logitspec.worker.eager_runner import EagerRunner
+from logitspec.worker.gpu import GraphRunner, SlotKV, bucket, greedy_chains
+from logitspec.worker.kv_cache import BatchKV
+from logitspec.worker.masks import StepRow
 
 N_NEW = 14
 
@@ -107,14 +107,14 @@ def _random_tree(rng, root: int, truth: list[int], n: int) -> DraftTree:
 
 
 def _tree_run(family, attention="sdpa", steps_max=40, seed=0):
-    """Tree steps through the runner and through the eager TargetForward side by side: per step
+    """Tree steps through the runner and through the eager EagerRunner side by side: per step
     the max node-logit difference, the accepted paths of both; the final tokens and the references."""
     rng = np.random.default_rng(seed)
     prompts = repetitive_prompts(3, seed=3)
     refs = [hf_greedy(tiny_model(family), p, N_NEW + 8) for p in prompts]
     runner = GraphRunner(tiny_model(family), max_rows=4, max_len=128, key_block=16, attention=attention,
                          flex_block=16)
-    eager = TargetForward(tiny_model(family))
+    eager = EagerRunner(tiny_model(family))
     diffs, same_paths = [], True
     with torch.inference_mode():
         kv = runner.new_kv()
@@ -166,7 +166,7 @@ def test_flex_attention_path(family="gemma3"):
 def test_flex_blocks_cover_every_visible_column():
     """The block lists the flex path writes skip no column the mask rule shows (sliding kinds
     start at their window's first block), and end at each row's last node."""
-    from logitspec.gpu.step import FlexMasks, StepBuffers, visible
+    from logitspec.worker.gpu.step import FlexMasks, StepBuffers, visible
 
     buf = StepBuffers(3, 4, torch.device("cpu"))
     rows = [StepRow.chain(37, [1, 2, 3]), StepRow.chain(5, [4])]
@@ -222,9 +222,9 @@ def test_engine_through_the_graph_runner(method):
 
 
 def test_default_runner_is_eager_off_cuda():
-    from logitspec.gpu import default_runner
+    from logitspec.worker.gpu import default_runner
 
-    assert isinstance(default_runner(tiny_model("llama"), max_rows=2), TargetForward)
+    assert isinstance(default_runner(tiny_model("llama"), max_rows=2), EagerRunner)
 
 
 def test_the_step_compiles_as_one_graph_without_recompiling():

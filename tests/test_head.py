@@ -5,15 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from logitspec.head import ScreenedArgmax as _Screen
 from logitspec.kernels import skinny
+from logitspec.worker.head import ScreenedArgmax as _Screen
 
 pytestmark = pytest.mark.skipif(not _Screen.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
 
 def _kinds():
-    from logitspec.head import has_fbgemm
     from logitspec.kernels import onednn
+    from logitspec.worker.head import has_fbgemm
 
     kinds = ["f16c"] if skinny.available() else []
     kinds += ["fbgemm"] if has_fbgemm() else []
@@ -172,7 +172,7 @@ def test_a_decisively_slower_pass_is_dropped_after_one_trial_and_not_tried_at_la
 
 
 def test_engines_over_one_model_share_one_screen():
-    from logitspec.head import shared_screen
+    from logitspec.worker.head import shared_screen
 
     weight = nn.Parameter(torch.randn(300, 16), requires_grad=False)
     assert shared_screen(weight) is shared_screen(weight)
@@ -185,8 +185,8 @@ def test_screen_candidates_kernel_equals_the_torch_search(dtype):
     """The compiled candidate search gives exactly torch's nonzero(approx >= amax - margin), and no
     candidates for a row holding a NaN (its argmax then comes from the full product); on bfloat16
     scores (the bfloat16 pass's, not widened) the same as on their float32 copy."""
-    from logitspec.head import _candidates
     from logitspec.kernels import skinny
+    from logitspec.worker.head import _candidates
     if skinny.extension() is None:
         pytest.skip("the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(5)
@@ -204,8 +204,8 @@ def test_screen_candidates_kernel_equals_the_torch_search(dtype):
 
 
 def test_settle_runs_a_row_counts_timing_trials_at_once():
-    from logitspec.head import has_fbgemm
     from logitspec.kernels import onednn
+    from logitspec.worker.head import has_fbgemm
     if not (has_fbgemm() and onednn.available()):
         pytest.skip("one screen pass only: nothing to time")
     screen = _Screen(torch.randn(300, 16), kind="auto")
@@ -215,7 +215,7 @@ def test_settle_runs_a_row_counts_timing_trials_at_once():
 
 
 def test_rescore_kernel_computes_each_candidates_logit():
-    from logitspec.head import _rescore
+    from logitspec.worker.head import _rescore
     g = torch.Generator().manual_seed(2)
     weight, x = torch.randn(500, 37, generator=g), torch.randn(4, 37, generator=g)  # H not a multiple of 8
     rows, toks = torch.tensor([0, 0, 3, 2, 3]), torch.tensor([5, 499, 0, 17, 17])

@@ -4,8 +4,8 @@ import pytest
 from tiny_models import repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.history import HistorySource
-from logitspec.index import retrieve
+from logitspec.spec_decode.history import HistorySource
+from logitspec.spec_decode.ngram_index import retrieve
 
 
 def test_finds_continuations_after_being_fed_newest_first():

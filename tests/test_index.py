@@ -1,6 +1,6 @@
 import numpy as np
 
-from logitspec.index import CorpusIndex, SequenceIndex, SiblingSource, retrieve
+from logitspec.spec_decode.ngram_index import CorpusIndex, SequenceIndex, SiblingSource, retrieve
 
 
 def test_sequence_index_most_recent_continuation_first():

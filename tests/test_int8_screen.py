@@ -7,7 +7,7 @@ import torch
 from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig, head
-from logitspec.int8_screen import Int8Pass, Int8Race, available
+from logitspec.sample.int8_screen import Int8Pass, Int8Race, available
 
 pytestmark = pytest.mark.skipif(not available(), reason="the compiled kernels are not built here")
 
@@ -98,7 +98,7 @@ def test_the_engine_with_the_int8_pass_forced_on_equals_hf_generate(monkeypatch,
     prompts = repetitive_prompts(6, seed=2)
     refs = [hf_greedy(model, p, 16) for p in prompts]
     engine = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
-    screen = engine.target.head.screen
+    screen = engine.runner.head.screen
     if screen is None:
         pytest.skip(f"{family}: no screen (soft-capped logits)")
     assert [r.token_ids for r in engine.generate(prompts, max_new_tokens=16)] == refs
@@ -109,10 +109,10 @@ def test_a_cost_measurement_never_takes_builds_or_times_the_int8_pass():
     """While a curve is measured the race is held: no build or trial falls inside a timed forward,
     and the measurement's chains (an arbitrary first token, a flat distribution) never take the pass
     (an 8-row step measured 69 ms with it, 34 without, and the budget drafted at a loss)."""
-    from logitspec import calibrate
-    from logitspec.target import TargetForward
+    from logitspec.worker import calibrate
+    from logitspec.worker.eager_runner import EagerRunner
 
-    target = TargetForward(tiny_model("llama"))
+    target = EagerRunner(tiny_model("llama"))
     race = target.head.screen.int8
     race.mode, race.enabled = "auto", True  # the "auto" logic, whatever this CPU has
     calibrate.measure(target, tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(2, 3),

@@ -1,11 +1,12 @@
-"""Lookahead decoding's pure core (logitspec.lookahead) on hand-made integer tables: the n-gram pool,
+"""Lookahead decoding's pure core (logitspec.spec_decode.lookahead) on hand-made integer tables: the n-gram
+pool,
 the Jacobi window and its n-grams, the tree (its mask is LADE's 2D mask), and a table "model"."""
 import numpy as np
 import pytest
 
 from logitspec.config import SpecConfig
-from logitspec.lookahead import LookaheadDrafter, NgramPool, Window, build_tree, locate
-from logitspec.verify import greedy_accept
+from logitspec.sample.acceptance import greedy_accept
+from logitspec.spec_decode.lookahead import LookaheadDrafter, NgramPool, Window, build_tree, locate
 
 
 def test_pool_keeps_the_most_recent_continuations_per_first_token():
@@ -127,8 +128,8 @@ def test_lookahead_sampling_emits_the_target_distribution():
     from tiny_models import VOCAB, tiny_model
 
     from logitspec import Engine
-    from logitspec.request import SamplingParams
-    from logitspec.verify import probs_from_logits
+    from logitspec.sample.params import SamplingParams
+    from logitspec.sample.sampler import probs_from_logits
 
     model = tiny_model("llama")
     with torch.no_grad():

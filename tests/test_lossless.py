@@ -78,7 +78,7 @@ def test_eos_stops_and_is_kept():
 @pytest.mark.parametrize("slope,expect_drafts", [(0.0, True), (10.0, False)])
 def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
     """Free extra tokens: verify drafts; very costly ones: plain decoding. Lossless either way."""
-    from logitspec.budget import CostCurve
+    from logitspec.spec_decode.budget import CostCurve
 
     family, model, prompts, refs = family_case
     curve = CostCurve([1, 64], [1.0, 1.0 + 63 * slope])
@@ -94,8 +94,8 @@ def test_auto_budget_follows_the_cost_curve(family_case, slope, expect_drafts):
 def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, share, skips):
     """While the budget chooses plain decoding and drafting is a noticeable share of a step's time
     (here: any share, or none ever), drafts are built only on every RECHECK_EVERY-th step; lossless."""
-    from logitspec import policy as policy_module
-    from logitspec.budget import CostCurve
+    from logitspec.spec_decode import policy as policy_module
+    from logitspec.spec_decode.budget import CostCurve
 
     monkeypatch.setattr(policy_module, "SKIP_DRAFT_SHARE", share)
     family, model, prompts, refs = family_case
@@ -117,7 +117,7 @@ def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, 
 def test_per_row_budget_at_batch_is_lossless(family_case):
     """A decoder whose padded width is nearly free and an output layer that costs per node: rows
     get their own node counts (some none), and the output stays plain greedy."""
-    from logitspec.budget import CostCurve
+    from logitspec.spec_decode.budget import CostCurve
 
     family, model, prompts, refs = family_case
     rows = {4: {"tokens": [1, 2, 4, 8], "seconds": [1.0, 1.05, 1.1, 1.2]}}
@@ -143,5 +143,5 @@ def test_skinny_kernels_and_screened_head_equal_stock_generate(family):
     assert use_skinny_linears(model) > 0
     for method in ("ar", "logitspec"):
         eng = Engine(model, None, SpecConfig(method=method, max_batch_size=3, budget="fixed"))
-        assert eng.target.head.screen is not None
+        assert eng.runner.head.screen is not None
         assert [r.token_ids for r in eng.generate(prompts, max_new_tokens=N_NEW)] == refs

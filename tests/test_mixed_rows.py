@@ -5,8 +5,8 @@ import torch
 from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.head import ScreenedArgmax
-from logitspec.request import Request
+from logitspec.engine.request import Request
+from logitspec.worker.head import ScreenedArgmax
 
 pytestmark = [pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)),
                                  reason="no float16 kernels"),
@@ -28,9 +28,9 @@ def _requests(model, prompt) -> list[Request]:
     """Greedy, sampled three ways, and greedy with a stop string its answer contains."""
     text = Letters().decode(hf_greedy(model, prompt, 10))
     return [Request(max_new_tokens=10),
-            Request(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5),
-            Request(max_new_tokens=12, temperature=1.2, top_k=8, seed=11, n=2),
-            Request(max_new_tokens=7, temperature=0.7, seed=3),
+            Request.make(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=5),
+            Request.make(max_new_tokens=12, temperature=1.2, top_k=8, seed=11, n=2),
+            Request.make(max_new_tokens=7, temperature=0.7, seed=3),
             Request(max_new_tokens=10, stop=(text[5:7],))]
 
 
@@ -64,7 +64,7 @@ def test_mixed_rows_decided_where_the_logits_are():
 def test_a_session_takes_each_request_as_it_comes():
     model = tiny_model("qwen2")
     prompts = repetitive_prompts(3, seed=2)
-    requests = [Request(max_new_tokens=6, temperature=0.9, seed=1), Request(max_new_tokens=8)]
+    requests = [Request.make(max_new_tokens=6, temperature=0.9, seed=1), Request(max_new_tokens=8)]
     eng = Engine(model, None, SpecConfig(method="logitspec", max_batch_size=3, budget="fixed"))
     session = eng.open(Request(max_new_tokens=8))
     ids = [session.submit(p, q) for p, q in zip(prompts[:2], requests)] + [session.submit(prompts[2])]

@@ -4,11 +4,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from logitspec import policy as policy_module
-from logitspec.budget import CostCurve
 from logitspec.config import SpecConfig
-from logitspec.index import SequenceIndex
-from logitspec.policy import EXPLORE_NODES, RECHECK_EVERY, SpeculationPolicy
+from logitspec.spec_decode import policy as policy_module
+from logitspec.spec_decode.budget import CostCurve
+from logitspec.spec_decode.ngram_index import SequenceIndex
+from logitspec.spec_decode.policy import EXPLORE_NODES, RECHECK_EVERY, SpeculationPolicy
 
 STEEP = CostCurve([1, 64], [1.0, 631.0])  # every drafted node costs ten plain steps: trees never pay
 FREE = CostCurve([1, 64], [1.0, 1.0])  # drafted nodes cost nothing: every tree pays
@@ -17,7 +17,7 @@ TIMES = {"draft_s": 1.0, "forward_s": 1.0, "verify_s": 0.0, "commit_s": 0.0}  # 
 
 @dataclass
 class Row:
-    """What drafting reads of a row (logitspec.policy.DraftRow), made by hand."""
+    """What drafting reads of a row (logitspec.spec_decode.policy.DraftRow), made by hand."""
 
     tokens: list[int]
     guesses: list[int] = field(default_factory=list)
@@ -52,7 +52,7 @@ def _run(policy: SpeculationPolicy, rows, steps: int):
         n = len(drafted)
         trees = policy.draft(rows)
         log.append((len(drafted) > n, sum(len(t) - 1 for t in trees)))
-        policy.observe(trees, [[0]] * len(trees), [r.streak for r in rows], TIMES)
+        policy.observe(rows, trees, [[0]] * len(trees), TIMES)
     return log
 
 
@@ -62,7 +62,7 @@ def test_free_drafts_are_verified_and_learned_from():
     trees = policy.draft(rows)
     assert all(len(t) > 1 for t in trees) and policy.guess_count == policy.config.top_k
     before = policy.acceptance.tries.sum()
-    streaks = policy.observe(trees, [[0, 1]] * 2, [0, 0], TIMES)
+    streaks = policy.observe(rows, trees, [[0, 1]] * 2, TIMES)
     assert streaks == [1, 1] and policy.acceptance.tries.sum() > before
     assert policy.stats()  # the budget's corrections for 2 rows are reported
 
@@ -94,7 +94,7 @@ def test_cheap_drafting_is_never_skipped(monkeypatch):
 def test_skipped_steps_compute_no_guesses():
     policy = _policy(STEEP)
     rows = _rows(1)
-    policy.observe(policy.draft(rows), [[0]], [0], TIMES)  # drafts, chooses none: the next steps skip
+    policy.observe(rows, policy.draft(rows), [[0]], TIMES)  # drafts, chooses none: the next steps skip
     assert policy.draft(rows)[0].tokens.tolist() == [rows[0].tokens[-1]]
     assert policy.guess_count == 0
 
@@ -114,5 +114,5 @@ def test_the_curve_is_measured_on_first_need_only():
                                measure_curve=lambda: calls.append(1) or FREE)
     rows = _rows(1)
     for _ in range(3):
-        policy.observe(policy.draft(rows), [[0]], [0], TIMES)
+        policy.observe(rows, policy.draft(rows), [[0]], TIMES)
     assert calls == [1] and policy.cost_curve is FREE

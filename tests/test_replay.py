@@ -7,11 +7,10 @@ from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model, wr
 
 from logitspec import Engine, SpecConfig
 from logitspec.bench.replay import REPLAYED, replay, run_once
+from logitspec.bench.trace import Trace, TraceRecorder, load_traces
 from logitspec.cli import main
-from logitspec.gpu import GraphRunner
-from logitspec.replay_hooks import ReplayHooks
-from logitspec.target import TargetForward
-from logitspec.trace import Trace, TraceRecorder, load_traces
+from logitspec.worker.eager_runner import EagerRunner
+from logitspec.worker.gpu import GraphRunner
 
 N_NEW = 20
 RECORDED = ("pld", "rest", "lookahead", "logitspec")  # every drafting method records and replays
@@ -21,7 +20,7 @@ def record(model, method: str, prompts, batch: int = 2) -> tuple[Trace, list]:
     """A trace of ``method`` on ``prompts`` and the run's results."""
     rec = TraceRecorder()
     engine = Engine(model, None, SpecConfig(method=method, budget="fixed", max_batch_size=batch),
-                    replay=ReplayHooks(step_observer=rec))
+                    step_observer=rec)
     run = engine.run(prompts, max_new_tokens=N_NEW)
     seqs = rec.take(run.results, [f"p{i}" for i in range(len(prompts))])
     return Trace("tiny-llama", method, "repetitive", batch, N_NEW, tuple(seqs), {"note": "test"}), run.results
@@ -68,7 +67,7 @@ def test_replay_reproduces_recorded_acceptance_on_another_model(recorded):
     other = tiny_model("qwen2", seed=7)
     for method, (trace, _) in traces.items():
         for batch in (1, 7):  # 7 rows over 5 recorded sequences: two replayed twice
-            got = run_once(other, trace, method, batch, TargetForward(other), warmup_tokens=4)
+            got = run_once(other, trace, method, batch, EagerRunner(other), warmup_tokens=4)
             n = len(trace.sequences)
             assert got["rows"] == max(batch, n)
             want = [list(trace.sequences[i % n].emitted) for i in range(got["rows"])]
@@ -90,8 +89,8 @@ def test_ar_replay_is_plain_decoding(recorded):
     traces, _, _ = recorded
     other = tiny_model("qwen2", seed=7)
     trace = traces["pld"][0]
-    got = run_once(other, trace, "ar", 2, TargetForward(other), warmup_tokens=0)
-    from logitspec.replay import replay_plan
+    got = run_once(other, trace, "ar", 2, EagerRunner(other), warmup_tokens=0)
+    from logitspec.bench.replay_drafter import replay_plan
 
     prompts, requests, _ = replay_plan(trace, 2, 96)
     plain = Engine(other, None, SpecConfig(method="ar", max_batch_size=2)).generate(prompts, requests)
@@ -105,10 +104,10 @@ def test_replay_refuses_a_trace_that_does_not_fit(recorded):
     long = dataclasses.replace(trace, sequences=(dataclasses.replace(seq, prompt_tokens=5000),))
     other = tiny_model("qwen2", seed=7, max_position_embeddings=256)
     with pytest.raises(ValueError, match="needs 5.* positions .* context is 256"):
-        run_once(other, long, "logitspec", 1, TargetForward(other), warmup_tokens=0)
+        run_once(other, long, "logitspec", 1, EagerRunner(other), warmup_tokens=0)
     # the acceptance override takes only the replay drafter's trees (never a pruned or other tree)
-    from logitspec.replay import recorded_last
-    from logitspec.tree import DraftTree
+    from logitspec.bench.replay_drafter import recorded_last
+    from logitspec.spec_decode.tree import DraftTree
 
     with pytest.raises(ValueError, match="ReplayDrafter's trees"):
         recorded_last([DraftTree.single(3)])
@@ -117,7 +116,7 @@ def test_replay_result_labels_and_speed_ups(recorded):
     traces, _, _ = recorded
     other = tiny_model("llama", seed=9)
     out = replay(other, [t for t, _ in traces.values()], batch_sizes=(2,), warmup_tokens=0,
-                 runner_for=lambda m, rows: TargetForward(m))
+                 runner_for=lambda m, rows: EagerRunner(m))
     assert out["label"] == REPLAYED
     res = out["traces"]["tiny-llama/repetitive"]
     assert set(res["results"]) == {f"{m}@2" for m in ("ar", *RECORDED)}

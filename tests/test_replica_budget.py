@@ -1,8 +1,8 @@
 """The replica's line on what the draft budget did (pipeline/replica/budget.py) and the per-row
-``verified_steps`` it counts (logitspec/stats.py, the output rows' column)."""
+``verified_steps`` it counts (logitspec/engine/stats.py, the output rows' column)."""
 from __future__ import annotations
 
-from logitspec.stats import SequenceStats
+from logitspec.engine.stats import SequenceStats
 from pipeline.replica.budget import LOG_EVERY_S, ReplicaBudget
 from pipeline.rows import OutputRow
 

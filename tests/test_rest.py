@@ -3,13 +3,13 @@ lossless greedy and sampled decoding on the tiny families."""
 import numpy as np
 import pytest
 
-from logitspec import rest
 from logitspec.config import SpecConfig
-from logitspec.draft import RestDrafter, make_drafter
-from logitspec.index import SequenceIndex
-from logitspec.rest import Datastore, suffix_array
-from logitspec.rest_trie import context_matches, gather, select_trie
-from logitspec.tree import GUESS
+from logitspec.spec_decode import rest
+from logitspec.spec_decode.drafters import RestDrafter, make_drafter
+from logitspec.spec_decode.ngram_index import SequenceIndex
+from logitspec.spec_decode.rest import Datastore, suffix_array
+from logitspec.spec_decode.rest_trie import context_matches, gather, select_trie
+from logitspec.spec_decode.tree import GUESS
 
 
 def _naive_sa(tokens):
@@ -197,9 +197,9 @@ def test_rest_sampling_emits_the_target_distribution():
     from chi2 import chi2, chi2_limit
 
     from logitspec import Engine
-    from logitspec.head import ScreenedArgmax
-    from logitspec.request import SamplingParams
-    from logitspec.verify import probs_from_logits
+    from logitspec.sample.params import SamplingParams
+    from logitspec.sample.sampler import probs_from_logits
+    from logitspec.worker.head import ScreenedArgmax
 
     if not ScreenedArgmax.supported(torch.zeros(1, 1)):
         pytest.skip("no float16 kernels")

@@ -1,5 +1,6 @@
 """A job with ``--method rest`` and a REST datastore as its corpus's reference (``--reference NAME=DIR``):
-loaded once in the driver, shared through Ray's object store, a :class:`logitspec.rest.Datastore` in
+loaded once in the driver, shared through Ray's object store, a :class:`logitspec.spec_decode.rest.Datastore`
+in
 every replica; the output equals plain decoding's (lossless)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from test_pipeline import _cfg, _reference_job, ray_session, tiny  # noqa: F401 - fixtures
 from transformers import AutoTokenizer
 
-from logitspec.rest import Datastore, build_datastore
+from logitspec.spec_decode.rest import Datastore, build_datastore
 from pipeline.errors import ConfigError
 from pipeline.io.output import read_generations
 from pipeline.io.reference import prepare_reference, split_meta

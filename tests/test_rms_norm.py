@@ -164,7 +164,7 @@ def test_a_swapped_model_pickles_as_the_original_classes():
 def test_stored_cost_curves_tell_fused_norms_apart():
     """A cost curve measured with transformers' norms is not reused for the fused ones (the kernel
     fingerprint in the curve's key names the norm classes)."""
-    from logitspec import calibrate
+    from logitspec.worker import calibrate
 
     model = tiny_model("qwen2")
     before = calibrate.kernel_fingerprint(model)

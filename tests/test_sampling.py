@@ -5,10 +5,10 @@ import pytest
 import torch
 from chi2 import chi2, chi2_limit
 
-from logitspec.head import ScreenedArgmax
-from logitspec.request import SamplingParams
-from logitspec.sampling import exact_logits, screened_sample, top_k_support, top_p_support
-from logitspec.verify import probs_from_logits
+from logitspec.sample.params import SamplingParams
+from logitspec.sample.sampler import probs_from_logits, uniform
+from logitspec.sample.screened import exact_logits, screened_sample, top_k_support, top_p_support
+from logitspec.worker.head import ScreenedArgmax
 
 pytestmark = pytest.mark.skipif(not ScreenedArgmax.supported(torch.zeros(1, 1)), reason="no float16 kernels")
 
@@ -76,7 +76,8 @@ def test_draws_follow_the_target_distribution(params):
     probs = probs_from_logits(exact_logits(w, x, None), params).double().numpy()
     gen = torch.Generator().manual_seed(5)
     n = 3000
-    counts = np.bincount([screened_sample(a, x, w, bound, params, gen) for _ in range(n)], minlength=64)
+    draws = [screened_sample(a, x, w, bound, params, uniform(gen)) for _ in range(n)]
+    counts = np.bincount(draws, minlength=64)
     assert counts[probs == 0].sum() == 0
     stat, df = chi2(counts, probs, n)
     assert stat < chi2_limit(df), (stat, df)
@@ -98,6 +99,7 @@ def test_undecided_nucleus_falls_back_to_the_full_row_and_stays_exact():
     gen = torch.Generator().manual_seed(1)
     n = 1600
     for p in (params, SamplingParams(1.0)):  # temperature only: most quantiles lie past the candidates
-        counts = np.bincount([screened_sample(a, x, w, bound, p, gen) for _ in range(n)], minlength=80)
+        draws = [screened_sample(a, x, w, bound, p, uniform(gen)) for _ in range(n)]
+        counts = np.bincount(draws, minlength=80)
         stat, df = chi2(counts, probs_from_logits(z, p).double().numpy(), n)
         assert stat < chi2_limit(df), (stat, df)

@@ -4,9 +4,9 @@ import pytest
 from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.prefix_cache import PrefixCache
-from logitspec.request import Request
-from logitspec.session import sample_seed
+from logitspec.engine.request import Request
+from logitspec.engine.session import sample_seed
+from logitspec.worker.prefix_cache import PrefixCache
 
 N_NEW = 16
 

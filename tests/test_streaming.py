@@ -114,7 +114,7 @@ def test_a_failing_session_step_isolates_the_failing_prompt(tiny, monkeypatch):
     _, per_task, stream = _generators(tiny)
     a, b = _tasks(tiny[2])
     bad = stream.gen.prepare([a[2]])[1][0].ids  # the prompt of row a2 breaks any forward it is in
-    cls = type(stream.engine.target)
+    cls = type(stream.engine.runner)
     real = cls.prefill_rows
 
     def prefill_rows(self, prompts, **kw):

@@ -21,8 +21,8 @@ import torch
 from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.distributed import PeerWatchdog, decisions_digest, free_port, rank_env
 from logitspec.models import load_model
+from logitspec.worker.tensor_parallel import PeerWatchdog, decisions_digest, free_port, rank_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TP = 2
@@ -36,9 +36,16 @@ CASES = (("ar", 0.0, "auto"), ("logitspec", 0.0, "auto"), ("logitspec", 0.0, "fi
 
 @pytest.fixture(scope="module")
 def comm_op():
-    from logitspec.distributed import build_comm_op
+    """DeepSpeed's CPU shm all-reduce op, built (about a minute, once per machine) or loaded here, not
+    inside every rank at once."""
+    from deepspeed.accelerator import get_accelerator
 
-    return build_comm_op()  # the one-time compile happens here, not inside every rank
+    from logitspec.worker.tensor_parallel import extensions_dir
+
+    extensions_dir()
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +79,7 @@ def _generate(make, case, prompts):
 def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, results_q) -> None:
     """One rank: join the group, load its shard of each model, decode every case."""
     try:
-        from logitspec.distributed import check_agreement, init_rank, load_tp_model, make_engine
+        from logitspec.worker.tensor_parallel import check_agreement, init_rank, load_tp_model, make_engine
 
         init_rank(rank, world, port, threads=1)
         out = {}
@@ -167,8 +174,8 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
     """One rank whose own step timings say "skip drafting" on rank 0 and "draft" on rank 1: with the
     group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""
     try:
-        from logitspec.budget import CostCurve
-        from logitspec.distributed import (
+        from logitspec.spec_decode.budget import CostCurve
+        from logitspec.worker.tensor_parallel import (
             RanksDiverged,
             check_agreement,
             init_rank,
@@ -218,7 +225,7 @@ def test_ranks_agree_on_timed_decisions(comm_op, tiny_dirs):
 def test_batch_kv_zero_head_layers():
     """A rank that holds no attention head (Gemma 3's single KV head under AutoTP sits on rank 0) has
     [rows, 0, cols, dim] cache tensors: rows, columns and commits must still be tracked."""
-    from logitspec.cache import BatchKV
+    from logitspec.worker.kv_cache import BatchKV
 
     def prefilled(n):
         kv = BatchKV.empty_row()

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from logitspec.tree import DraftTree, TreeBuilder
+from logitspec.spec_decode.tree import DraftTree, TreeBuilder
 
 
 def test_builder_merges_shared_prefixes_and_respects_capacity():

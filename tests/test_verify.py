@@ -2,9 +2,10 @@ import numpy as np
 import pytest
 import torch
 
-from logitspec.request import SamplingParams
-from logitspec.tree import DraftTree
-from logitspec.verify import greedy_accept, probs_from_logits, sample_token
+from logitspec.sample.acceptance import greedy_accept
+from logitspec.sample.params import SamplingParams
+from logitspec.sample.sampler import probs_from_logits, sample_token
+from logitspec.spec_decode.tree import DraftTree
 
 TREE = DraftTree(np.array([7, 1, 2, 3, 4, 5]), np.array([-1, 0, 1, 2, 2, 0]))
 
@@ -57,7 +58,7 @@ def test_tree_sampling_matches_target_distribution():
             p = root_p if node == 0 else child_p[int(tree.tokens[node])]
             return sample_token(p, g)
 
-        from logitspec.verify import accept_path
+        from logitspec.sample.acceptance import accept_path
         path, bonus = accept_path(tree, next_token)
         toks = [int(tree.tokens[i]) for i in path[1:]] + [bonus]
         if len(toks) < 2:  # the first token was the bonus: draw the second from the target directly
@@ -75,7 +76,7 @@ def test_top_tokens_are_a_stable_descending_sorts_first_k(dtype):
     (bfloat16 scores tie often), as a stable sort gives them; a NaN never ranks; the kernel reads the
     rows in place (no gather), a row may be selected twice."""
     from logitspec.kernels import skinny
-    from logitspec.verify import top_tokens
+    from logitspec.sample.sampler import top_tokens
     if skinny.extension() is None:
         pytest.skip("the CPU kernels cannot be built here")
     g = torch.Generator().manual_seed(2)

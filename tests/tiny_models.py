@@ -12,7 +12,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from logitspec.attention import NAME as ATTENTION
+from logitspec.worker.attention import NAME as ATTENTION
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = 96

@@ -69,9 +69,10 @@ def retrieval_flags(prompt: Sequence[int], output: Sequence[int], guesses: Seque
     drafter retrieved a non-empty draft from the context; ``guesses[t]``: the next-next guesses
     (``x1`` left out) the last logits gave at step t. ``config``: the LogitSpec settings (default:
     the paper's, :meth:`~logitspec.config.SpecConfig.paper`)."""
+    from logitspec.spec_decode.drafters import make_drafter
+    from logitspec.spec_decode.ngram_index import SequenceIndex
+
     from ..config import SpecConfig
-    from ..draft import make_drafter
-    from ..index import SequenceIndex
 
     cfg = config or SpecConfig.paper()
     drafters = {
@@ -110,8 +111,9 @@ def greedy_traces(model, tokenizer, questions, max_new_tokens: int, top: int = 6
     forward over prompt + output for the logits of every generated position (only those kept)."""
     import torch
 
+    from logitspec.engine.engine import Engine
+
     from ..config import SpecConfig
-    from ..engine import Engine
     from .questions import PromptBuilder
 
     eng = Engine(model, tokenizer, SpecConfig(method="ar"))

@@ -1,13 +1,22 @@
 """``logitspec calibrate``: measure this machine's forward cost curve t(n) of a model, store it where
 engines with ``SpecConfig(budget="auto")`` find it, print it and optionally plot it.
 
-The measuring and the store are :mod:`logitspec.calibrate`'s; this is the command line around them. The
+The measuring and the store are :mod:`logitspec.worker.calibrate`'s; this is the command line around them. The
 forwards run through the runner the engine would use (``--runner default``: the CUDA-graph runner on
 CUDA, the eager forward elsewhere), which is part of the stored curve's key.
 """
 from __future__ import annotations
 
-from ..calibrate import TOKENS, curve_path, grid_for, machine_fingerprint, measure, runner_fingerprint, save
+from logitspec.worker.calibrate import (
+    TOKENS,
+    curve_path,
+    grid_for,
+    machine_fingerprint,
+    measure,
+    runner_fingerprint,
+    save,
+)
+
 from ..helpfmt import DefaultsHelpFormatter
 
 
@@ -61,14 +70,14 @@ def make_runner(model, kind: str, context: int | None = None):
     """The runner ``kind`` names for ``model`` ("default", "eager", "graph"), with slots for the
     device's grid: its most rows, each the grid's context plus 16 a row and the largest node bucket
     (on CUDA, the default runner's slots: the model's context, within half the free memory)."""
-    from ..gpu import NODE_BUCKETS, GraphRunner, default_runner
-    from ..target import TargetForward
+    from logitspec.worker.eager_runner import EagerRunner
+    from logitspec.worker.gpu import NODE_BUCKETS, GraphRunner, default_runner
 
     device = next(model.parameters()).device
     grid = grid_for(device)
     rows = max(grid.rows)
     if kind == "eager":
-        return TargetForward(model)
+        return EagerRunner(model)
     if kind == "default" or device.type == "cuda":  # on CUDA the default runner is the graph runner
         return default_runner(model, rows)
     max_len = (context or grid.context) + 16 * rows + 2 * max(NODE_BUCKETS)

@@ -4,7 +4,8 @@ A method is an engine method (any of :data:`logitspec.config.METHODS`) or an HF 
 ``model.generate(do_sample=False)``, ``hf-pld``: with ``prompt_lookup_num_tokens=10``). A variant
 overrides fields: ``logitspec@capacity=8@top_k=8`` (SpecConfig fields, plus ``history=N``: the engine
 keeps its answers, up to N tokens, as a draft source, and ``datastore=DIR``: a REST datastore written by
-``python -m logitspec.rest build``, every prompt's reference: REST retrieves from it, the other methods
+``python -m logitspec.spec_decode.rest build``, every prompt's reference: REST retrieves from it, the other
+methods
 look n-grams up in it after the prompt's own context) or ``hf-pld@prompt_lookup_num_tokens=4``
 (``generate`` keywords). ``ar`` is the reference.
 """
@@ -15,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
 
-from ..session import sample_seed
+from logitspec.engine.session import sample_seed
+
 from .report import TIME_PARTS
 from .samples import Decoding, run_samples
 
@@ -104,15 +106,15 @@ class EngineRunner:
                  datastore: str | None = None):
         """``history``: tokens of the engine's own answers kept as a draft source (0: none).
         ``datastore``: a REST datastore directory, every prompt's reference (None: no reference)."""
-        from ..engine import Engine
-        from ..history import HistorySource
+        from logitspec.engine.engine import Engine
+        from logitspec.spec_decode.history import HistorySource
 
         self.engine = Engine(model, tokenizer, config, history=HistorySource(max_tokens=history) if history
                              else None)
         self.decoding = decoding
         self.reference = None
         if datastore:
-            from ..rest import Datastore
+            from logitspec.spec_decode.rest import Datastore
 
             self.reference = Datastore.load(datastore)
 
@@ -128,7 +130,7 @@ class EngineRunner:
             seeds: list[int] | None = None) -> tuple[float, list[dict]]:
         """Wall time and one output per sample, prompt-major
         (:func:`~logitspec.bench.samples.run_samples`)."""
-        dev = self.engine.target.device
+        dev = self.engine.runner.device
         _sync(dev)
         t0 = time.perf_counter()
         results = run_samples(self._target(), prompts, max_new_tokens, self.decoding, seeds).results
@@ -165,8 +167,9 @@ class HFRunner:
         self.decoding = decoding
         self.kwargs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         if not decoding.greedy:
-            self.kwargs.update(do_sample=True, temperature=decoding.temperature, top_p=decoding.top_p,
-                               top_k=decoding.top_k or None)
+            s = decoding.sampling
+            self.kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p,
+                               top_k=s.top_k or None)
         if base == "hf-pld":
             self.kwargs["prompt_lookup_num_tokens"] = 10
         self.kwargs.update(overrides)

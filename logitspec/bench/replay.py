@@ -1,8 +1,9 @@
 """The engine's time per token with a recorded model's acceptance ("replayed acceptance").
 
 :func:`replay` runs every trace set (the traces of several methods on the same prompts, one
-:attr:`~logitspec.trace.Trace.name`) at every batch size through the whole engine on ``model`` (random
-weights of a real shape, where the real weights cannot go) with :mod:`logitspec.replay`'s hooks, and
+:attr:`~logitspec.bench.trace.Trace.name`) at every batch size through the whole engine on ``model`` (random
+weights of a real shape, where the real weights cannot go) with :mod:`logitspec.bench.replay_drafter`'s
+hooks, and
 reports per method the milliseconds per token and the speed-up over ``ar`` on the same rows. ``ar``
 needs no trace: it is the plain engine on the same prompts and token counts.
 """
@@ -15,10 +16,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from ..engine import Engine
-from ..gpu import default_runner
-from ..replay import REPLAYED, check_fits, replay_config, replay_hooks, replay_plan
-from ..trace import Trace, load_traces
+from logitspec.bench.replay_drafter import REPLAYED, check_fits, replay_config, replay_hooks, replay_plan
+from logitspec.bench.trace import Trace, load_traces
+from logitspec.engine.engine import Engine
+from logitspec.worker.gpu import default_runner
 
 BATCH_SIZES = (1, 8, 32, 64)
 
@@ -54,7 +55,7 @@ def run_once(model, trace: Trace, method: str, batch_size: int, runner, seed: in
     prompts, requests, seqs = replay_plan(trace, batch_size, vocab, seed, max_prompt_tokens)
     config = replay_config(method, batch_size)
     engine = Engine(model, None, config, runner=runner,
-                    replay=replay_hooks(None if method == "ar" else trace, config, prompts, seqs))
+                    **replay_hooks(None if method == "ar" else trace, config, prompts, seqs).kwargs())
     check_fits(trace, engine.max_context, max_prompt_tokens)
     if warmup_tokens != 0:  # captures, kernels and caches: not measured (None: the whole run once)
         n = min(batch_size, len(prompts))
@@ -82,7 +83,7 @@ def replay(model, traces: Sequence[Trace] | Sequence[str] | str, methods: Sequen
     ``rounds``: measured runs per (set, batch size, method), the median kept. ``max_prompt_tokens``:
     cut the replayed prompts (their attention costs less than the recorded ones').
     ``runner_for(model, rows)``: the model runner shared by the methods at one batch size (default
-    :func:`~logitspec.gpu.default_runner`: the graph runner on CUDA). ``details``: keep each run's
+    :func:`~logitspec.worker.gpu.default_runner`: the graph runner on CUDA). ``details``: keep each run's
     per-row emitted counts and token ids.
 
     Returns ``{"label": "replayed acceptance", "methods", "batch_sizes", "model", "traces": {name:

@@ -132,7 +132,8 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
         "methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
         "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
         "warmup_prompt": "built-in, not measured" if warmup else None,
-        "temperature": decoding.temperature, "top_p": decoding.top_p, "sampling_top_k": decoding.top_k,
+        "temperature": decoding.sampling.temperature, "top_p": decoding.sampling.top_p,
+        "sampling_top_k": decoding.sampling.top_k,
         "num_samples": decoding.num_samples, "seed": decoding.seed, "decoding": decoding.describe(),
         "chat_template": build.chat, **(settings or {})})
     kept = resumable(out, summary, names) if resume else {}

@@ -3,34 +3,33 @@
 them (:func:`run_samples`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..request import Request, SamplingParams
+from logitspec.engine.request import Request
+from logitspec.sample.params import SamplingParams
 
 
 @dataclass(frozen=True)
 class Decoding:
-    """Greedy (temperature 0) or sampling with ``num_samples`` samples per prompt. The k-th prompt of
-    a run has seed ``seed + num_samples * k``; its sample j draws from the engine's
-    :func:`~logitspec.session.sample_seed` of that, for every method alike."""
+    """Greedy or sampled decoding (``sampling``) with ``num_samples`` samples per prompt. The k-th
+    prompt of a run has seed ``seed + num_samples * k``; its sample j draws from the engine's
+    :func:`~logitspec.engine.session.sample_seed` of that, for every method alike."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     num_samples: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
-        SamplingParams(self.temperature, self.top_p, self.top_k)  # ValueError for bad values
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
-        if self.greedy and (self.num_samples > 1 or self.top_p < 1 or self.top_k):
+        s = self.sampling
+        if self.greedy and (self.num_samples > 1 or s.top_p < 1 or s.top_k):
             raise ValueError("top-p, top-k and several samples per prompt need a temperature > 0 "
                              "(greedy samples would all be the same)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.sampling.greedy
 
     def seeds(self, k: int, count: int) -> list[int]:
         """Seeds of the prompts k .. k + count - 1 of a run (their sample 0's seeds)."""
@@ -38,14 +37,14 @@ class Decoding:
 
     def request(self, max_new_tokens: int) -> Request:
         """The engine request of one prompt decoded so (its seed comes from :meth:`seeds`)."""
-        return Request(max_new_tokens=max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, n=self.num_samples)
+        return Request(max_new_tokens=max_new_tokens, sampling=self.sampling, n=self.num_samples)
 
     def describe(self) -> str:
         if self.greedy:
             return "greedy"
-        parts = [f"temperature {self.temperature:g}", f"top-p {self.top_p:g}"]
-        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        s = self.sampling
+        parts = [f"temperature {s.temperature:g}", f"top-p {s.top_p:g}"]
+        parts += [f"top-k {s.top_k}"] if s.top_k else []
         return ("sampled (" + ", ".join(parts)
                 + f"), {self.num_samples} sample(s) per prompt, seed {self.seed}")
 
@@ -63,20 +62,21 @@ def add_decoding_options(p) -> None:
                         "every method")
     p.add_argument("--seed", type=int, default=0, help="first sampling seed (prompt k: seed + N k; its "
                                                        "samples: "
-                   "logitspec.session.sample_seed of that)")
+                   "logitspec.engine.session.sample_seed of that)")
 
 
 def decoding_from_args(args) -> Decoding:
     """The :class:`Decoding` of the options; ValueError for bad values."""
-    return Decoding(args.temperature, args.top_p, args.top_k, args.num_samples, args.seed)
+    return Decoding(SamplingParams(args.temperature, args.top_p, args.top_k), args.num_samples, args.seed)
 
 
 def decoding_options(d: Decoding) -> list[str]:
     """The options that give ``d`` (none for greedy)."""
     if d.greedy:
         return []
-    out = ["--temperature", f"{d.temperature:g}", "--top-p", f"{d.top_p:g}"]
-    out += ["--top-k", str(d.top_k)] if d.top_k else []
+    s = d.sampling
+    out = ["--temperature", f"{s.temperature:g}", "--top-p", f"{s.top_p:g}"]
+    out += ["--top-k", str(s.top_k)] if s.top_k else []
     out += ["--num-samples", str(d.num_samples)] if d.num_samples > 1 else []
     return out + (["--seed", str(d.seed)] if d.seed else [])
 
@@ -84,7 +84,7 @@ def decoding_options(d: Decoding) -> list[str]:
 def run_samples(engine, prompts: list, max_new_tokens: int, decoding: Decoding,
                 seeds: list[int] | None = None):
     """``engine.run`` on ``decoding.num_samples`` samples of every prompt, one prefill shared by a
-    prompt's samples: the :class:`~logitspec.engine.EngineRun`'s results are prompt-major (sample j
+    prompt's samples: the :class:`~logitspec.engine.engine.EngineRun`'s results are prompt-major (sample j
     of prompt i at ``i * num_samples + j``, seeded ``sample_seed(seeds[i], j)``; ``seeds`` default:
     :meth:`Decoding.seeds` from 0)."""
     seeds = decoding.seeds(0, len(prompts)) if seeds is None else seeds

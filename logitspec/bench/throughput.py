@@ -49,7 +49,7 @@ def run(model, tokenizer, prompts, methods, batch_sizes, max_new_tokens: int, ro
     engines' resident runners, ``{(name, b): runner}`` with ``runner.round(b, token_ids, slots)``
     (:class:`~logitspec.bench.vllm_baseline.Runner`), run on the prompts' token ids in the same
     rotation as ours; one that fails is reported and dropped from the table."""
-    from ..engine import Engine
+    from logitspec.engine.engine import Engine
 
     given = configs or {}
     configs = {m: given[m] if m in given else SpecConfig(method=m) for m in methods}  # a variant's is given

@@ -86,9 +86,10 @@ def _record(args) -> int:
 
 
 def _replay(args) -> int:
+    from logitspec.bench.replay_drafter import REPLAYED
+    from logitspec.bench.trace import load_traces
+
     from ..models import load_model
-    from ..replay import REPLAYED
-    from ..trace import load_traces
     from .replay import random_like, render, replay
 
     methods = None if args.methods is None else _engine_methods(args.methods)

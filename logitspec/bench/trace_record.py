@@ -1,5 +1,6 @@
-"""Recording acceptance traces (:mod:`logitspec.trace`) with a real model on Spec-Bench or LongBench-format
-data: the real engine decodes greedily, a :class:`~logitspec.trace.TraceRecorder` keeps every row's
+"""Recording acceptance traces (:mod:`logitspec.bench.trace`) with a real model on Spec-Bench or
+LongBench-format
+data: the real engine decodes greedily, a :class:`~logitspec.bench.trace.TraceRecorder` keeps every row's
 trees and accepted nodes."""
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import pathlib
 import re
 from typing import NamedTuple, Sequence
 
+from logitspec.bench.trace import Trace, TraceRecorder
+from logitspec.engine.engine import Engine
+from logitspec.engine.request import Request
+
 from ..config import SpecConfig
-from ..engine import Engine
-from ..replay_hooks import ReplayHooks
-from ..request import Request
-from ..trace import Trace, TraceRecorder
 from .longbench_set import longbench_questions
 from .provenance import code_version
 from .questions import PromptBuilder, load_questions, warmup_question
@@ -74,7 +75,7 @@ def record_all(model, tokenizer, methods: Sequence[str], dataset: str, out_dir, 
     for method in methods:
         recorder = TraceRecorder()
         engine = Engine(model, tokenizer, SpecConfig(method=method, max_batch_size=batch_size),
-                        replay=ReplayHooks(step_observer=recorder))
+                        step_observer=recorder)
         if dataset == "spec_bench":
             prompts = spec_bench_prompts(engine, questions, per_task, max_new_tokens)
         else:

@@ -8,7 +8,7 @@ after its ancestors were committed, whatever its row's holes and padding (SDPA's
 over the whole padded row). It also reads a batch's cached keys and values faster than SDPA's kernel
 at one query per row (the performance journal: ``git show 4974864:docs/performance.md``).
 
-Use :func:`applies` to check, then :func:`attention`; :mod:`logitspec.attention` does both for the
+Use :func:`applies` to check, then :func:`attention`; :mod:`logitspec.worker.attention` does both for the
 engine's decode and verification forwards.
 """
 from __future__ import annotations

@@ -211,7 +211,7 @@ class OneDnnLinear(nn.Linear):
 def use_onednn_linears(model: nn.Module) -> int:
     """Replace every plain float32 or bfloat16 (where oneDNN runs it) CPU ``nn.Linear`` of ``model``
     whose weight shape is batch-invariant here (:func:`rows_per_call`) by :class:`OneDnnLinear`,
-    except the output embedding (computed by ``logitspec.head``). Returns the count swapped (0
+    except the output embedding (computed by ``logitspec.worker.head``). Returns the count swapped (0
     without oneDNN)."""
     if not available():
         return 0

@@ -41,7 +41,7 @@ MAX_ROWS = 64
 _SOURCE = pathlib.Path(__file__).with_name("csrc") / "skinny_linear.cpp"
 # built into the same extension (one build per machine): the few-query attention of kernels.decode_attention
 # the screen's candidate search of head.ScreenedArgmax, the fused RMS norm of kernels.rms_norm and
-# the int8 screen pass of logitspec.int8_screen
+# the int8 screen pass of logitspec.sample.int8_screen
 _OTHER_SOURCES = tuple(pathlib.Path(__file__).with_name("csrc") / n
                        for n in ("decode_attention.cpp", "screen.cpp", "rms_norm.cpp", "int8_screen.cpp"))
 # their hash is a build flag: an edit rebuilds
@@ -126,7 +126,7 @@ def _headers_hash() -> str:
 
 def sources_digest() -> str:
     """A digest of every compiled kernel's sources and headers: what a stored cost curve was measured
-    with (:func:`logitspec.calibrate.kernel_fingerprint`), so an edited kernel is measured afresh."""
+    with (:func:`logitspec.worker.calibrate.kernel_fingerprint`), so an edited kernel is measured afresh."""
     import hashlib
 
     return hashlib.sha1(b"".join(f.read_bytes() for f in (_SOURCE, *_OTHER_SOURCES,
@@ -229,7 +229,7 @@ class SkinnyLinear(nn.Linear):
 def use_skinny_linears(model: nn.Module, max_rows: int = MAX_ROWS) -> int:
     """Replace every plain ``nn.Linear`` in ``model`` by :class:`SkinnyLinear` (weights shared, not
     copied), except the output embedding (lm_head: tied to the input embedding and computed by
-    ``logitspec.head``). Builds the kernel first (about a minute the first time on a machine); if it
+    ``logitspec.worker.head``). Builds the kernel first (about a minute the first time on a machine); if it
     is unavailable, swaps nothing (one warning) and returns 0. Returns the count swapped."""
     if not available():
         return 0

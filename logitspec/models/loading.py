@@ -159,13 +159,13 @@ def load_model(
     one fused pass (:mod:`logitspec.kernels.rms_norm`); in bfloat16, with oneDNN's bfloat16 GEMM where
     it is batch-invariant here (else transformers' path, which is not) and the same fused norms.
     ``trust_remote_code``: let ``transformers`` run Python code shipped with the model (off unless asked).
-    ``attn_implementation``: by default :mod:`logitspec.attention` (SDPA without per-head key copies),
+    ``attn_implementation``: by default :mod:`logitspec.worker.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import attention  # noqa: F401  (registers attention.NAME with transformers)
+    from logitspec.worker import attention  # noqa: F401  (registers attention.NAME with transformers)
 
     dtype = as_dtype(dtype)
     path = resolve_model_path(spec, cache_dir)

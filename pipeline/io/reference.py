@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from logitspec.index import CorpusIndex
+from logitspec.spec_decode.ngram_index import CorpusIndex
 
 from ..errors import ConfigError
 from .inputs import TABLE_SUFFIXES, is_saved_dataset, open_file
@@ -135,7 +135,7 @@ def load_index_file(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def load_datastore(name: str, path: pathlib.Path, tokenizer, fp: str, t0: float) -> dict[str, np.ndarray]:
     """A REST datastore directory's arrays (with metadata), checked against ``tokenizer``."""
-    from logitspec.rest import Datastore
+    from logitspec.spec_decode.rest import Datastore
 
     try:
         store = Datastore.load(path)
@@ -158,7 +158,7 @@ def load_datastore(name: str, path: pathlib.Path, tokenizer, fp: str, t0: float)
 def _built_datastore(name: str, spec: str, docs: list[str], tokenizer, fp: str, t0: float
                      ) -> dict[str, np.ndarray]:
     """A REST datastore of ``docs`` built now, as arrays with metadata."""
-    from logitspec.rest import build_datastore
+    from logitspec.spec_decode.rest import build_datastore
 
     store = build_datastore(docs, tokenizer)
     plain = store.to_arrays()

@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 
-from logitspec.request import Request, add_request_flags, request_from_args
+from logitspec.engine.request import Request, add_request_flags, request_from_args
 
 from ..io.inputs import open_input, read_columns, row_prompt
 from .config import GenerationSpec, JobConfig

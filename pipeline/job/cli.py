@@ -12,8 +12,8 @@ import signal
 import sys
 
 from logitspec.config import METHODS
+from logitspec.engine.request import Request, add_request_flags, request_from_args
 from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
-from logitspec.request import Request, add_request_flags, request_from_args
 
 from ..errors import ConfigError
 from .config import (

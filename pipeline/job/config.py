@@ -1,7 +1,7 @@
 """The job's configuration: one frozen dataclass, validated at construction (before Ray starts).
 
 ``JobConfig`` holds everything the driver needs; ``GenerationSpec`` is the part each replica
-needs (model, engine settings, and the job's :class:`~logitspec.request.Request`: the decoding settings
+needs (model, engine settings, and the job's :class:`~logitspec.engine.request.Request`: the decoding settings
 every row is generated with, ``n`` its samples per row) and is what a replica is built from.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from logitspec.config import SpecConfig
-from logitspec.request import Request
+from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 
@@ -51,7 +51,7 @@ class GenerationSpec:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if not isinstance(self.request, Request):
-            raise ConfigError(f"request must be a logitspec.request.Request, got "
+            raise ConfigError(f"request must be a logitspec.engine.request.Request, got "
                               f"{type(self.request).__name__}")
         for name in ("temperature", "top_p"):
             if not math.isfinite(getattr(self.request, name)):
@@ -70,10 +70,11 @@ class GenerationSpec:
         return SpecConfig(method=self.method, max_batch_size=self.max_batch_size, budget=self.budget)
 
     def history_source(self):
-        """A fresh :class:`~logitspec.history.HistorySource` of ``history_tokens`` tokens, or None."""
+        """A fresh :class:`~logitspec.spec_decode.history.HistorySource` of ``history_tokens`` tokens, or
+        None."""
         if not self.history_tokens:
             return None
-        from logitspec.history import HistorySource
+        from logitspec.spec_decode.history import HistorySource
 
         return HistorySource(max_tokens=self.history_tokens)
 

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from logitspec.request import Request
+from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type

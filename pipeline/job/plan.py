@@ -13,7 +13,7 @@ import pathlib
 import time
 from dataclasses import dataclass, field
 
-from logitspec.request import Request
+from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 from ..io.inputs import open_input

@@ -1,6 +1,7 @@
 """One history of answers for the whole job (``--share-history``), kept by the driver.
 
-Each replica drafts from a :class:`~logitspec.history.HistorySource` of answers. With a shared history,
+Each replica drafts from a :class:`~logitspec.spec_decode.history.HistorySource` of answers. With a shared
+history,
 a replica's finished batch reports its answers' token ids (``stats["answers"]``, see
 :meth:`pipeline.replica.worker.RowGenerator.answers`); the driver keeps the newest ``max_tokens`` tokens of
 them, and every batch it sends a replica carries the answers the *other* replicas produced since

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from logitspec import allocator
-from logitspec.request import Request
+from logitspec.engine.request import Request
 
 from ..job.config import GenerationSpec
 from .resources import array_spans, peak_rss, tensor_spans, where_bytes_live
@@ -45,8 +45,8 @@ def attach_references(reference_refs: dict) -> tuple[dict, dict]:
     bytes of it in private memory (a copy of this process's own) and in shared mappings."""
     import ray
 
-    from logitspec.index import CorpusIndex
-    from logitspec.rest import Datastore
+    from logitspec.spec_decode.ngram_index import CorpusIndex
+    from logitspec.spec_decode.rest import Datastore
 
     from ..io.reference import split_meta
 
@@ -57,7 +57,8 @@ def attach_references(reference_refs: dict) -> tuple[dict, dict]:
         views = all(not a.flags.writeable and not a.flags.owndata for a in arrays.values())
         held[name] = {"bytes": int(sum(a.nbytes for a in arrays.values())), "private_bytes": where["private"],
                       "shared_bytes": where["shared"], "zero_copy": views and where["private"] == 0}
-        # a REST datastore (--reference NAME=DIR of python -m logitspec.rest build) or an n-gram index
+        # a REST datastore (--reference NAME=DIR of python -m logitspec.spec_decode.rest build) or an n-gram
+        # index
         indexes[name] = (Datastore.from_arrays(arrays, meta) if Datastore.holds(arrays)
                          else CorpusIndex.from_arrays(arrays))
     zero_copy = all(h["zero_copy"] for h in held.values()) if held else None
@@ -75,7 +76,8 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
 
     ``load(dtype) -> (model, tokenizer)`` loads the model (or this rank's shard) on ``device``;
     ``make_engine(model, tokenizer, spec_config, history) -> engine`` (``history``: the replica's
-    :class:`~logitspec.history.HistorySource` of its own answers, or None). ``info``: device, dtype, threads,
+    :class:`~logitspec.spec_decode.history.HistorySource` of its own answers, or None). ``info``: device,
+    dtype, threads,
     the time of each step, the model's and the indexes' bytes and where they live, the peak RSS."""
     import torch
 

@@ -4,7 +4,7 @@
 rows, stats)``) but from several threads at once (a Ray threaded actor's concurrent ``generate``
 calls). Every call puts its task in an inbox and waits; one of the waiting callers at a time drives
 the engine: it encodes new tasks, submits their prompts to a long-lived
-:class:`~logitspec.session.Session` whenever it has free slots (oldest task first), steps the session,
+:class:`~logitspec.engine.session.Session` whenever it has free slots (oldest task first), steps the session,
 routes each finished result to its task, and wakes a task's caller once all its rows are done. So
 rows of the next task enter slots freed by the current one instead of waiting for it to drain. No
 Ray here.

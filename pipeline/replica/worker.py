@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from logitspec.request import Request
-from logitspec.session import sample_seed
+from logitspec.engine.request import Request
+from logitspec.engine.session import sample_seed
 
 from ..job.config import GenerationSpec
 from ..rows import InputRow, OutputRow
@@ -25,7 +25,7 @@ log = logging.getLogger("pipeline.replica.worker")
 
 def row_seed(base: int, row_id: Any, sample: int = 0) -> int:
     """The sampling seed of one sample of a row: sample 0 has a stable hash of (``--seed``, row id), in
-    [0, 2**63); sample j the engine's :func:`~logitspec.session.sample_seed` of that (so one
+    [0, 2**63); sample j the engine's :func:`~logitspec.engine.session.sample_seed` of that (so one
     ``Engine.run(..., n=N)`` with the row's seed draws exactly the samples 0..N-1).
 
     It depends on nothing else (not on shards, batches, actors, retries or ``--num-samples``), so a
@@ -49,7 +49,7 @@ def error_rows(row: InputRow, error: str, spec: GenerationSpec,
 
 
 def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
-    """The output row of one sample's :class:`~logitspec.engine.GenerationResult`."""
+    """The output row of one sample's :class:`~logitspec.engine.engine.GenerationResult`."""
     s = res.stats
     return OutputRow(id=row.id, sample=sample, generation=res.text, finish_reason=res.finish_reason,
                      n_prompt_tokens=len(res.prompt_token_ids), n_new_tokens=len(res.token_ids),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from logitspec.request import Request
+from logitspec.engine.request import Request
 
 from ..replica.resources import peak_rss
 from ..rows import SweepInputRow, SweepOutputRow
@@ -34,7 +34,7 @@ def sweep_error_row(row: SweepInputRow, config: SweepConfig, error: str,
 
 def ok_row(row: SweepInputRow, config: SweepConfig, res, share_s: float, n_run: int,
            peak: int | None) -> SweepOutputRow:
-    """The output row of one example's :class:`~logitspec.engine.GenerationResult` under ``config``."""
+    """The output row of one example's :class:`~logitspec.engine.engine.GenerationResult` under ``config``."""
     e, s = row.example, res.stats
     return SweepOutputRow(
         id=row_id(e.key, config.name), key=e.key, dataset=e.dataset, example_id=e.example_id,

@@ -16,7 +16,7 @@ from .generator import SweepGenerator
 def make_engines(model, tokenizer, cfg: EvalConfig) -> dict:
     """``{config name: Engine}``, every engine over the same ``model`` (its weights are loaded once)."""
     from logitspec import Engine
-    from logitspec.prefix_cache import PrefixCache
+    from logitspec.worker.prefix_cache import PrefixCache
 
     # what every engine gets: one prefix cache, so a row is prefilled once for all configurations
     cache_bytes = int(cfg.prefix_cache_gb * 2**30)

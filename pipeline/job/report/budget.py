@@ -13,7 +13,7 @@ from .numbers import pct, sig
 
 def break_even_acceptance(curve, batch: int) -> float:
     """The acceptance rate at which one draft token per row pays at ``batch`` rows, from a cost curve
-    (``curve.step(rows, per_row)``: forward seconds, e.g. :class:`logitspec.budget.CostCurve`): a
+    (``curve.step(rows, per_row)``: forward seconds, e.g. :class:`logitspec.spec_decode.budget.CostCurve`): a
     2-token forward gives 1 + p tokens where a 1-token one gives 1, so it pays when
     p > step(batch, 2) / step(batch, 1) - 1 (at least 1: no rate pays)."""
     one = curve.step(int(batch), 1)

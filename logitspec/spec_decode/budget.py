@@ -1,0 +1,286 @@
+"""Choosing how many draft nodes to verify: expected committed tokens per second of forward time.
+
+A node's acceptance probability is estimated as the product, along its path, of running per-kind
+acceptance rates (kind = branch 0 or a guess-rank bucket, and offset within the chain). For a
+candidate size n, a row keeps its n most probable nodes (always an ancestor-closed set, since a
+child is never more probable than its parent), and the expected tokens committed are
+``1 + sum of their probabilities``. The chosen n maximises ``sum over rows / t(tokens in the forward)``,
+with ``t`` from a measured cost curve (:mod:`logitspec.worker.calibrate`).
+
+At batch (:func:`choose_sizes`) every row is padded to the widest row's node count in the decoder,
+but the output layer runs only for real nodes; with the output layer's own cost per node measured
+(``CostCurve.head``), each row gets its own count: the nodes worth their output-layer time, up to
+the chosen width (rows that are copying get more, rows whose drafts are poor bets get none).
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+from logitspec.spec_decode.tree import DraftTree
+
+# acceptance-rate states by the drafted tokens a row's previous step accepted: 0, 1, 2-3, 4-7, >= 8.
+# Inside a long copied span whole chains are accepted, and pooling those steps with ones that took 2
+# tokens made a chain's deep nodes look like poor bets (measured: docs/longbench_report.md)
+STREAK_BOUNDS = (1, 2, 4, 8)
+N_STREAK_STATES = len(STREAK_BOUNDS) + 1
+
+
+def streak_state(accepted: int) -> int:
+    """The acceptance-rate state after a step that accepted ``accepted`` drafted tokens."""
+    return bisect.bisect_right(STREAK_BOUNDS, accepted)
+
+
+class AcceptanceStats:
+    """P(node accepted | its parent accepted), per (state, kind, offset), with a Beta prior.
+
+    ``state`` is what the caller knows before drafting, e.g. how many drafted tokens the sequence's
+    previous step accepted: inside a copied span the next chain is a much better bet than after a miss.
+    """
+
+    def __init__(self, n_kinds: int, max_offset: int = 32, prior_hits: float = 1.0, prior_misses: float = 3.0,
+                 kind_priors: dict[int, tuple[float, float]] | None = None, n_states: int = 1):
+        """``kind_priors``: (hits, misses) for particular kinds (key ``kind``: in every state) or
+        for a kind in one state (key ``(state, kind)``, applied after the former), e.g. an
+        optimistic one for retrieved chains, so a fresh engine tries them (a rate is only learned
+        from nodes that get verified)."""
+        self.max_offset = max_offset
+        self.hits = np.full((n_states, n_kinds, max_offset), prior_hits)
+        self.tries = np.full((n_states, n_kinds, max_offset), prior_hits + prior_misses)
+        items = sorted((kind_priors or {}).items(), key=lambda kv: isinstance(kv[0], tuple))
+        for key, (h, m) in items:
+            where = (slice(None), key) if not isinstance(key, tuple) else key
+            self.hits[where], self.tries[where] = h, h + m
+
+    def _cells(self, tree: DraftTree, nodes):
+        return tree.kinds[nodes], np.minimum(tree.offsets[nodes], self.max_offset - 1)
+
+    def node_probs(self, tree: DraftTree, state: int = 0) -> np.ndarray:
+        """float64 [n]: estimated probability that each node ends on the accepted path (root: 1)."""
+        n = len(tree)
+        p = np.ones(n)
+        if n > 1:
+            k, o = self._cells(tree, np.arange(1, n))
+            rate = self.hits[state, k, o] / self.tries[state, k, o]
+            for i in range(1, n):
+                p[i] = p[tree.parents[i]] * rate[i - 1]
+        return p
+
+    def update(self, tree: DraftTree, path: Sequence[int], state: int = 0) -> None:
+        """Every node whose parent was accepted was tested; those on ``path`` passed."""
+        if len(tree) == 1:
+            return
+        on_path = np.zeros(len(tree), dtype=bool)
+        on_path[list(path)] = True
+        tested = np.flatnonzero(on_path[tree.parents[1:]]) + 1
+        k, o = self._cells(tree, tested)
+        np.add.at(self.tries[state], (k, o), 1.0)
+        np.add.at(self.hits[state], (k, o), on_path[tested].astype(float))
+
+
+class CostCurve:
+    """Forward time as a function of the number of new tokens in the batch (piecewise linear).
+
+    ``batches``: optional curves measured with b > 1 rows, each over new tokens *per row*: b
+    sequences with their own caches cost more than one sequence with as many tokens (measured: 8
+    rows x 2 tokens 1.5x 8 rows x 1 token, where 16 tokens of one row cost 1.4x 8), and the draft
+    budget must not underestimate it.
+    """
+
+    def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None,
+                 head: dict | None = None, context: dict | None = None):
+        """``head``: optional ``{"tokens": [N], "seconds": [s]}``, the output layer alone over N nodes
+        (part of every forward time above, where each row's every node gets output-layer results).
+        ``context``: optional ``{"per_column": s, "columns": c}``, the seconds a node's attention
+        adds per cached column it reads beyond the ``c`` columns the curves were measured at
+        (columns averaged over the layers: a sliding-window layer reads at most its window)."""
+        order = np.argsort(tokens)
+        self.tokens = [int(tokens[i]) for i in order]
+        self.seconds = [float(seconds[i]) for i in order]
+        self.batches = {int(b): c if isinstance(c, CostCurve) else CostCurve(c["tokens"], c["seconds"])
+                        for b, c in (batches or {}).items()}
+        self.head = None if head is None else CostCurve(head["tokens"], head["seconds"])
+        self.context = dict(context) if context else None
+
+    def head_time(self, nodes) -> np.ndarray:
+        """Output-layer seconds for ``nodes`` (array) nodes; 0 without a head curve."""
+        nodes = np.asarray(nodes, dtype=float)
+        if self.head is None:
+            return np.zeros_like(nodes)
+        x, y = np.asarray(self.head.tokens, float), np.asarray(self.head.seconds, float)
+        if len(x) == 1:
+            return y[0] * nodes / x[0]
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])  # linear past the last point, like __call__
+        return np.where(nodes > x[-1], y[-1] + slope * (nodes - x[-1]), np.interp(nodes, x, y))
+
+    def __call__(self, n: int) -> float:
+        x, y = self.tokens, self.seconds
+        if n <= x[0]:
+            return y[0]
+        i = min(bisect.bisect_left(x, n), len(x) - 1)
+        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
+
+    def step(self, rows: int, per_row: int, columns: float | None = None) -> float:
+        """Forward time of ``rows`` sequences adding ``per_row`` tokens each: the measured batch
+        curves, linear in ``rows`` between them and proportional beyond the largest; the token
+        curve alone when no batch curve was measured. ``columns``: the cached columns the rows'
+        nodes read (averaged over layers); beyond the curves' own, each node costs ``context``'s
+        ``per_column`` more a column."""
+        extra = 0.0
+        if columns is not None and self.context:
+            extra = self.context["per_column"] * rows * per_row * max(0.0, columns - self.context["columns"])
+        return self._step(rows, per_row) + extra
+
+    def _step(self, rows: int, per_row: int) -> float:
+        if rows <= 1 or not self.batches:
+            return self(rows * per_row)
+        sizes = sorted({1, *self.batches})
+
+        def at(b: int) -> float:
+            return self(per_row) if b == 1 else self.batches[b](per_row)
+
+        if rows in sizes:
+            return at(rows)
+        if rows > sizes[-1]:
+            return at(sizes[-1]) * rows / sizes[-1]
+        lo = max(b for b in sizes if b < rows)
+        hi = min(b for b in sizes if b > rows)
+        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
+
+    def monotone(self) -> "CostCurve":
+        """This curve with its noise made harmless: no point costs less than a smaller one, in new
+        tokens (per curve) and in rows (a batch curve at n tokens a row costs at least the next
+        smaller batch's, and one row's, at n). A measured point below a smaller one is noise (a
+        forward of more work does not cost less), and the budget would take it for free drafting:
+        a calibration run here measured 16 rows x 2 tokens at 171 ms and 16 x 1 at 204."""
+        def rising(c: "CostCurve", floor=None) -> "CostCurve":
+            secs = np.maximum.accumulate([max(t, floor(n)) if floor else t for n, t in zip(c.tokens,
+                                                                                           c.seconds)])
+            return CostCurve(c.tokens, secs.tolist())
+        one = rising(self)
+        batches, below = {}, one
+        for b in sorted(self.batches):
+            batches[b] = below = rising(self.batches[b], floor=below)
+        head = rising(self.head).to_dict() if self.head is not None else None
+        return CostCurve(one.tokens, one.seconds, batches, head, self.context)
+
+    def to_dict(self) -> dict:
+        d = {"tokens": self.tokens, "seconds": self.seconds}
+        if self.batches:
+            d["batches"] = {str(b): c.to_dict() for b, c in sorted(self.batches.items())}
+        if self.head is not None:
+            d["head"] = self.head.to_dict()
+        if self.context:
+            d["context"] = dict(self.context)
+        return d
+
+
+def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:
+    """Draft nodes per row (0..max_nodes) maximising expected committed tokens / forward time.
+
+    ``probs[b]``: node probabilities of row b's draft nodes (root excluded), sorted descending.
+    """
+    B = len(probs)
+    best_n, best = 0, B / cost.step(B, 1)
+    cum = [np.concatenate([[0.0], np.cumsum(p[:max_nodes])]) for p in probs]
+    for n in range(1, max_nodes + 1):
+        T = 1 + max(min(n, len(p)) for p in probs)  # padded width of the forward
+        gain = sum(1.0 + c[min(n, len(c) - 1)] for c in cum)
+        score = gain / cost.step(B, T)
+        if score > best:
+            best_n, best = n, score
+    return best_n
+
+
+def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
+                 weights: Sequence[float] | None = None, margin: float = 0.0,
+                 columns: float | None = None, token_scale: float = 1.0, cost_scale: float = 1.0,
+                 base: float | None = None) -> list[int]:
+    """Draft nodes per row maximising expected committed tokens / forward time, rows apart.
+
+    ``probs[b]``: row b's draft-node probabilities, sorted descending. ``weights[b]``: what a token
+    of row b is worth (default 1 for every row; see :func:`drain_weights`); ``base``: what a plain
+    step is worth (default the weights' sum: each row's token). Any drafting must score
+    ``1 + margin`` times plain decoding. ``columns``: the cached columns the nodes read (see
+    :meth:`CostCurve.step`). For each padded width T, the
+    forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
+    are then taken most probable first (a row's kept nodes are its most probable ones), each
+    prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
+    is :func:`choose_size` for every row. ``token_scale`` and ``cost_scale``: corrections learned
+    from the steps so far (:class:`~logitspec.spec_decode.feedback.Realised`): each node's expected tokens,
+    and a
+    drafting forward's time against a plain one's, are multiplied by them.
+    """
+    B = len(probs)
+    w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
+    # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
+    # a drafting step has host work (drafts, acceptance) that the curve does not hold
+    base = w.sum() if base is None else float(base)
+    best, best_score = [0] * B, base / cost.step(B, 1, columns) * (1 + margin)
+    top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
+    for width in range(1, 1 + max((len(p) for p in top), default=0)):
+        cand = [p[:width] for p in top]
+        rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
+        # [M]: each node's expected tokens, weighted by its row
+        vals = np.concatenate(cand) * w[rows] * token_scale
+        order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
+        gain = base + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
+        full = padded_decoder(cost, B, width, columns)
+        score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * cost_scale)
+        score[0] = 0.0  # no node kept: plain decoding, scored above
+        k = int(np.argmax(score))
+        if score[k] > best_score * (1 + 1e-12):
+            best_score = score[k]
+            best = np.bincount(rows[order[:k]], minlength=B).tolist()
+    return best
+
+
+def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
+             columns: float | None = None) -> tuple[float, float]:
+    """What :func:`choose_sizes`' model expects of keeping the ``sizes[b]`` first nodes of each
+    row's ``probs[b]`` (sorted descending): (accepted drafted tokens, forward seconds)."""
+    B, width = len(probs), max(sizes, default=0)
+    if width == 0:
+        return 0.0, cost.step(B, 1, columns)
+    tokens = sum(float(np.sum(p[:n])) for p, n in zip(probs, sizes))
+    return tokens, float(padded_decoder(cost, B, width, columns) + cost.head_time(B + sum(sizes)))
+
+
+def padded_decoder(cost: CostCurve, rows: int, width: int, columns: float | None = None) -> float:
+    """Seconds of a forward of ``rows`` rows padded to ``width`` draft nodes each, without the output
+    layer (which runs only for the real nodes: add ``cost.head_time`` of them)."""
+    return cost.step(rows, width + 1, columns) - float(cost.head_time(rows * (width + 1)))
+
+
+def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, end: float = 1.0,
+                  near: float = 0.9) -> np.ndarray:
+    """What a drafted token of each row is worth, in plain steps, for a batch that is only draining
+    (no prompt waits for a slot), float64 [B]; a plain step is worth 1 (``choose_sizes``' ``base``):
+    it moves the batch's end one step.
+
+    The batch ends with its slowest row. A row that alone sets the end (its estimated steps left,
+    ``remaining`` tokens over its recent ``rates`` of tokens per step, the only ones within ``near``
+    of the most) moves the end with each token it gains: worth ``end``, the cost of the batch's last
+    steps over a step's. Any other row's token only makes the row finish sooner, saving its own part
+    of each later step: worth ``share``, a row's marginal cost over the step's. So is a token of a
+    row that ties with others for the end, since the end moves only if all of them gain (in a
+    static batch of equally long answers every row ties at first). A heuristic: a row's end of
+    sequence is not known in advance; a row without a recent rate counts one token a step."""
+    rates = np.nan_to_num(np.asarray(rates, dtype=float), nan=1.0)
+    est = np.asarray(remaining, dtype=float) / np.maximum(rates, 1e-9)  # [B]
+    critical = est >= near * est.max()
+    weights = np.full(len(est), float(np.clip(share, 0.0, 1.0)))
+    if critical.sum() == 1:
+        weights[critical] = max(float(end), 0.0)
+    return weights
+
+
+def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:
+    """The sub-tree of the root and the ``n`` most probable draft nodes (ties: earlier first)."""
+    if n >= len(tree) - 1:
+        return tree
+    order = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))[:n]
+    return tree.subtree(order)

@@ -1,0 +1,244 @@
+"""The speculation policy: what each row of a step drafts, and how much of it is worth verifying.
+
+It holds what speculation learns across steps and calls: the drafter, the acceptance rates per node
+kind (:class:`~logitspec.spec_decode.budget.AcceptanceStats`), the forward-cost curve, the budget's
+corrections
+(:class:`~logitspec.spec_decode.feedback.Realised`) and the auto budget's state machine (when a step skips
+drafting). It knows nothing of the model: a session hands it the rows (:class:`DraftRow`) and gets
+draft trees (:meth:`SpeculationPolicy.draft`), then tells it what the step verified and how long it
+took (:meth:`SpeculationPolicy.observe`). Tests drive it with a hand-made cost curve and rows.
+
+The auto budget's state machine: while it keeps choosing no draft nodes and drafting (with
+verifying: the guesses' top-k) is a noticeable share of a step's time (``SKIP_DRAFT_SHARE``), only
+every ``RECHECK_EVERY``-th step drafts, to re-check (the interval doubles, up to
+``MAX_RECHECK_EVERY``, each time the re-check chooses none again); the others skip drafting. After
+16 draft-free steps per row, a step verifies a couple of nodes per row (explores), since rates are
+learned only from verified nodes and a pessimistic estimate could otherwise never recover.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from logitspec.config import SpecConfig
+from logitspec.spec_decode.budget import (
+    N_STREAK_STATES,
+    AcceptanceStats,
+    CostCurve,
+    choose_sizes,
+    drain_weights,
+    estimate,
+    streak_state,
+    top_nodes,
+)
+from logitspec.spec_decode.drafters import make_drafter
+from logitspec.spec_decode.feedback import Realised
+from logitspec.spec_decode.interface import LOOKUP_KINDS, N_KINDS, Drafter
+from logitspec.spec_decode.ngram_index import NgramSource
+from logitspec.spec_decode.tree import DraftTree
+
+# while the auto budget chooses no draft nodes, drafts are built (and the choice re-made) only on
+# every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
+# without verified drafts, so the steps between would almost surely choose none again
+RECHECK_EVERY = 4
+MAX_RECHECK_EVERY = 16
+SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
+DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
+EXPLORE_AFTER = 16  # draft-free steps per row before a step explores
+EXPLORE_NODES = 2  # nodes per row an exploring step verifies
+
+
+# per row of a step, the node to accept instead of the acceptance rule's
+AcceptOverride = Callable[[Sequence[DraftTree]], list[int]]
+# after each decoding step: (rows, trees, accepted node paths)
+StepObserver = Callable[[Sequence[Any], Sequence[DraftTree], Sequence[Sequence[int]]], None]
+
+
+class DraftRow(Protocol):
+    """What drafting reads of a row (:class:`~logitspec.engine.sequence.DecodingSequence` is one)."""
+
+    sources: list[NgramSource]  # n-gram sources, best first
+    guesses: list[int]  # next-next guesses from the last verified node's scores
+    streak: int  # acceptance-rate state after its previous step (budget.streak_state)
+    draft_state: Any  # the drafter's state for the row (new_state; read only when the drafter keeps one)
+
+    @property
+    def tokens(self) -> Sequence[int]: ...  # context; the last token is the tree's root
+
+    @property
+    def length(self) -> int: ...  # context tokens (the root included)
+
+    @property
+    def remaining(self) -> int: ...  # tokens it may still emit
+
+    @property
+    def recent_rate(self) -> float: ...  # recent tokens per step
+
+
+class SpeculationPolicy:
+    """Draft trees per step, sized by the budget, learning from every verified step."""
+
+    def __init__(self, config: SpecConfig, *, max_context: int, read_columns: Callable[[float], float],
+                 cost_curve: CostCurve | None = None, measure_curve: Callable[[], CostCurve] | None = None,
+                 agree_on: Callable[[float], float] = float, drafter: Drafter | None = None,
+                 accept_override: AcceptOverride | None = None, step_observer: StepObserver | None = None):
+        """``max_context``: the model's context (no tree grows past it). ``read_columns``: cached
+        columns a node's attention reads with n in its row (the model runner's). ``cost_curve``:
+        forward seconds per new-token count for ``budget="auto"``; without one, ``measure_curve()``
+        gives it on first need (e.g. loaded from ``logitspec calibrate``'s store or measured).
+        ``agree_on``: a host-timed value -> the value every rank of a tensor-parallel group uses
+        (rank 0's: :func:`~logitspec.worker.tensor_parallel.rank0_value`); decisions taken from timings must
+        not differ between ranks. ``drafter``: the drafter (default the method's, :func:`make_drafter`).
+        ``accept_override``: per row of a step, the node to accept instead of the rule's (greedy rows
+        only). ``step_observer``: called after each step with (rows, trees, accepted paths). The
+        benchmark tools replay and record acceptance traces through these three."""
+        self.config = config
+        self.drafter = make_drafter(config) if drafter is None else drafter
+        self._accept_override, self.step_observer = accept_override, step_observer
+        self.max_context = max_context
+        self.read_columns = read_columns
+        self.cost_curve = cost_curve
+        self.measure_curve = measure_curve
+        self.agree_on = agree_on
+        self.auto_budget = config.method == "logitspec" and config.budget == "auto"
+        # Retrieved continuations start optimistic (offline replays accepted most of them), more so
+        # right after a step that accepted 4 or more drafted tokens (inside a copied span the copy
+        # goes on: a fresh engine verifies whole chains there, as PLD does); logit guesses start at
+        # 1/4; all are then learned from every verified node.
+        priors = {k: (3.0, 1.0) for k in LOOKUP_KINDS}
+        priors.update({(streak_state(n), k): (9.0, 1.0) for n in (4, 8) for k in LOOKUP_KINDS})
+        self.acceptance = AcceptanceStats(N_KINDS, kind_priors=priors, n_states=N_STREAK_STATES)
+        self.realised = Realised()  # the budget's estimates against what steps delivered
+        self.steps_without_drafts = 0
+        self.recheck_every = RECHECK_EVERY  # steps between re-checks while no drafts are chosen
+        self.draft_share = 1.0  # drafting's share of the last drafting step's time
+        self.drafted = True  # whether the current step drafted
+        self.expected: tuple[float, float] | None = None  # this step's (drafted tokens, curve seconds)
+
+    # ------------------------------------------------------------------ per step
+    def draft(self, rows: Sequence[DraftRow], draining: bool = False) -> list[DraftTree]:
+        """A draft tree per row, within the step's budget, the row's remaining tokens and the
+        context (see the module for when a step skips drafting). ``draining``: no prompt waits for
+        a slot, so the batch ends with its slowest row (the budget weighs rows by what they have
+        left: :func:`~logitspec.spec_decode.budget.drain_weights`)."""
+        if self.auto_budget and self.steps_without_drafts % self.recheck_every and \
+                self.draft_share >= SKIP_DRAFT_SHARE:
+            self.steps_without_drafts += 1
+            self.drafted = False
+            if self.cost_curve is not None:
+                self.expected = (0.0, self.cost_curve.step(len(rows), 1, self._columns(rows)))
+            return [DraftTree.single(r.tokens[-1]) for r in rows]
+        self.drafted = True
+        stateful, fixed = self.drafter.keeps_state, self.drafter.fixed_shape
+        # a fixed-shape tree (lookahead's W, N, G) is the method's at any batch size
+        base = self.drafter.base_budget()
+        budget = base if fixed else self.config.budget_for(base, len(rows))
+        trees = []
+        for r in rows:
+            room = self.max_context - r.length  # a fixed-shape tree may outgrow the tokens left
+            room = (room if fixed else min(r.remaining, room)) - 1
+            trees.append(self.drafter.draft(r.sources, r.tokens, r.guesses, max(0, min(budget, room)),
+                                            r.draft_state if stateful else None))
+        if self.auto_budget:
+            trees = self._prune(trees, rows, draining)
+        return trees
+
+    @property
+    def guess_count(self) -> int:
+        """Next-next guesses the next step can use from this one's last verified nodes: none when it
+        will skip drafting, so their top-k over the vocabulary is not computed for nothing. A
+        drafting step always computes them, so the draft share it measures includes them."""
+        if not self.drafter.wants_guesses:
+            return 0
+        return self.config.top_k if self.drafted or not self.steps_without_drafts % self.recheck_every else 0
+
+    def new_state(self, prompt: Sequence[int]) -> Any:
+        """A new row's drafting state (the row keeps it as its ``draft_state``; None for most drafters)."""
+        return self.drafter.new_state(prompt)
+
+    @property
+    def wants_node_outputs(self) -> bool:
+        """Whether :meth:`observe` needs the target's token after every node (lookahead's window)."""
+        return self.drafter.wants_node_outputs
+
+    def accept_override(self, trees: Sequence[DraftTree]) -> list[int] | None:
+        """Per row the node to accept instead of the acceptance rule's (None: the rule decides)."""
+        return None if self._accept_override is None else self._accept_override(trees)
+
+    def observe(self, rows: Sequence[DraftRow], trees: Sequence[DraftTree], paths: Sequence[Sequence[int]],
+                times: dict[str, float], outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Learn from a verified step: per row (its acceptance ``streak`` before the step and its
+        ``draft_state``) its tree and accepted node path (root first); ``times``: the step's parts in
+        seconds (``draft_s``, ``forward_s``, ``verify_s``, ``commit_s``); where
+        :attr:`wants_node_outputs`, per row the target's token after each node (``outputs``).
+        Returns each row's acceptance state after it."""
+        for row, tree, path in zip(rows, trees, paths):
+            self.acceptance.update(tree, path, row.streak)
+        if outputs is not None:
+            for row, tree, path, out in zip(rows, trees, paths, outputs):
+                self.drafter.observe(row.draft_state, tree, path, out)
+        if self.step_observer is not None:
+            self.step_observer(rows, trees, paths)
+        if self.expected is not None:
+            expected, curve_s = self.expected
+            self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s,
+                                                self.agree_on(sum(times.values())))  # every TP rank the same
+            self.expected = None
+        if self.drafted:
+            self.draft_share = self.agree_on(host_share(times))
+        return [streak_state(len(p) - 1) for p in paths]
+
+    def stats(self) -> dict[str, float]:
+        """The budget's corrections so far (none unless the budget is auto)."""
+        return self.realised.as_dict() if self.auto_budget else {}
+
+    # ------------------------------------------------------------------ the auto budget
+    def curve(self) -> CostCurve:
+        """The cost curve the budget sizes trees from: the one given, else ``measure_curve()``'s, on
+        first need."""
+        if self.cost_curve is None:
+            self.cost_curve = self.measure_curve()
+        return self.cost_curve
+
+    def _prune(self, trees: list[DraftTree], rows: Sequence[DraftRow], draining: bool) -> list[DraftTree]:
+        """Keep per tree the nodes worth their forward time (see :mod:`logitspec.spec_decode.budget`); a
+        ``draining`` batch weighs its rows' tokens by :func:`~logitspec.spec_decode.budget.drain_weights`."""
+        fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
+        curve, B = self.curve(), len(rows)
+        weights, base = None, None
+        if draining and B > 1:  # tokens worth what they save of the batch's time (budget.drain_weights)
+            step = curve.step(B, 1)
+            weights = drain_weights([r.remaining for r in rows], [r.recent_rate for r in rows],
+                                    share=(step - curve.step(B - 1, 1)) / step, end=curve.step(1, 1) / step)
+            base = 1.0
+        probs = [self.acceptance.node_probs(t, r.streak) for t, r in zip(trees, rows)]
+        most = max(len(t) - 1 for t in trees)
+        columns = self._columns(rows)
+        ranked = [np.sort(p[1:])[::-1] for p in probs]
+        fix = self.realised.of(B)
+        sizes = choose_sizes(ranked, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
+                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
+        sizes = self._after_choice(sizes, most)
+        self.expected = None if fresh else estimate(ranked, sizes, curve, columns)
+        return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
+
+    def _after_choice(self, sizes: list[int], most: int) -> list[int]:
+        """The state machine's step after the budget chose ``sizes``: count draft-free steps, widen
+        or reset the re-check interval, and explore after ``EXPLORE_AFTER`` draft-free steps per row."""
+        none = not any(sizes)
+        self.steps_without_drafts = self.steps_without_drafts + 1 if none else 0
+        self.recheck_every = min(2 * self.recheck_every, MAX_RECHECK_EVERY) if none else RECHECK_EVERY
+        if self.steps_without_drafts > EXPLORE_AFTER * len(sizes):
+            sizes, self.steps_without_drafts = [min(EXPLORE_NODES, most)] * len(sizes), 0
+        return sizes
+
+    def _columns(self, rows: Sequence[DraftRow]) -> float:
+        """The cached columns the rows' nodes read, averaged over layers (see CostCurve.step)."""
+        return self.read_columns(float(np.mean([r.length for r in rows])))
+
+
+def host_share(times: dict[str, float]) -> float:
+    """Speculation's share of a drafting step's time: drafting, and verifying (acceptance, the
+    guesses' top-k)."""
+    return (times["draft_s"] + times["verify_s"]) / max(sum(times.values()), 1e-9)

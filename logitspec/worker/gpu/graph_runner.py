@@ -1,0 +1,316 @@
+"""The graph runner: the target's decode and tree steps over static slots, one CUDA graph per shape
+bucket, behind the same seam as :class:`~logitspec.worker.eager_runner.EagerRunner`.
+
+A step over B rows of at most n nodes runs as the bucket (R, T) = (the smallest row bucket >= B,
+the smallest node bucket >= n): rows and nodes are padded with pad nodes (:mod:`.step`). Its inputs
+are written into the bucket's static buffers with one ``copy_`` each; the forward (masks built from
+the buffers, the decoder over the slot storage, the hidden states copied into a static output) is
+captured once per (R, T) (and, for SDPA, per key-length bucket: the keys read are the slots'
+first ``key_len`` columns, rounded up to ``key_block``) on first use and replayed after. The
+output layer runs after the replay on the real nodes only (:meth:`~logitspec.worker.head.Head.output`).
+
+On CPU (``capture=False``, the default there) the same function runs eagerly: the tests run every
+line of the static path except the capture itself. Prefill runs outside the graphs: a prompt's
+causal chunks through the engine's attention (:mod:`logitspec.worker.attention`), written into its slot
+(:meth:`GraphRunner.prefill_slot`), or through the eager path into a
+:class:`~logitspec.worker.kv_cache.BatchKV` whose rows :meth:`SlotKV.add_rows` copies in (the session's way).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from logitspec.device import to_device
+from logitspec.worker.eager_runner import EagerRunner, ForwardResult
+from logitspec.worker.gpu.slots import SlotKV
+from logitspec.worker.gpu.step import (
+    NAME,
+    NODE_BUCKETS,
+    ROW_BUCKETS,
+    FlexMasks,
+    StepBuffers,
+    bucket,
+    sdpa_mask_for,
+)
+from logitspec.worker.head import NodeLogits, OutputMode
+from logitspec.worker.masks import PackedStep, StepRow, pack
+
+ATTENTIONS = ("sdpa", "flex")
+
+
+class GraphRunner:
+    """A :class:`~logitspec.worker.runner.ModelRunner` over static slots: ``new_batch`` gives the runner's
+    :class:`SlotKV`, whose steps take the bucketed static path; prompts prefill through the eager
+    :class:`~logitspec.worker.eager_runner.EagerRunner` (``new_row``, ``prefill_rows``, ``extend``) into
+    :class:`~logitspec.worker.kv_cache.BatchKV` rows that the session adds to the batch (copied into slots).
+    A ``BatchKV`` handed to :meth:`step` or :meth:`__call__` goes to the eager path (the cost
+    calibration's forwards)."""
+
+    def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
+                 capture: bool | None = None, row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS,
+                 key_block: int = 256, flex_block: int = 128, warmup: int = 3):
+        """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
+        nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
+        mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA)."""
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.eager = EagerRunner(model)
+        if not self.eager.head.fast:
+            raise ValueError("GraphRunner needs the model's decoder and output layer apart (Head.fast)")
+        self.model, self.head = model, self.eager.head
+        self.device, self.dtype = self.eager.device, self.eager.dtype
+        self.windows, self.layer_kinds = self.eager.windows, self.eager.layer_kinds
+        self.vocab_size = self.eager.vocab_size
+        self.attention = attention
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError("capture needs a CUDA device")
+        cfg = model.config.get_text_config(decoder=True)
+        heads = int(cfg.num_attention_heads)
+        self.groups = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)
+        self.hidden_size = int(cfg.hidden_size)
+        self.row_buckets = tuple(b for b in row_buckets if b < max_rows) + (max_rows,)
+        self.node_buckets = tuple(node_buckets)
+        self.key_block, self.flex_block, self.warmup = key_block, flex_block, warmup
+        self.max_rows = max_rows
+        self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
+        # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
+        model.set_attn_implementation(NAME)
+        self.kv = SlotKV(int(cfg.num_hidden_layers), max_rows, max_len, self.device)
+        self._buffers: dict[tuple[int, int], StepBuffers] = {}
+        self._flex: dict[tuple[int, int], FlexMasks] = {}
+        self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
+        self._pool = None
+        self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0}
+
+    # ------------------------------------------------------------------ the seam (runner.ModelRunner)
+    # its batch cache is one fixed storage that new_batch empties: nothing (a cost measurement) may
+    # take it while a session holds rows (Engine.open measures the auto budget's curve before)
+    static_storage = True
+
+    @property
+    def kind(self) -> str:
+        """What its steps are (a stored cost curve's key:
+        :func:`~logitspec.worker.calibrate.runner_fingerprint`)."""
+        block = f"key_block={self.key_block}" if self.attention == "sdpa" else f"flex_block={self.flex_block}"
+        return f"graph:{self.attention}:{'cuda-graphs' if self.capture else 'uncaptured'}:{block}"
+
+    def new_batch(self, max_rows: int = 0) -> SlotKV:
+        """The runner's slot storage, emptied (one per runner: its graphs hold its addresses)."""
+        if max_rows > self.kv.slots:
+            raise ValueError(f"{max_rows} rows exceed the runner's {self.kv.slots} slots")
+        self.kv.reset()
+        return self.kv
+
+    new_kv = new_batch
+
+    def new_row(self, reserve: int = 0):
+        return self.eager.new_row(reserve)
+
+    def read_columns(self, cached: float) -> float:
+        return self.eager.read_columns(cached)
+
+    def prefill(self, tokens, chunk: int, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.prefill(tokens, chunk, mode)
+
+    def prefill_rows(self, prompts, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.prefill_rows(prompts, mode)
+
+    def extend(self, row, tokens, mode: OutputMode = OutputMode.EXACT):
+        return self.eager.extend(row, tokens, mode)
+
+    def step(self, rows: list[StepRow], kv, mode: OutputMode) -> ForwardResult:
+        """One decoding step: every node of every row, output-layer results (``mode``) for all."""
+        return self(rows, kv, True, mode)
+
+    def __call__(self, rows: list[StepRow], kv, all_logits: bool, mode: OutputMode = OutputMode.EXACT,
+                 pick: list[np.ndarray] | None = None, segments=None, prefill: bool = False) -> ForwardResult:
+        """One step over ``rows`` (row b against ``kv`` row b's committed columns); arguments and
+        result as :meth:`EagerRunner.__call__`. ``kv`` a :class:`SlotKV`: the bucketed static
+        path (``pick``, ``segments``, ``prefill`` are the eager path's); else the eager path."""
+        if not isinstance(kv, SlotKV):
+            return self.eager(rows, kv, all_logits, mode, pick, segments, prefill)
+        if kv is not self.kv:
+            raise ValueError("a SlotKV of another runner")
+        if pick is not None or segments or prefill:
+            raise ValueError("the static path runs decode and tree steps; prefill through prefill_slot")
+        if len(rows) != kv.rows:
+            raise ValueError(f"{len(rows)} step rows for {kv.rows} cache rows")
+        t0 = time.perf_counter()
+        sizes = [len(r.tokens) for r in rows]
+        buf, key_len = self._fill(rows, kv)
+        T = buf.T
+        first = [b * T + (0 if all_logits else n - 1) for b, n in enumerate(sizes)]
+        counts = sizes if all_logits else [1] * len(rows)
+        # [N]: the nodes' flat positions in the [R, T] batch
+        select = np.concatenate([np.arange(f, f + n) for f, n in zip(first, counts)])
+        starts = np.cumsum([0] + counts[:-1])
+        both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)
+        select_d, starts_d = both[:len(select)], both[len(select):]
+        pack_s = time.perf_counter() - t0
+        self._step_for(buf, key_len)()
+        self.counters["replays"] += 1
+        nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
+        B = len(rows)
+        packed = PackedStep(buf.ids[:B], buf.pos[:B], buf.depths[:B], buf.parents[:B], buf.anc[:B], None,
+                            sizes, {})
+        spans = [(int(a), int(a) + n) for a, n in zip(starts, counts)]
+        return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
+
+    def prepare(self, rows: list[StepRow], kv: SlotKV):
+        """Fill the bucket's buffers for ``rows`` and return the step's device work as a function
+        of no arguments (what a capture records) and its output, the hidden states [R * T, hidden]
+        (rows padded to R, nodes to T; row b's node i at b * T + i). For compilers and tests."""
+        buf, key_len = self._fill(rows, kv)
+        return (lambda: self._forward(buf, key_len)), buf.hidden
+
+    def _fill(self, rows: list[StepRow], kv: SlotKV) -> tuple[StepBuffers, int]:
+        R = bucket(len(rows), self.row_buckets)
+        T = bucket(max(len(r.tokens) for r in rows), self.node_buckets)
+        need = max(kv.lengths) + T
+        if need > kv.max_len:
+            raise ValueError(f"a row needs {need} columns (nodes padded to {T}); slots hold {kv.max_len}")
+        key_len = kv.max_len  # flex: the block lists end each row
+        if self.attention == "sdpa":
+            key_len = min(-(-need // self.key_block) * self.key_block, kv.max_len)
+        buf = self._buffers_for(R, T)
+        buf.fill(rows, kv.lengths)
+        return buf, key_len
+
+    # ------------------------------------------------------------------ prefill into a slot
+    def prefill_slot(self, tokens, chunk: int = 512, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
+        """Prefill ``tokens`` into the next free slot (a new last row of :attr:`kv`) in causal chunks
+        of ``chunk`` tokens, outside the graphs; the output layer's result for the last token [1, V]."""
+        kv = self.kv
+        if kv.rows >= kv.slots:
+            raise ValueError(f"all {kv.slots} slots are taken")
+        slot = kv.rows
+        kv.lengths.append(0)
+        try:
+            for start in range(0, len(tokens), chunk):
+                part = list(tokens[start:start + chunk])
+                kv.for_prefill(slot, start, len(part))
+                p = pack([StepRow.chain(start, part)], start, self.windows, self.dtype, self.device)
+                out = self.head.decoder(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask,
+                                        cache=kv.hf, use_cache=True, prefill=True)
+                kv.lengths[slot] = start + len(part)
+        except Exception:
+            kv.lengths.pop()
+            raise
+        finally:
+            kv.end_step()
+        return self.head.output(out.last_hidden_state[0, -1:], mode)
+
+    # ------------------------------------------------------------------ buckets and graphs
+    def _buffers_for(self, R: int, T: int) -> StepBuffers:
+        buf = self._buffers.get((R, T))
+        if buf is None:
+            buf = StepBuffers(R, T, self.device)
+            buf.hidden = torch.zeros(R * T, self.hidden_size, dtype=self.dtype, device=self.device)
+            self._buffers[(R, T)] = buf
+            self.counters["allocations"] += 1
+            if self.attention == "flex":
+                self._flex[(R, T)] = FlexMasks(buf, self.kv.max_len, self.windows, self.flex_block)
+                self.counters["allocations"] += 1
+        return buf
+
+    def _forward(self, buf: StepBuffers, key_len: int) -> None:
+        """The step's device work, reading only the buffers and the slots: masks, the decoder, the
+        hidden states into ``buf.hidden``."""
+        self.kv.for_step(buf.R, buf.write_cols(), key_len)
+        flex = self._flex.get((buf.R, buf.T))
+        if flex is not None:
+            masks = flex.update()
+        else:
+            masks = {kind: sdpa_mask_for(buf, key_len, w, self.groups, self.dtype)
+                     for kind, w in self.windows.items()}
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask,
+                                cache=self.kv.hf, use_cache=True, graph_step=True)
+        buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
+        self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
+
+    def _step_for(self, buf: StepBuffers, key_len: int):
+        key = (buf.R, buf.T, key_len)
+        step = self._steps.get(key)
+        if step is None:
+            fn = lambda: self._forward(buf, key_len)  # noqa: E731
+            step = self._capture(fn) if self.capture else fn
+            self._steps[key] = step
+            self.counters["graphs"] += 1
+        return step
+
+    def _capture(self, fn):
+        """``fn`` captured in a CUDA graph (warm-up calls on a side stream first; every graph in one
+        memory pool); the graph's replay. The warm-up calls run this step for real (its writes are
+        the replay's: idempotent)."""
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn()
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.counters["captures"] += 1
+        return graph.replay
+
+    @property
+    def buckets(self) -> list[tuple]:
+        """The step keys built so far: (rows, nodes, key length)."""
+        return sorted(self._steps)
+
+
+def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int, chunk: int = 512,
+                  tree=None) -> list[list[int]]:
+    """Greedy decoding of ``prompts`` side by side through ``runner``'s static path (prefill into the
+    slots, then steps of all rows): ``new_tokens`` each. ``tree(b, root, step)``: a
+    :class:`~logitspec.spec_decode.tree.DraftTree` rooted at ``root`` to verify for row b (default: the root
+    alone, plain decoding); the accepted path is committed on the device."""
+    from logitspec.sample.acceptance import greedy_accept
+    from logitspec.spec_decode.tree import DraftTree
+
+    kv = runner.new_batch()
+    out = [[int(runner.prefill_slot(p, chunk).argmax[0])] for p in prompts]
+    step = 0
+    while min(len(o) for o in out) < new_tokens:
+        trees = [tree(b, o[-1], step) if tree else DraftTree.single(o[-1]) for b, o in enumerate(out)]
+        rows = [StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)]
+        fwd = runner.step(rows, kv, OutputMode.EXACT)
+        paths = []
+        for b, (t, lg) in enumerate(zip(trees, fwd.logits)):
+            path, bonus = greedy_accept(t, lg.argmax.tolist())
+            out[b] += [int(t.tokens[n]) for n in path[1:]] + [bonus]
+            paths.append(path)
+        kv.commit_paths(paths)
+        step += 1
+    return [o[:new_tokens] for o in out]
+
+
+def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
+                   memory_share: float = 0.5, **kw):
+    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA, the eager
+    :class:`~logitspec.worker.eager_runner.EagerRunner` elsewhere. ``max_len`` (default: the model's context,
+    at most 8192, plus the largest node bucket) is cut so that the slots take at most
+    ``memory_share`` of the device's free memory."""
+    first = next(model.parameters())
+    if first.device.type != "cuda" or not fast_head:
+        return EagerRunner(model, fast_head=fast_head)
+    cfg = model.config.get_text_config(decoder=True)
+    if max_len is None:
+        max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    per_column = 2 * int(cfg.num_hidden_layers) * heads * head_dim * first.element_size()  # keys and values
+    free = torch.cuda.mem_get_info(first.device)[0]
+    max_len = min(max_len, int(memory_share * free) // (per_column * max_rows))
+    max_len = max_len // 128 * 128  # flex attention's block
+    if max_len < 128 + max(NODE_BUCKETS):
+        raise ValueError(f"{max_rows} slots leave room for {max_len} columns each")
+    return GraphRunner(model, max_rows=max_rows, max_len=max_len, **kw)

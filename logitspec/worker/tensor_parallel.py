@@ -1,0 +1,361 @@
+"""One rank of a tensor-parallel group: DeepSpeed AutoTP shards of one model, driven SPMD. No Ray here.
+
+Every rank of a group runs the same :class:`logitspec.Engine` on the same prompts with the same seeds.
+AutoTP all-reduces the partial sums of each sharded layer (and of the lm_head), so every rank sees the
+same full logits and therefore takes the same drafting, verification and sampling decisions; the
+ranks never exchange anything else. :func:`check_agreement` verifies that after each batch instead
+of assuming it.
+
+On CPU (docs/tensor_parallel.md): the backend is gloo (oneCCL is not on PyPI); DeepSpeed always routes its
+inference all-reduce through a shared-memory op that initialises only when ``LOCAL_SIZE`` equals the
+world size (without it the first forward segfaults), so :func:`rank_env` sets it; the op's first build
+takes about a minute of g++ and is cached in ``TORCH_EXTENSIONS_DIR`` (default here:
+``~/.cache/logitspec/torch_extensions``); and each rank must run one intra-op thread per core it owns
+(2 ranks x 2 threads on 2 cores ran 10x slower).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import logging
+import os
+import pathlib
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+
+log = logging.getLogger("logitspec.worker.tensor_parallel")
+
+DEFAULT_TIMEOUT_S = 1800.0  # one collective may wait this long (a long prefill on a slow peer is fine)
+_SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's shm all-reduce segment names (ops/csrc/cpu/comm)
+
+
+class RanksDiverged(RuntimeError):
+    """The ranks of one group produced different results: their logits were not bitwise identical."""
+
+
+# ---------------------------------------------------------------------------------------------- setup
+def free_port() -> int:
+    """A TCP port that was free a moment ago on this host (for ``MASTER_PORT``)."""
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "127.0.0.1",
+             local_rank: int | None = None) -> dict[str, str]:
+    """The environment one rank of a single-node group needs (what DeepSpeed's own launcher sets).
+
+    ``LOCAL_SIZE`` = world size is what makes DeepSpeed's CPU shm all-reduce initialise; without it
+    the first forward segfaults. DeepSpeed also names its shm segments after ``MASTER_ADDR`` and
+    ``MASTER_PORT``, so two groups on one node need two ports. ``LOCAL_RANK`` is what DeepSpeed
+    binds as the CUDA device index (default: the rank).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a group of {world_size}")
+    local = rank if local_rank is None else local_rank
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local),
+            "LOCAL_SIZE": str(world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def extensions_dir() -> pathlib.Path:
+    """Where DeepSpeed's compiled ops live: ``$TORCH_EXTENSIONS_DIR``, else the project cache (so the
+    one-minute build happens once per machine, not once per process or temp dir); sets the variable."""
+    from logitspec.models.paths import default_cache_dir
+
+    path = pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_cache_dir() / "torch_extensions")
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(path)
+    return path
+
+
+def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cpu",
+              backend: str | None = None,
+              threads: int = 1, master_addr: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the group: environment, threads, ``torch.distributed`` through DeepSpeed. Blocks until
+    every rank has joined. ``device``: "cpu", "cuda" (GPU index = rank) or "cuda:K"."""
+    local = None
+    if device.startswith("cuda"):
+        local = rank if device == "cuda" else torch.device(device).index
+    os.environ.update(rank_env(rank, world_size, master_port, master_addr, local))
+    extensions_dir()
+    torch.set_num_threads(threads)
+    if local is not None:
+        torch.cuda.set_device(local)
+    import deepspeed
+
+    backend = backend or default_backend(device)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False,
+                               rank=rank, world_size=world_size)
+    if backend == "gloo":
+        # Every rank has mapped every peer's shm segment once all are past init: unlink ours now, so a
+        # rank that is killed later leaves no 66 MB segment behind in /dev/shm (the mappings live on).
+        torch.distributed.barrier()
+        seg = pathlib.Path("/dev/shm") / f"{_SHM_PREFIX}_{os.getuid()}_{master_addr}_{master_port}_{rank}"
+        with contextlib.suppress(OSError):
+            seg.unlink()
+
+
+def shard(model, tp_size: int, dtype: torch.dtype):
+    """AutoTP-shard a loaded HF model across the group (collective: every rank calls it); returns the
+    sharded HF model (moved to this rank's device). The replaced full-size layers are freed."""
+    import deepspeed
+
+    engine = deepspeed.init_inference(model, tensor_parallel={"tp_size": tp_size}, dtype=dtype,
+                                      replace_with_kernel_inject=False)
+    model = engine.module
+    gc.collect()
+    return model
+
+
+def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                  attn_implementation: str | None = "logitspec_sdpa", trust_remote_code: bool = False):
+    """``(sharded model, tokenizer, consensus)`` on this rank; the group must be initialised
+    (:func:`init_rank`). ``consensus`` is the :class:`LogitsConsensus` hook on a sharded model (None
+    when ``tp_size`` is 1).
+
+    Loading: ``from_pretrained`` memory-maps safetensors files whose dtype matches, so the full
+    weights are page cache shared by all ranks of a node; AutoTP then copies out this rank's slices
+    and the private (anonymous) memory of a rank ends near ``replicated + sharded / tp`` (measured in
+    docs/tensor_parallel.md). A dtype conversion at load (e.g. float32 file -> bfloat16) makes a
+    private full copy per rank for the duration of the load.
+    """
+    from logitspec.models import load_model
+
+    # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
+    model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
+                                  cpu_kernels=tp_size == 1 and device == "cpu",
+                                  trust_remote_code=trust_remote_code)
+    consensus = None
+    if tp_size > 1:
+        model = shard(model, tp_size, dtype)
+        consensus = LogitsConsensus(model)
+    elif device != "cpu":
+        model.to(device)
+    return model, tokenizer, consensus
+
+
+def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agree_on=None):
+    """The engine of one rank (``history``: an optional draft source of earlier answers, fed alike
+    on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden
+    dim, so ``W @ h.T`` with the local weight would be wrong (its first dim still equals the vocab,
+    so :class:`Head` would not notice): the runner uses the model's own forward, which all-reduces
+    the logits. In a group, host-timed values are rank 0's (``agree_on``, default
+    :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
+    :func:`group_cost_curve`)."""
+    from logitspec.engine.engine import Engine
+    from logitspec.worker.eager_runner import EagerRunner
+
+    runner = EagerRunner(model, fast_head=False)
+    grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    if grouped and agree_on is None:
+        agree_on = rank0_value
+    auto = config.method == "logitspec" and config.budget == "auto"
+    if grouped and auto and cost_curve is None:
+        cost_curve = group_cost_curve(runner)
+    return Engine(model, tokenizer, config, runner=runner, history=history, cost_curve=cost_curve,
+                  agree_on=agree_on or float)
+
+
+def rank0_value(x: float) -> float:
+    """Rank 0's ``x`` on every rank (one tiny broadcast): decisions the engine takes from host
+    timings (whether to skip drafting) must be the same on all ranks, or their forwards diverge
+    (seen in CI: a replacement group failed mid-batch)."""
+    dist = torch.distributed
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.broadcast(t, src=0)
+    return float(t)
+
+
+def group_cost_curve(target):
+    """One forward-cost curve for the whole group (``budget="auto"`` sizes drafts from it).
+
+    Each rank measuring its own would make the ranks choose different draft sizes from their own
+    timings, and diverge (seen: a hang within two dozen steps). Rank 0 decides: it loads the
+    group's stored curve (a ``-tp<N>`` sibling of the single-process one: a sharded forward costs
+    differently), or all ranks measure together (the forwards are collective) and rank 0 stores it;
+    then rank 0's curve is broadcast.
+    """
+    import json
+
+    from logitspec.spec_decode.budget import CostCurve
+    from logitspec.worker.calibrate import curve_from_doc, curve_path, measure, save
+
+    dist = torch.distributed
+    world = dist.get_world_size()
+    base = curve_path(target.model)
+    path = base.with_name(f"{base.stem}-tp{world}.json") if base is not None else None
+    doc: list = [None]
+    if dist.get_rank() == 0 and path is not None and path.exists():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            d = json.loads(path.read_text())
+            doc[0] = curve_from_doc(d).to_dict()  # the curve as measured: its head and column cost too
+    dist.broadcast_object_list(doc, src=0)
+    if doc[0] is None:
+        t0 = time.perf_counter()
+        curve = measure(target, tokens=(1, 2, 4, 8, 16, 32), reps=2)
+        doc[0] = curve.to_dict()
+        dist.broadcast_object_list(doc, src=0)
+        if dist.get_rank() == 0:
+            log.info("measured the group's forward cost curve in %.1f s: %s", time.perf_counter() - t0,
+                     doc[0])
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    save(CostCurve(**doc[0]), path, target)
+    return CostCurve(**doc[0])
+
+
+# ---------------------------------------------------------------------------------------------- agreement
+def decisions_digest(results: Iterable[Any]) -> str:
+    """A hash of everything the ranks must agree on: per sequence the tokens, the finish reason and the
+    accepted length of every step (timings excluded). Accepts engine results or output-row dicts."""
+    h = hashlib.sha256()
+    for r in results:
+        if isinstance(r, dict):
+            key = (r.get("id"), r.get("generation"), r.get("finish_reason"), r.get("n_new_tokens"),
+                   tuple(r.get("accepted_lengths") or ()), r.get("error"))
+        else:
+            key = (tuple(r.token_ids), r.finish_reason, tuple(r.stats.get("accepted_lengths", ())))
+        h.update(repr(key).encode())
+    return h.hexdigest()
+
+
+def check_agreement(digest: str) -> list[str]:
+    """All-gather every rank's digest; raise :class:`RanksDiverged` (on every rank alike) if they differ."""
+    world = torch.distributed.get_world_size()
+    got: list = [None] * world
+    torch.distributed.all_gather_object(got, digest)
+    if len(set(got)) != 1:
+        raise RanksDiverged(f"tensor-parallel ranks disagree on their outputs (digests {got})")
+    return got
+
+
+class LogitsConsensus:
+    """A forward hook that keeps the ranks' logits bitwise identical and checks they decode in lockstep.
+
+    After every forward the ranks all-gather a checksum of their inputs (token ids, positions) and of
+    their logits (one tiny collective). Different inputs mean the ranks' decisions already diverged:
+    every rank raises :class:`RanksDiverged` at the same forward (no collective is left unmatched).
+    Different logits are repaired: rank 0's replace the others'. The engine's decisions depend only on
+    tokens and logits, so this makes every rank decide alike; ``repairs`` / ``last_diff`` say how
+    often (and by how much) the all-reduced logits differed, which with DeepSpeed's deterministic
+    all-reduce should be never.
+    """
+
+    def __init__(self, model):
+        self.forwards = 0
+        self.repairs = 0
+        self.last_diff = 0.0
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs, output):
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        dist = torch.distributed
+        world = dist.get_world_size()
+        dev = logits.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
+        ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
+        mine = torch.cat([_checksum(t).to(dev) for t in [logits] + ins if t is not None])
+        got = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(got, mine)
+        self.forwards += 1
+        if any(not torch.equal(got[0][2:], g[2:]) for g in got[1:]):
+            raise RanksDiverged(f"tensor-parallel ranks fed different inputs to forward {self.forwards}: "
+                                "their decoding decisions diverged")
+        if all(torch.equal(got[0][:2], g[:2]) for g in got[1:]):
+            return None
+        full = logits.contiguous().to(dev)
+        every = [torch.empty_like(full) for _ in range(world)]
+        dist.all_gather(every, full)
+        self.repairs += 1
+        self.last_diff = max(float((e.float() - every[0].float()).abs().max()) for e in every[1:])
+        log.warning("tensor-parallel ranks computed different logits (max diff %.3g, forward %d); using "
+                    "rank 0's", self.last_diff, self.forwards)
+        logits.copy_(every[0])
+        return None
+
+    def stats(self) -> dict:
+        return {"forwards": self.forwards, "logit_repairs": self.repairs, "last_logit_diff": self.last_diff}
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """int64 [2]: the sum of the raw bit patterns (any single changed bit changes it) and the numel."""
+    t = t.detach().contiguous()
+    if t.is_floating_point():
+        t = t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
+    return torch.stack([t.sum(dtype=torch.int64), torch.tensor(t.numel(), device=t.device)])
+
+
+# ---------------------------------------------------------------------------------------------- watchdog
+class PeerWatchdog:
+    """Ends this process as soon as any peer process dies.
+
+    A rank whose peer died would otherwise wait forever: DeepSpeed's CPU shm all-reduce spins on
+    shared flags with no timeout. Exiting turns "one rank died" into "the group died", which is what
+    the scheduler knows how to handle. Peers must be on this host (a tensor-parallel group is packed
+    onto one node). Uses pidfds where the kernel has them (no pid-reuse race), else polls.
+    """
+
+    def __init__(self, pids: Iterable[int], on_death: Callable[[int], None] | None = None,
+                 poll_s: float = 0.5):
+        self.pids = [int(p) for p in pids if int(p) != os.getpid()]
+        self.on_death = on_death or _exit_now
+        self.poll_s = poll_s
+        self._stop = threading.Event()
+        self._fds: dict[int, int] = {}
+        for p in self.pids:
+            try:
+                self._fds[p] = os.pidfd_open(p)
+            except (AttributeError, OSError):  # no pidfd support, or already gone (seen by _alive)
+                pass
+        self._thread = threading.Thread(target=self._run, name="tp-peer-watchdog", daemon=True)
+        self._thread.start()
+
+    def _alive(self, pid: int) -> bool:
+        fd = self._fds.get(pid)
+        if fd is not None:
+            import select
+
+            r, _, _ = select.select([fd], [], [], 0)
+            return not r  # a pidfd turns readable when its process exits
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            for p in self.pids:
+                if not self._alive(p):
+                    self.on_death(p)
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.poll_s + 1)
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds.clear()
+
+
+def _exit_now(pid: int) -> None:
+    log.error("tensor-parallel peer process %d died; ending this rank (pid %d) too", pid, os.getpid())
+    for h in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            h.flush()
+    os._exit(70)
