@@ -14,7 +14,8 @@ Entry points: ``logitspec job|eval|build-index`` (and ``jobs/*.py`` for ``ray jo
 :func:`run_job`.
 """
 from .errors import ConfigError
-from .job.config import GenerationSpec, JobConfig
+from .job.config import JobConfig
+from .spec import GenerationSpec
 
 __all__ = ["ConfigError", "GenerationSpec", "JobConfig", "run_job"]
 

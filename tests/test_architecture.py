@@ -1,6 +1,7 @@
-"""The package structure stays as docs/architecture.md describes: no import cycles, no module importing
-a private name of another, no oversized module in logitspec/ or pipeline/; the scripts in scripts/ use
-the project through its public names only, and every project name they import exists."""
+"""The package structure stays as docs/architecture.md describes: sub-packages import one way (each only
+those below it), no import cycles, no module importing a private name of another, no oversized module,
+at most 10 loose modules at the top of logitspec/; the scripts in scripts/ use the project through its
+public names only, and every project name they import exists."""
 import ast
 import pathlib
 
@@ -52,6 +53,79 @@ def test_no_import_cycles_and_no_private_imports():
 
     cycles = [m for m in graph if reaches(m, m, set())]
     assert not cycles, f"modules on an import cycle: {sorted(cycles)}"
+
+
+# each sub-package imports only those of a lower rank (its own modules aside); the top-level modules
+# of logitspec/ and pipeline/ are rank 0, except the entry points, which may import anything
+RANKS = {
+    "logitspec.bench": 7, "logitspec.engine": 6, "logitspec.worker": 5, "logitspec.sample": 4,
+    "logitspec.spec_decode": 3, "logitspec.evaluation": 3, "logitspec.models": 2, "logitspec.kernels": 1,
+    "pipeline.sweep": 4, "pipeline.job": 3, "pipeline.replica": 2, "pipeline.io": 1,
+}
+ENTRY_POINTS = {"logitspec", "logitspec.cli", "pipeline"}
+# loading a model registers the engine's attention with transformers (the model runs it from then on)
+ALLOWED_UPWARD = {("logitspec.models.loading", "logitspec.worker.attention")}
+MAX_LOOSE_MODULES = 10
+
+
+def _group(module: str) -> tuple[str, str]:
+    """(root, sub-package or '' for a top-level module) of a project module."""
+    parts = module.split(".")
+    sub = ".".join(parts[:2])
+    return parts[0], sub if sub in RANKS else ""
+
+
+def _runtime_imports(path: pathlib.Path, name: str, known) -> list[str]:
+    """Project modules ``path`` imports, outside ``if TYPE_CHECKING:`` blocks."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    out = []
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            out += [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+    return [t for t in out if t in known]
+
+
+def test_sub_packages_import_one_way():
+    mods = _modules()
+    wrong = []
+    for m, p in mods.items():
+        if m in ENTRY_POINTS:
+            continue
+        root, sub = _group(m)
+        rank = RANKS.get(sub, 0)
+        for t in _runtime_imports(p, m, mods):
+            troot, tsub = _group(t)
+            if (troot, tsub) == (root, sub) or (m, t) in ALLOWED_UPWARD:
+                continue
+            if root == "logitspec" and troot == "pipeline":
+                wrong.append(f"{m} imports {t}: the engine knows nothing of the pipeline")
+            elif root == troot and RANKS.get(tsub, 0) >= rank:
+                wrong.append(f"{m} imports {t}")
+    assert not wrong, wrong
+
+
+def test_the_engine_loop_does_not_import_the_benchmark_tools():
+    mods = _modules()
+    loop = [m for m in mods
+            if m.startswith(("logitspec.engine", "logitspec.sample", "logitspec.spec_decode"))]
+    assert "logitspec.engine.session" in loop and "logitspec.sample.acceptance" in loop
+    wrong = [f"{m} imports {t}" for m in loop for t in _runtime_imports(mods[m], m, mods)
+             if t.startswith("logitspec.bench")]
+    assert not wrong, wrong
+
+
+def test_few_loose_modules_at_the_top():
+    loose = sorted(p.name for p in (REPO / "logitspec").glob("*.py") if p.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
 
 
 def test_modules_stay_small():

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny_models import repetitive_prompts, tiny_model
 
-from logitspec import Engine, SpecConfig, calibrate
+from logitspec import Engine, SpecConfig
+from logitspec.worker import calibrate
 from logitspec.worker.eager_runner import EagerRunner
 from logitspec.worker.gpu import GraphRunner
 

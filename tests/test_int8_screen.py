@@ -6,8 +6,9 @@ import pytest
 import torch
 from tiny_models import FAMILIES, hf_greedy, repetitive_prompts, tiny_model
 
-from logitspec import Engine, SpecConfig, head
+from logitspec import Engine, SpecConfig
 from logitspec.sample.int8_screen import Int8Pass, Int8Race, available
+from logitspec.worker import head
 
 pytestmark = pytest.mark.skipif(not available(), reason="the compiled kernels are not built here")
 

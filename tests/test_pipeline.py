@@ -26,15 +26,16 @@ from tiny_models import save_tiny_text_model
 
 from logitspec import allocator
 from logitspec.kernels import skinny
-from logitspec.models.paths import default_cache_dir
+from logitspec.paths import default_cache_dir
 from pipeline.errors import ConfigError
 from pipeline.io.inputs import open_input, read_columns, row_problem
 from pipeline.io.output import OutputStore, read_generations
 from pipeline.job.cli import build_parser, config_from_args
-from pipeline.job.config import GenerationSpec, JobConfig
+from pipeline.job.config import JobConfig
 from pipeline.job.pending import scan_ids
 from pipeline.replica.worker import row_seed
 from pipeline.rows import InputRow, OutputRow
+from pipeline.spec import GenerationSpec, engine_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GENERATE = REPO / "jobs" / "generate.py"
@@ -207,7 +208,7 @@ def test_config_validation():
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_args(build_parser().parse_args(["--input", "a", "--output", "b", *flags]))
     with pytest.raises(ConfigError, match="unknown method"):
-        GenerationSpec(method="medusa")
+        engine_config(method="medusa")
     with pytest.raises(ConfigError, match="history_tokens"):
         GenerationSpec(history_tokens=-1)
     assert (GenerationSpec().history_source() is None
@@ -424,7 +425,7 @@ def test_row_generator_reports_the_engine_run_of_its_batch(tiny):
     model, tok = load_model(tiny)
     spec = job_spec(model=tiny, max_new_tokens=6, max_batch_size=2, budget="fixed", warmup=False)
     rows = [InputRow(i, p) for i, p in enumerate(["Hello there", "Lorem ipsum", _long_prompt()])]
-    out, stats = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(rows)
+    out, stats = RowGenerator(Engine(model, tok, spec.engine), spec)(rows)
     assert [r.error is None for r in out] == [True, True, False]  # the long prompt: refused before the run
     engine = stats["engine"]
     assert engine["tokens"] == out[0].n_new_tokens + out[1].n_new_tokens > 0
@@ -446,7 +447,7 @@ def test_history_source_drafts_from_earlier_answers_and_rows_say_so(tiny):
     for tokens in (0, 2000):
         spec = job_spec(model=tiny, max_new_tokens=24, max_batch_size=1, budget="fixed", warmup=False,
                               history_tokens=tokens)
-        gen = RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
+        gen = RowGenerator(Engine(model, tok, spec.engine, history=spec.history_source()), spec)
         outs[tokens] = [gen([r])[0][0] for r in rows]  # one row per call: the second sees the first's answer
     plain, hist = outs[0], outs[2000]
     assert [r.generation for r in hist] == [r.generation for r in plain]
@@ -534,7 +535,7 @@ def test_shared_answers_feed_another_generators_history(tiny):
                           history_tokens=2000, share_history=True)
 
     def replica():
-        return RowGenerator(Engine(model, tok, spec.spec_config(), history=spec.history_source()), spec)
+        return RowGenerator(Engine(model, tok, spec.engine, history=spec.history_source()), spec)
 
     row = InputRow(0, "Hello there, said the")
     a_rows, a_stats = replica()([row])
@@ -544,7 +545,7 @@ def test_shared_answers_feed_another_generators_history(tiny):
         assert b_rows[0].generation == a_rows[0].generation
         assert b_rows[0].accepted_from["history"] > 0 and a_rows[0].accepted_from["history"] == 0
         assert len(b_stats["answers"]) == 1
-    assert "answers" not in RowGenerator(Engine(model, tok, spec.spec_config()),
+    assert "answers" not in RowGenerator(Engine(model, tok, spec.engine),
                                          GenerationSpec(model=tiny))([row])[1]
 
 
@@ -1053,7 +1054,7 @@ def test_samples_have_their_own_stable_seeds(tiny):
     model, tok = load_model(tiny)
     spec = job_spec(model=tiny, max_new_tokens=8, max_batch_size=4, temperature=0.8, top_p=0.95, seed=3,
                           warmup=False)
-    gen = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
+    gen = RowGenerator(Engine(model, tok, spec.engine), spec)
     row = InputRow("a", "Hello there")
     four, stats = gen([dataclasses.replace(row, samples=(0, 1, 2, 3)), InputRow("b", "Lorem ipsum")])
     assert [(r.id, r.sample) for r in four] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0)]
@@ -1097,12 +1098,12 @@ def test_request_columns_give_rows_their_own_settings_each_as_decoded_alone(tmp_
     assert [r.request for r in inputs] == [job.with_(max_new_tokens=3), job.with_(seed=9, top_p=0.9),
                                            job.with_(max_new_tokens=5, seed=4, temperature=0), None]
     model, tok = load_model(tiny)
-    batch, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(inputs)
-    stream, _ = StreamingRows(RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen))(inputs)
+    batch, _ = RowGenerator(Engine(model, tok, cfg.gen.engine), cfg.gen)(inputs)
+    stream, _ = StreamingRows(RowGenerator(Engine(model, tok, cfg.gen.engine), cfg.gen))(inputs)
     assert [(r.id, r.sample) for r in batch] == [(i, s) for i in (0, 1, 2, 4) for s in (0, 1)]
     for k, r in enumerate(inputs):
         own = dataclasses.replace(cfg.gen, request=r.request or job)
-        alone, _ = RowGenerator(Engine(model, tok, own.spec_config()),
+        alone, _ = RowGenerator(Engine(model, tok, own.engine),
                                 own)([dataclasses.replace(r, request=None)])
         mine = batch[2 * k:2 * k + 2]
         assert [x.generation for x in mine] == [x.generation for x in stream[2 * k:2 * k + 2]] \
@@ -1187,7 +1188,7 @@ def test_streaming_replica_keeps_slots_full_with_identical_outputs(tmp_path, tin
     assert stream["engine"]["batch_steps"] < per_task["engine"]["batch_steps"]
     model, tok = load_model(tiny)
     gen = _cfg(tiny, inp, tmp_path / "x", **kw).gen
-    direct = Engine(model, tok, gen.spec_config()).generate([r["prompt"] for r in rows], max_new_tokens=40)
+    direct = Engine(model, tok, gen.engine).generate([r["prompt"] for r in rows], max_new_tokens=40)
     assert got["stream"] == got["tasks"] == {r["id"]: d.text for r, d in zip(rows, direct)}
     assert len({len(d.token_ids) for d in direct}) > 3  # the lengths did vary
 
@@ -1210,7 +1211,7 @@ def test_streaming_replica_samples_equal_the_per_task_path(tmp_path, tiny, ray_s
     got = {(r["id"], r["sample"]): r["generation"] for r in table.to_pylist()}
     assert len(got) == table.num_rows == 27
     model, tok = load_model(tiny)
-    per_task, _ = RowGenerator(Engine(model, tok, cfg.gen.spec_config()), cfg.gen)(
+    per_task, _ = RowGenerator(Engine(model, tok, cfg.gen.engine), cfg.gen)(
         [InputRow(r["id"], r["prompt"], samples=(0, 1, 2)) for r in rows])
     assert got == {(r.id, r.sample): r.generation for r in per_task}
     assert len(set(got.values())) > 20  # samples differ

@@ -233,7 +233,7 @@ def test_a_stale_build_baton_is_removed_not_waited_on(kernel, tmp_path):
     import subprocess
     import sys
 
-    from logitspec.models.paths import default_cache_dir
+    from logitspec.paths import default_cache_dir
 
     built = skinny.build_dir()
     copy = tmp_path / "cache" / built.relative_to(default_cache_dir())

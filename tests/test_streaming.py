@@ -41,8 +41,8 @@ def _generators(tiny, **kw):
 
     path, model, tok = tiny
     spec = job_spec(model=path, max_new_tokens=40, max_batch_size=3, budget="fixed", warmup=False, **kw)
-    per_task = RowGenerator(Engine(model, tok, spec.spec_config()), spec)
-    stream = StreamingRows(RowGenerator(Engine(model, tok, spec.spec_config()), spec))
+    per_task = RowGenerator(Engine(model, tok, spec.engine), spec)
+    stream = StreamingRows(RowGenerator(Engine(model, tok, spec.engine), spec))
     return spec, per_task, stream
 
 

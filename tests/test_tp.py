@@ -21,8 +21,8 @@ import torch
 from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 from logitspec import Engine, SpecConfig
+from logitspec.engine.tensor_parallel import PeerWatchdog, decisions_digest, free_port, rank_env
 from logitspec.models import load_model
-from logitspec.worker.tensor_parallel import PeerWatchdog, decisions_digest, free_port, rank_env
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TP = 2
@@ -40,7 +40,7 @@ def comm_op():
     inside every rank at once."""
     from deepspeed.accelerator import get_accelerator
 
-    from logitspec.worker.tensor_parallel import extensions_dir
+    from logitspec.engine.tensor_parallel import extensions_dir
 
     extensions_dir()
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
@@ -79,7 +79,7 @@ def _generate(make, case, prompts):
 def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, results_q) -> None:
     """One rank: join the group, load its shard of each model, decode every case."""
     try:
-        from logitspec.worker.tensor_parallel import check_agreement, init_rank, load_tp_model, make_engine
+        from logitspec.engine.tensor_parallel import check_agreement, init_rank, load_tp_model, make_engine
 
         init_rank(rank, world, port, threads=1)
         out = {}
@@ -174,8 +174,7 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
     """One rank whose own step timings say "skip drafting" on rank 0 and "draft" on rank 1: with the
     group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""
     try:
-        from logitspec.spec_decode.budget import CostCurve
-        from logitspec.worker.tensor_parallel import (
+        from logitspec.engine.tensor_parallel import (
             RanksDiverged,
             check_agreement,
             init_rank,
@@ -183,6 +182,7 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
             make_engine,
             rank0_value,
         )
+        from logitspec.spec_decode.budget import CostCurve
 
         init_rank(rank, world, port, threads=1)
         model, tok, _ = load_tp_model(model_dir, world)
@@ -420,7 +420,7 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
     got = _generations(tmp_path / "tp2")
     model, tok = embedded_reference
     spec = job_spec(model="default", method=method, max_batch_size=3, max_new_tokens=16)
-    ref, _ = RowGenerator(Engine(model, tok, spec.spec_config()), spec)(
+    ref, _ = RowGenerator(Engine(model, tok, spec.engine), spec)(
         [InputRow(r["id"], r["prompt"]) for r in rows])
     for r in ref:
         assert got[r.id]["generation"] == r.generation, r.id

@@ -29,7 +29,7 @@ RUNNER = pathlib.Path(vllm_runner.__file__)
 
 
 def default_python() -> pathlib.Path:
-    from ..models.paths import default_cache_dir
+    from logitspec.paths import default_cache_dir
 
     return default_cache_dir() / "vllm-venv" / "bin" / "python"
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..models.paths import default_cache_dir
+from logitspec.paths import default_cache_dir
+
 from .swap import swap_linears
 
 logger = logging.getLogger("logitspec.skinny")

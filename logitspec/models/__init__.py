@@ -4,11 +4,12 @@
 (GGUF reading and conversion), ``loading`` (:func:`resolve_model_path`, :func:`load_model`). The public
 names are re-exported here.
 """
+from logitspec.paths import CACHE_ENV, default_cache_dir
+
 from .builtin import BUILTIN_MODELS
 from .errors import InvalidModelFileError, ModelConversionError, ModelNotFoundError
 from .gguf import MARKER_FILE
 from .loading import load_model, resolve_model_path
-from .paths import CACHE_ENV, default_cache_dir
 
 __all__ = [
     "ModelNotFoundError",

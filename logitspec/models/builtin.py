@@ -20,9 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from logitspec.paths import file_lock, remove_stale_temps
+
 from .errors import ModelConversionError, ModelNotFoundError
 from .gguf_file import check_gguf_header, read_gguf_metadata
-from .paths import file_lock, remove_stale_temps
 
 __all__ = ["Builtin", "BUILTIN_MODELS", "ALIASES", "package_dir", "ensure_builtin_gguf"]
 

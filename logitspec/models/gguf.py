@@ -22,9 +22,10 @@ import time
 
 import torch
 
+from logitspec.paths import file_lock, fsync_path, remove_stale_temps
+
 from .errors import ModelConversionError
 from .gguf_file import check_gguf_file, check_gguf_header, read_gguf_metadata
-from .paths import file_lock, fsync_path, remove_stale_temps
 
 __all__ = [
     "MARKER_FILE",

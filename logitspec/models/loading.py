@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from logitspec.paths import cache_root
+
 from .builtin import ALIASES, BUILTIN_MODELS, ensure_builtin_gguf
 from .errors import ModelNotFoundError
 from .gguf import convert_gguf, gguf_cache_name, is_complete_model_dir
-from .paths import cache_root
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

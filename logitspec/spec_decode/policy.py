@@ -88,7 +88,7 @@ class SpeculationPolicy:
         forward seconds per new-token count for ``budget="auto"``; without one, ``measure_curve()``
         gives it on first need (e.g. loaded from ``logitspec calibrate``'s store or measured).
         ``agree_on``: a host-timed value -> the value every rank of a tensor-parallel group uses
-        (rank 0's: :func:`~logitspec.worker.tensor_parallel.rank0_value`); decisions taken from timings must
+        (rank 0's: :func:`~logitspec.engine.tensor_parallel.rank0_value`); decisions taken from timings must
         not differ between ranks. ``drafter``: the drafter (default the method's, :func:`make_drafter`).
         ``accept_override``: per row of a step, the node to accept instead of the rule's (greedy rows
         only). ``step_observer``: called after each step with (rows, trees, accepted paths). The

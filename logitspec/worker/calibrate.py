@@ -127,7 +127,7 @@ def curve_path(model, cache_dir=None, head=None, runner: str = "eager") -> pathl
     name = getattr(model.config, "_name_or_path", "") or ""
     if not name:
         return None
-    from logitspec.models.paths import default_cache_dir
+    from logitspec.paths import default_cache_dir
 
     p = next(model.parameters())
     key = (f"{name}|{p.dtype}|{machine_fingerprint(p.device)}|{kernel_fingerprint(model, head)}"

@@ -15,13 +15,16 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from ..errors import ConfigError
-from ..job.config import JobConfig
 from .json_rows import PROBLEM, json_names, read_json_rows
 from .row_checks import row_problem, row_prompt  # noqa: F401 - the input's row checks, named here too
+
+if TYPE_CHECKING:  # the job's config is read, never built, here
+    from ..job.config import JobConfig
 
 TABLE_SUFFIXES = {
     ".parquet": "parquet", ".pq": "parquet",

@@ -28,7 +28,8 @@ import time
 from logitspec.engine.request import Request, add_request_flags, request_from_args
 
 from ..io.inputs import open_input, read_columns, row_prompt
-from .config import GenerationSpec, JobConfig
+from ..spec import GenerationSpec, engine_config
+from .config import JobConfig
 from .pending import scan_ids
 
 log = logging.getLogger("pipeline.job.bench")
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
     from logitspec.models import load_model
 
     request = request_from_args(args)
-    gen = GenerationSpec(model=args.model, method=args.method, max_batch_size=args.max_batch_size,
-                         request=request)
+    engine = engine_config(method=args.method, max_batch_size=args.max_batch_size)
+    gen = GenerationSpec(model=args.model, engine=engine, request=request)
     base = {"input": args.input, "gen": gen, "limit": args.limit, "threads_per_actor": args.threads,
             "actors": 1,
             "batch_rows": args.batch_rows, "log_interval": 60.0, "messages_column": args.messages_column,
@@ -125,7 +126,7 @@ class BareRuns:
     def fresh_engine(self):
         from logitspec import Engine
 
-        e = Engine(self.model, self.tokenizer, self.gen.spec_config())
+        e = Engine(self.model, self.tokenizer, self.gen.engine)
         e.generate([e.encode("Hello, world.")], Request(max_new_tokens=2))
         return e
 

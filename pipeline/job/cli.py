@@ -16,14 +16,8 @@ from logitspec.engine.request import Request, add_request_flags, request_from_ar
 from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 
 from ..errors import ConfigError
-from .config import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DTYPES,
-    REQUEST_COLUMNS,
-    GenerationSpec,
-    JobConfig,
-    parse_reference,
-)
+from ..spec import DEFAULT_MAX_NEW_TOKENS, DTYPES, GenerationSpec, engine_config
+from .config import REQUEST_COLUMNS, JobConfig, parse_reference
 
 log = logging.getLogger("pipeline.job.cli")
 
@@ -158,9 +152,9 @@ def job_request(args: argparse.Namespace) -> Request:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
-    gen = GenerationSpec(model=args.model, method=args.method, budget=args.budget,
-                         max_batch_size=args.max_batch_size,
-                         request=job_request(args), chat=args.chat, dtype=args.dtype,
+    engine = engine_config(method=args.method, budget=args.budget, max_batch_size=args.max_batch_size)
+    gen = GenerationSpec(model=args.model, engine=engine, request=job_request(args), chat=args.chat,
+                         dtype=args.dtype,
                          warmup=not args.no_warmup,
                          trust_remote_code=args.trust_remote_code, history_tokens=args.history_tokens,
                          share_history=args.share_history)

@@ -1,82 +1,23 @@
 """The job's configuration: one frozen dataclass, validated at construction (before Ray starts).
 
-``JobConfig`` holds everything the driver needs; ``GenerationSpec`` is the part each replica
-needs (model, engine settings, and the job's :class:`~logitspec.engine.request.Request`: the decoding settings
-every row is generated with, ``n`` its samples per row) and is what a replica is built from.
+``JobConfig`` holds everything the driver needs; its ``gen`` (:class:`~pipeline.spec.GenerationSpec`)
+is the part each replica is built from.
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import asdict, dataclass, field
 
-from logitspec.config import SpecConfig
 from logitspec.engine.request import Request
 
 from ..errors import ConfigError
+from ..spec import GenerationSpec
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_MAX_NEW_TOKENS = 64  # the job's --max-new-tokens
 # decoding settings a row may carry in an input column of the same name (--request-columns); rows with
 # different values share a batch, each decoding as it would alone
 REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k")
 INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """What one replica needs to turn rows into generations (picklable, sent to every actor)."""
-
-    model: str = "default"
-    method: str = "logitspec"
-    budget: str = "auto"  # draft budget: "auto" (measured cost x acceptance) or "fixed" (the paper's)
-    max_batch_size: int = 4
-    # the decoding settings of every row; seed: the base of the rows' seeds (row_seed), n: samples per row
-    request: Request = field(default_factory=lambda: Request(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, seed=0))
-    chat: bool = False
-    dtype: str = "auto"
-    warmup: bool = True
-    trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
-    # answers kept per replica as a draft source, in tokens (--history-tokens; 0: none)
-    history_tokens: int = 0
-    share_history: bool = False  # replicas' histories also hold the other replicas' answers (--share-history)
-    # what the output's ``model`` column says: the resolved model and a short hash of its files, set by the
-    # job's planning (pipeline.io.model.model_label); None: the --model value as given
-    model_label: str | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            self.spec_config()
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if not isinstance(self.request, Request):
-            raise ConfigError(f"request must be a logitspec.engine.request.Request, got "
-                              f"{type(self.request).__name__}")
-        for name in ("temperature", "top_p"):
-            if not math.isfinite(getattr(self.request, name)):
-                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got "
-                                  f"{getattr(self.request, name)}")
-        if self.request.seed is None:
-            raise ConfigError("the job's request needs a seed: the base of every row's seed")
-        if self.history_tokens < 0:
-            raise ConfigError(f"history_tokens must be >= 0, got {self.history_tokens}")
-        if self.share_history and not self.history_tokens:
-            raise ConfigError("--share-history needs a history: set --history-tokens N (e.g. 20000)")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-
-    def spec_config(self) -> SpecConfig:
-        return SpecConfig(method=self.method, max_batch_size=self.max_batch_size, budget=self.budget)
-
-    def history_source(self):
-        """A fresh :class:`~logitspec.spec_decode.history.HistorySource` of ``history_tokens`` tokens, or
-        None."""
-        if not self.history_tokens:
-            return None
-        from logitspec.spec_decode.history import HistorySource
-
-        return HistorySource(max_tokens=self.history_tokens)
 
 
 @dataclass(frozen=True)
@@ -171,7 +112,7 @@ class JobConfig:
 
     @property
     def rows_per_batch(self) -> int:
-        return self.batch_rows or 2 * self.gen.max_batch_size
+        return self.batch_rows or 2 * self.gen.engine.max_batch_size
 
     @property
     def replacements(self) -> int:
@@ -181,6 +122,9 @@ class JobConfig:
         d = asdict(self)
         d["references"] = {n: p for n, p in self.references}
         d["gen"]["request"] = self.gen.request.to_dict()
+        e = self.gen.engine  # the engine settings a job sets, flat beside the model (as summaries read them)
+        d["gen"].pop("engine")
+        d["gen"].update(method=e.method, budget=e.budget, max_batch_size=e.max_batch_size)
         return d
 
 

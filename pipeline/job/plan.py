@@ -108,7 +108,7 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
                           f"{e}") from None
     references = {}
     for name, spec in cfg.references:
-        references[name] = prepare_reference(name, spec, tokenizer, cfg.gen.spec_config().max_ngram,
+        references[name] = prepare_reference(name, spec, tokenizer, cfg.gen.engine.max_ngram,
                                              datastore=cfg.gen.method == "rest")  # REST reads a datastore
         log.info("reference %r: %s", name, bytes(references[name]["__meta__"]).decode()[:300])
     return references

@@ -159,7 +159,7 @@ def _engine(cfg, record: RunRecord) -> dict:
     """How full the replicas' engines ran: decoding forwards, rows per forward, and that over the batch
     size."""
     mean = record.active_sum / record.batch_steps if record.batch_steps else None
-    size = cfg.gen.max_batch_size
+    size = cfg.gen.engine.max_batch_size
     return {"stream": cfg.stream and cfg.tp == 1, "batch_steps": record.batch_steps, "mean_active": mean,
             "occupancy": mean / size if mean is not None else None, "shared_history": record.shared_history}
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import ray
 
-from ..job.config import GenerationSpec
+from ..spec import GenerationSpec
 from . import faults
 from .actor_env import actor_runtime_env
 from .budget import ReplicaBudget

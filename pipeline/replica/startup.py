@@ -12,7 +12,7 @@ from collections.abc import Callable
 from logitspec import allocator
 from logitspec.engine.request import Request
 
-from ..job.config import GenerationSpec
+from ..spec import GenerationSpec
 from .resources import array_spans, peak_rss, tensor_spans, where_bytes_live
 
 
@@ -89,7 +89,7 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
     t_load = time.perf_counter()
     references, held = attach_references(reference_refs)
     t_refs = time.perf_counter()
-    engine = make_engine(model, tokenizer, spec.spec_config(), spec.history_source())
+    engine = make_engine(model, tokenizer, spec.engine, spec.history_source())
     if spec.warmup:
         warm_up(engine, tokenizer)
     t_warm = time.perf_counter()

@@ -2,7 +2,7 @@
 
 A :class:`TPReplica` is N :class:`TPRank` actors in one STRICT_PACK placement group (one node), one
 ``torch.distributed`` group (gloo on CPU, NCCL on GPUs), each holding its DeepSpeed AutoTP shard and running
-the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.worker.tensor_parallel`). The
+the same :class:`logitspec.Engine` on the same rows (SPMD, :mod:`logitspec.engine.tensor_parallel`). The
 driver sends
 every batch to every rank; only rank 0's answer is returned. It offers the calls of
 :class:`pipeline.replica.resources.Replica`, as :class:`pipeline.replica.actor.ActorReplica` does, so the
@@ -10,12 +10,12 @@ scheduler, the writer and the fault handling (requeue, replace, exactly-once) ar
 itself up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
 
 Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
-:class:`~logitspec.worker.tensor_parallel.PeerWatchdog`; otherwise they would spin forever in the shm
+:class:`~logitspec.engine.tensor_parallel.PeerWatchdog`; otherwise they would spin forever in the shm
 all-reduce),
 so rank 0's pending calls fail with ``RayActorError`` and the scheduler kills the group and redoes its
 batches on a new one. An exception inside one rank's engine would leave its peers waiting in a
 collective, so a rank whose engine raises exits too; ranks whose outputs differ raise
-:class:`~logitspec.worker.tensor_parallel.RanksDiverged` together.
+:class:`~logitspec.engine.tensor_parallel.RanksDiverged` together.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..errors import ConfigError
-from ..job.config import GenerationSpec
+from ..spec import GenerationSpec
 from .actor_env import actor_runtime_env
 from .resources import ReplicaResources, process_memory
 
@@ -48,7 +48,7 @@ class TPRank:
 
     def hello(self) -> dict:
         """Where this rank runs (before anything is loaded): pid, node, GPUs, a free port."""
-        from logitspec.worker.tensor_parallel import free_port
+        from logitspec.engine.tensor_parallel import free_port
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "port": free_port()}
@@ -70,7 +70,7 @@ class TPRank:
         nodes = {h["node_id"] for h in hellos}
         if len(nodes) != 1:  # STRICT_PACK guarantees it; the watchdog and the shm all-reduce need it
             raise RuntimeError(f"tensor-parallel ranks are spread over {len(nodes)} nodes")
-        from logitspec.worker.tensor_parallel import PeerWatchdog
+        from logitspec.engine.tensor_parallel import PeerWatchdog
 
         self.rank = rank
         self.watchdog = PeerWatchdog([h["pid"] for h in hellos])
@@ -88,7 +88,7 @@ class TPRank:
             backend = "nccl" if len(visible) == len(ids) else "gloo"
         import torch
 
-        from logitspec.worker.tensor_parallel import init_rank, load_tp_model, make_engine
+        from logitspec.engine.tensor_parallel import init_rank, load_tp_model, make_engine
 
         from .startup import set_up
 
@@ -112,7 +112,7 @@ class TPRank:
     def generate(self, rows: list, history: list[list[int]] | None = None) -> tuple[list | None, dict]:
         """Every rank decodes the batch (after adding ``history``, the same on every rank); rank 0
         returns the rows, the others only their digest."""
-        from logitspec.worker.tensor_parallel import check_agreement, decisions_digest
+        from logitspec.engine.tensor_parallel import check_agreement, decisions_digest
 
         out, stats = self.generator(rows, history)
         stats["pid"] = os.getpid()

@@ -17,8 +17,8 @@ from typing import Any
 from logitspec.engine.request import Request
 from logitspec.engine.session import sample_seed
 
-from ..job.config import GenerationSpec
 from ..rows import InputRow, OutputRow
+from ..spec import GenerationSpec
 
 log = logging.getLogger("pipeline.replica.worker")
 

@@ -15,7 +15,7 @@ from logitspec.config import METHODS
 from logitspec.helpfmt import DefaultsHelpFormatter
 
 from ..errors import ConfigError
-from ..job.config import DTYPES
+from ..spec import DTYPES
 from .config import GRID_KEYS, EvalConfig
 
 DESCRIPTION = ("LongBench-format evaluation sweep: every method x engine setting on every row, on Ray; "

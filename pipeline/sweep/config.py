@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from logitspec.config import METHODS, SpecConfig
 
 from ..errors import ConfigError
-from ..job.config import DTYPES, JobConfig
+from ..job.config import JobConfig
+from ..spec import DTYPES
 
 # setting -> (type, the methods it applies to)
 GRID_KEYS: dict[str, tuple[type, tuple[str, ...]]] = {

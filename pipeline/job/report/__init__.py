@@ -28,10 +28,10 @@ import pathlib
 import sys
 
 from ...io.output import atomic_write
+from ...numbers import pct, sig
 from .budget import break_even_acceptance, budget_sentence, budget_stats
 from .data import RunData, group_stats, load_run, log
 from .markdown import render
-from .numbers import pct, sig
 from .plots import PLOTS, PLOTS_DIR, plot_accepted_from, plot_mat, plot_throughput
 
 REPORT_FILE = "_report.md"

@@ -9,9 +9,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ...numbers import pct, seconds, sig
 from .budget import budget_sentence, budget_stats
 from .data import REPLICA_COLUMN, TIME_COLUMN, RunData, column, group_stats, ok_rows, replica_names
-from .numbers import pct, seconds, sig
 from .plots import PLOTS, PLOTS_DIR
 
 SHOWN_ERRORS = 3  # distinct error messages quoted in the report

@@ -7,8 +7,8 @@ import pathlib
 import numpy as np
 
 from ...io.output import atomic_write
+from ...numbers import pct, sig
 from .data import REPLICA_COLUMN, TIME_COLUMN, RunData, column, finish_times, ok_rows, replica_names
-from .numbers import pct, sig
 
 PLOTS_DIR = "_report"
 PLOTS = {"throughput": "throughput.png", "mat": "mat_hist.png", "accepted_from": "accepted_from.png"}

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-log = logging.getLogger("logitspec.worker.tensor_parallel")
+log = logging.getLogger("logitspec.engine.tensor_parallel")
 
 DEFAULT_TIMEOUT_S = 1800.0  # one collective may wait this long (a long prefill on a slow peer is fine)
 _SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's shm all-reduce segment names (ops/csrc/cpu/comm)
@@ -70,7 +70,7 @@ def rank_env(rank: int, world_size: int, master_port: int, master_addr: str = "1
 def extensions_dir() -> pathlib.Path:
     """Where DeepSpeed's compiled ops live: ``$TORCH_EXTENSIONS_DIR``, else the project cache (so the
     one-minute build happens once per machine, not once per process or temp dir); sets the variable."""
-    from logitspec.models.paths import default_cache_dir
+    from logitspec.paths import default_cache_dir
 
     path = pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR") or default_cache_dir() / "torch_extensions")
     path.mkdir(parents=True, exist_ok=True)
