@@ -119,6 +119,7 @@ class SweepOutputRow(_Arrow):
     steps: Annotated[int | None, pa.int32()] = None
     mean_accepted: Annotated[float | None, pa.float64()] = None
     prefill_s: Annotated[float | None, pa.float64()] = None
+    cached_prompt_tokens: Annotated[int | None, pa.int32()] = None  # prompt tokens from the prefix cache
     row_wall_s: Annotated[float | None, pa.float64()] = None
     run_share_s: Annotated[float | None, pa.float64()] = None
     run_rows: Annotated[int | None, pa.int32()] = None

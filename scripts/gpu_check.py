@@ -1,11 +1,11 @@
-"""The device check (docs/gpu.md, "The device check"), in one run: by default issue 40's parts (the
-graph runner), with ``--parts all`` also issue 17's (eager lossless, device paths, cost curves).
+"""The device check (docs/gpu.md, "The device check"), in one run: by default the graph runner's parts, with
+``--parts all`` also the eager parts (eager lossless, device paths, cost curves).
 Writes JSON under ``--out``; on CPU (``--tiny``) every part runs in its CPU form.
 
     bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 9 minutes)
     python scripts/gpu_check.py --tiny --device cpu --out out/check   # CI-sized, on CPU
 
-Issue 40's parts, in order (each with a share of the time left: :data:`SHARE`):
+The graph runner's parts, in order (each with a share of the time left: :data:`SHARE`):
 
 1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.worker.gpu``: static KV
    slots, one CUDA graph per (rows, nodes) bucket), ``ar`` and ``logitspec`` on tiny Llama, Qwen2
@@ -24,10 +24,10 @@ Issue 40's parts, in order (each with a share of the time left: :data:`SHARE`):
 6. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA
    (and flex attention at a few points): the tree curve; captures and allocations on repeated shapes.
 7. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
-   per-part time and errors, issue 40's keys. Exit 1 if a lossless case failed or a part raised (its
+   per-part time and errors, every promised key. Exit 1 if a lossless case failed or a part raised (its
    error is recorded; the other parts still run).
 
-Issue 17's parts: ``lossless.json`` (the eager engine against ``generate`` / our bfloat16 ``ar``),
+The eager parts: ``lossless.json`` (the eager engine against ``generate`` / our bfloat16 ``ar``),
 ``device_paths.json`` (host waits per step of the eager engine, sampling on the device),
 ``curve_<shape>.json`` (the eager forward's cost at 1/8/32/64 rows x 1..64 nodes per row for a
 Llama-3-8B and a Qwen2.5-7B shape, the speed-up it predicts, the engine's step split and host profile).
@@ -101,7 +101,7 @@ class Plan:
     step_tokens: int = 32  # new tokens per row in the engine-step measurement (trees shrink near the end)
     shapes: tuple = tuple(SHAPES)
     tiny: bool = False
-    prompt_len: int = 512  # the decode-step parts' prompts (issue 40's table: 512-token prompts)
+    prompt_len: int = 512  # the decode-step parts' prompts (512-token prompts, as the goals' table)
     hf_rows: tuple = (1, 32)  # rows of the HF reference step
     ar_tokens: int = 32  # new tokens per row in the ar-step part (each run twice: warm-up, timed)
     prefill_tokens: int = 8192
@@ -418,7 +418,7 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    for attention, got in doc["attention"].items():  # issue 40's keys (None: not measured)
+    for attention, got in doc["attention"].items():  # the summary's keys (None: not measured)
         ms, x = got["ms"], got["x_plain"]
         doc["goals" if attention == "sdpa" else f"goals_{attention}"] = {
             "step_ms_1x1": ms.get("1x1"), "step_ms_32x1": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
@@ -442,17 +442,17 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-# issue 40's check, in this order (the default): graph-mode lossless, then the 8B shape's steps, the
+# the graph runner's check, in this order (the default): graph-mode lossless, then the 8B shape's steps, the
 # recorded methods' acceptance replayed on it, the tree curve
 GRAPH_PARTS = ("graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "replay", "graph_timing")
-EAGER_PARTS = ("lossless", "device_paths")  # issue 17's check (passed on the H200), with the curves
+EAGER_PARTS = ("lossless", "device_paths")  # the eager engine's check (passed on the H200), with the curves
 # a part's share of the time left when it starts (the rest: the parts after it); graph_timing skips
 # what it cannot start by the end (flex attention's points last)
 SHARE = {"graph_lossless": 0.25, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3, "replay": 0.5}
 
 
 def part_names(plan: Plan, asked: str | None = None) -> list[str]:
-    """The parts ``--parts`` names: a comma-separated list, "all", or (default) issue 40's."""
+    """The parts ``--parts`` names: a comma-separated list, "all", or (default) the graph runner's."""
     every = [*EAGER_PARTS, *GRAPH_PARTS] + [f"curve_{n}" for n in plan.shapes]
     if asked == "all":
         return every
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="start no curve row, engine run or timed point past this")
-    ap.add_argument("--parts", help="comma-separated parts to run, or 'all' (default: issue 40's, "
+    ap.add_argument("--parts", help="comma-separated parts to run, or 'all' (default: the graph runner's, "
                                     f"{','.join(GRAPH_PARTS)}; off CPU each in its own process)")
     ap.add_argument("--isolate", action="store_true", help="each part in its own process (the default "
                                                            "off CPU)")

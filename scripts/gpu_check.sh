@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The device check (docs/gpu.md, "The device check"). By default issue 40's parts: lossless greedy through
+# The device check (docs/gpu.md, "The device check"). By default the graph runner's parts: lossless greedy through
 # the graph runner on tiny Llama / Qwen2 / Gemma 3, then on the Llama-3-8B shape (random bfloat16 weights)
 # the HF static-cache graph step, our ar step (1/8/32/64 rows, greedy and sampled), an 8k-token prefill
-# and the graph runner's tree curve; --parts all adds issue 17's (eager lossless, device paths, cost
+# and the graph runner's tree curve; --parts all adds the eager parts (eager lossless, device paths, cost
 # curves). Under 9 minutes on one H200 (no case starts past --budget-s 400; stopped at GPU_CHECK_TIMEOUT,
 # default 520 s); JSON and summary.json under OUT_DIR, the summary rewritten after every part.
 #

@@ -1,4 +1,4 @@
-"""The decode-step parts of the device check (issue 40; docs/gpu.md, "The device check"), on one model
+"""The decode-step parts of the device check (docs/gpu.md, "The device check"), on one model
 (the 8B shape with random weights on the GPU, the tiny stand-in on CPU):
 
 - :func:`hf_graph_steps`: the reference, HF's own forward over a ``transformers.StaticCache``, one
@@ -28,7 +28,7 @@ from logitspec.device import fastest
 from logitspec.engine.request import Request
 from logitspec.worker.gpu import GraphRunner
 
-SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the synthetic-data setting of issue 40's sampling goal
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the synthetic-data setting of the sampling goal
 GREEDY = {"temperature": 0.0}
 
 
@@ -174,7 +174,7 @@ def ar_steps(model, rows, prompt_len: int, new_tokens: int, deadline: float) -> 
                 doc["skipped"].append([b, mode])
                 continue
             engine = Engine(model, None, SpecConfig(method="ar", max_batch_size=b), runner=runner)
-            request = Request(max_new_tokens=new_tokens, seed=1, **setting)
+            request = Request.make(max_new_tokens=new_tokens, seed=1, **setting)
             doc[mode][str(b)] = ar_case(engine, runner, prompts, request)
     doc["counters"] = dict(runner.counters)
     doc["kv_gib"] = round(runner.kv.bytes / 2 ** 30, 2)

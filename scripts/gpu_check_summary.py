@@ -1,5 +1,5 @@
 """``summary.json`` of the device check (scripts/gpu_check.py; docs/gpu.md, "The device check"): what
-passed, per-part times and errors, and issue 40's figures from the parts' JSON files. Written after
+passed, per-part times and errors, and the step figures from the parts' JSON files. Written after
 every part, so a check stopped by its time limit still leaves the summary of what it finished."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 # every part whose file the summary reads
 READS = ("lossless", "device_paths", "graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "graph_timing",
          "replay")
-# issue 40's keys (item 8), always present (None: not measured in this run)
-ISSUE40_KEYS = ("ar_ms_b1", "ar_ms_b32", "hf_graph_ms_b1", "tree16_x_b1", "tree16_x_b8", "tree8_x_b32",
+# the summary's figures, always present (None: not measured in this run)
+SUMMARY_KEYS = ("ar_ms_b1", "ar_ms_b32", "hf_graph_ms_b1", "tree16_x_b1", "tree16_x_b8", "tree8_x_b32",
                 "tree4_x_b64", "prefill_8k_s", "sampled_x_greedy_b1", "sampled_x_greedy_b32",
                 "lossless_equal", "lossless_total", "replay")
 # the replayed-acceptance part writes replay.json with a "replay" entry (per trace set and method@rows: ms
@@ -33,8 +33,8 @@ def _ratio(a, b):
     return round(a / b, 3) if a and b else None
 
 
-def issue40(read: dict) -> dict:
-    """Issue 40's figures: our ``ar`` step (ms, greedy) at 1 and 32 rows and sampled over greedy, the
+def step_figures(read: dict) -> dict:
+    """The step figures: our ``ar`` step (ms, greedy) at 1 and 32 rows and sampled over greedy, the
     HF static-cache graph step, tree steps over one node per row (same rows), the 8k-token prefill
     (the engine's way), graph-mode lossless counts, the replay, captures on repeated shapes and the
     graph runner's host waits per step."""
@@ -75,7 +75,7 @@ def write(summary: dict, out: pathlib.Path, start: float) -> dict:
     if read["graph_timing"] is not None:
         graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
     summary["graph"] = graph or None
-    summary.update(issue40(read))
+    summary.update(step_figures(read))
     cases = lossless["cases"] if lossless else []
     ran = summary["parts"]  # a part not asked for (--parts) is neither passed nor failed: None
     summary["lossless_ok"] = (bool(cases) and all(c["ok"] for c in cases)) if "lossless" in ran else None
@@ -94,7 +94,7 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     passed, eager and graph, and no part failed)."""
     summary = write(summary, out, start)
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s",
-            *ISSUE40_KEYS[:-1], "captures_after_warmup", "graph_host_waits_per_step")
+            *SUMMARY_KEYS[:-1], "captures_after_warmup", "graph_host_waits_per_step")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
     graph_ok = (summary["graph"] or {}).get("lossless_ok", "graph_lossless" not in summary["parts"])
     passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))

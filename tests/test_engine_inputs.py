@@ -9,8 +9,9 @@ from logitspec import Engine, SpecConfig
 def engine():
     model = tiny_model("llama")
     calls = []
-    model.register_forward_pre_hook(lambda *a: calls.append(1))
-    eng = Engine(model, None, SpecConfig(method="logitspec"))
+    for module in model.modules():  # every layer: the engine runs the inner decoder, not the top module
+        module.register_forward_pre_hook(lambda *a: calls.append(1))
+    eng = Engine(model, None, SpecConfig(method="logitspec", budget="fixed"))
     eng.forward_calls = calls
     return eng
 
@@ -31,6 +32,13 @@ def test_bad_input_raises_before_forward(engine, kwargs, match):
     with pytest.raises(ValueError, match=match):
         engine.generate(**kwargs)
     assert len(engine.forward_calls) == n
+
+
+def test_the_forward_counter_sees_the_engine_forward(engine):
+    """The control for the test above: a good prompt's generation is counted."""
+    n = len(engine.forward_calls)
+    engine.generate([[1, 2, 3]], max_new_tokens=2)
+    assert len(engine.forward_calls) > n
 
 
 def test_unknown_method_and_bad_config():

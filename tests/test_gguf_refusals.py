@@ -1,5 +1,5 @@
 """A damaged ``.gguf`` is refused at once, naming the file and the fault, before anything is converted or
-written (issue 42, item 2): junk after valid magic bytes, a damaged header, a truncated copy."""
+written: junk after valid magic bytes, a damaged header, a truncated copy."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The auto budget's cost curve measured through the runner the engine uses (issue 40, item 4): the
+"""The auto budget's cost curve measured through the runner the engine uses: the
 graph runner's padded static steps (eager on CPU), its curve stored under a key of its own."""
 import json
 from dataclasses import replace

@@ -230,8 +230,15 @@ def test_default_runner_is_eager_off_cuda():
 def test_the_step_compiles_as_one_graph_without_recompiling():
     """The CPU-side evidence that a step is capturable: dynamo traces the whole step (masks from the
     buffers, the decoder, the slot writes) as one graph (``fullgraph``), and new inputs in the
-    same bucket replay it without a recompile, with the eager step's output."""
+    same bucket replay it without a recompile (the backend is called once: one compile in all), with
+    the eager step's output."""
     import torch._dynamo
+
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
 
     runner = GraphRunner(tiny_model("llama"), max_rows=2, max_len=64, key_block=32)
     prompts = repetitive_prompts(2, seed=6)
@@ -240,8 +247,8 @@ def test_the_step_compiles_as_one_graph_without_recompiling():
         roots = [int(runner.prefill_slot(p).argmax[0]) for p in prompts]
         rows = lambda toks: [StepRow.chain(kv.lengths[b], toks[b]) for b in range(2)]  # noqa: E731
         fn, hidden = runner.prepare(rows([[roots[0]] * 3, [roots[1], 5]]), kv)
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend="eager")
-        torch._dynamo.utils.counters.clear()
+        torch._dynamo.reset()  # no earlier test's compiled code for this function
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=counting_backend)
         for toks in ([[roots[0]] * 3, [roots[1], 5]], [[7, 8, 9], [roots[1]] * 4]):
             fn_again, _ = runner.prepare(rows(toks), kv)  # the same bucket's buffers, refilled
             assert fn_again.__code__ is fn.__code__
@@ -249,5 +256,4 @@ def test_the_step_compiles_as_one_graph_without_recompiling():
             want = hidden.clone()
             compiled()
             assert torch.allclose(hidden, want, atol=1e-6)
-    stats = torch._dynamo.utils.counters
-    assert stats["stats"]["unique_graphs"] == 1 and not stats["graph_break"] and not stats["recompiles"]
+    assert len(compiles) == 1

@@ -1,5 +1,4 @@
 """The screened greedy output layer: its argmax is the float32 argmax, near-ties included."""
-import time
 
 import pytest
 import torch
@@ -143,14 +142,16 @@ def test_auto_times_its_passes_then_keeps_the_fastest_per_row_count():
 
 
 def test_a_decisively_slower_pass_is_dropped_after_one_trial_and_not_tried_at_larger_row_counts():
+    """The passes' costs are scripted on a virtual clock: the choice depends on them, not on the load."""
     weight = torch.randn(500, 16)
-    screen = _Screen(weight, kind="auto")
+    now = [0.0]
+    screen = _Screen(weight, kind="auto", clock=lambda: now[0])
     calls = []
 
     def timed(name, seconds):
         def run(x):
             calls.append((name, len(x)))
-            time.sleep(seconds)
+            now[0] += seconds
             return x @ weight.T
         return run
 
@@ -162,7 +163,7 @@ def test_a_decisively_slower_pass_is_dropped_after_one_trial_and_not_tried_at_la
     assert set(screen.choices().values()) == {"fast"}
     assert sorted(screen.choices()) == [2, 32, 64, 128]
     # close timings take the full TRIALS each
-    even = _Screen(weight, kind="auto")
+    even = _Screen(weight, kind="auto", clock=lambda: now[0])
     calls.clear()
     even.passes = {"a": timed("a", 0.02), "b": timed("b", 0.022)}
     for _ in range(2 * _Screen.TRIALS):

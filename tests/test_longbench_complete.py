@@ -1,4 +1,4 @@
-"""LongBench complete (issue 42, item 7): LongBench-E length buckets in the sweep report, LongBench v2
+"""LongBench complete: LongBench-E length buckets in the sweep report, LongBench v2
 (reader, prompt, answer extraction, accuracies as result.py), samsum's stop as pred.py, eval.py's loop sum."""
 
 import json

@@ -119,10 +119,10 @@ def test_table_model_output_equals_plain_greedy_and_lookahead_accepts(seed):
 # ------------------------------------------------------------------------------ through the engine
 def test_lookahead_sampling_emits_the_target_distribution():
     """Chi-square of the first three sampled tokens against the exact distribution, every decoding step
-    verifying lookahead's tree (a small window, warm after one step). Within three tokens the pool is
-    still empty and the walk rarely follows a window token (none here), so this checks that the trees
-    and the per-row state leave the distribution exact; that drafts never depend on the target's draws
-    is by construction (the window advances with each node's argmax: the table tests)."""
+    verifying lookahead's tree (a small window) and its n-gram pool filled, before the first step, with
+    each token's greedy continuation: the sampled walk follows pool drafts (accepted tokens are checked
+    to occur), so the accept path is exercised, and the drafts, made from argmaxes only, never depend on
+    the target's draws."""
     import torch
     from chi2 import chi2, chi2_limit
     from tiny_models import VOCAB, tiny_model
@@ -130,12 +130,24 @@ def test_lookahead_sampling_emits_the_target_distribution():
     from logitspec import Engine
     from logitspec.sample.params import SamplingParams
     from logitspec.sample.sampler import probs_from_logits
+    from logitspec.spec_decode.lookahead import LookaheadDrafter
 
     model = tiny_model("llama")
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)
     prompt = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:12].tolist()
     params = SamplingParams(0.8, top_p=0.95)
+    with torch.no_grad():  # each token's greedy continuation of two tokens after the prompt
+        first = model(torch.tensor([prompt + [t] for t in range(VOCAB)])).logits[:, -1].argmax(-1).tolist()
+        second = model(torch.tensor([prompt + [t, first[t]] for t in range(VOCAB)])).logits[:, -1].argmax(-1)
+    continuations = [(t, first[t], int(second[t])) for t in range(VOCAB)]
+
+    class FilledPool(LookaheadDrafter):
+        def new_state(self, prompt):
+            state = super().new_state(prompt)
+            for ngram in continuations:
+                state.pool.add(ngram)
+            return state
     cells, rest_mass = {(): 1.0}, 0.0  # exact probabilities of the first 3 tokens (cells >= 1e-4)
     for _ in range(3):
         seqs = list(cells)
@@ -156,8 +168,9 @@ def test_lookahead_sampling_emits_the_target_distribution():
     try:
         cfg = SpecConfig(method="lookahead", max_batch_size=16, lookahead_window=4, lookahead_level=3,
                          lookahead_guesses=4)
-        res = Engine(model, None, cfg).generate([prompt] * n, max_new_tokens=3, temperature=0.8,
-                                                top_p=params.top_p, seed=list(range(1000, 1000 + n)))
+        res = Engine(model, None, cfg, drafter=FilledPool(cfg)).generate(
+            [prompt] * n, max_new_tokens=3, temperature=0.8, top_p=params.top_p,
+            seed=list(range(1000, 1000 + n)))
     finally:
         torch.set_num_threads(before)
     keys = list(cells)
@@ -166,6 +179,9 @@ def test_lookahead_sampling_emits_the_target_distribution():
     stat, df = chi2(counts, np.array([cells[k] for k in keys]), n)
     assert stat < chi2_limit(df), (stat, df)
     assert all(r.stats["mean_tree_size"] > 1 for r in res)  # decoding steps verified windows
+    accepted = sum(max(r.stats["accepted_lengths"][1:], default=1) > 1 for r in res)
+    print(f"rows that accepted a draft token: {accepted} of {n}")
+    assert accepted > n // 10, accepted  # the walk followed drafts: the accept path ran
 
 
 def test_bench_runs_lookahead(tmp_path):

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from logitspec import models
+from logitspec import models, paths
 from logitspec.models import (
     ModelNotFoundError,
     builtin,
@@ -21,7 +21,6 @@ from logitspec.models import (
     gguf,
     gguf_file,
     load_model,
-    paths,
     resolve_model_path,
 )
 
@@ -420,21 +419,30 @@ def test_qwen_parts_must_assemble_to_the_pinned_sha256(tmp_path, cache, monkeypa
 
 
 def test_file_lock_serializes(cache):
-    order = []
+    """While one thread holds the lock, another's acquire blocks; it enters once the first lets go."""
+    order, release = [], threading.Event()
 
     def holder():
         with paths.file_lock(cache, "x"):
             order.append("a-in")
-            time.sleep(0.3)
+            release.wait(timeout=60)
             order.append("a-out")
 
-    t = threading.Thread(target=holder)
-    t.start()
+    def waiter():
+        with paths.file_lock(cache, "x"):
+            order.append("b-in")
+
+    a = threading.Thread(target=holder)
+    a.start()
     while not order:
         time.sleep(0.01)
-    with paths.file_lock(cache, "x"):
-        order.append("b-in")
-    t.join()
+    b = threading.Thread(target=waiter)
+    b.start()
+    b.join(timeout=0.5)
+    assert b.is_alive() and order == ["a-in"]  # blocked while the lock is held (a broken lock fails here)
+    release.set()
+    a.join()
+    b.join()
     assert order == ["a-in", "a-out", "b-in"]
 
 

@@ -62,9 +62,22 @@ def repetitive_prompts(n: int, seed: int = 0, lengths=(5, 9, 14, 20, 27, 33, 8, 
     return out
 
 
+def stock_copy(model):
+    """A model of ``model``'s class and weights as transformers alone builds it: its SDPA attention and
+    its own modules, nothing the engine swapped in."""
+    cfg = type(model.config).from_dict(model.config.to_dict())
+    stock = type(model)(cfg).eval()
+    stock.load_state_dict(model.state_dict())
+    stock.set_attn_implementation("sdpa")
+    assert not [m for m in stock.modules() if type(m).__module__.startswith("logitspec")]
+    return stock
+
+
 def hf_greedy(model, prompt, n):
+    """``n`` tokens of stock HF generate (greedy) on a stock copy of ``model``."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = stock_copy(model).generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                         do_sample=False)
     return out[0, len(prompt):].tolist()
 
 

@@ -1,4 +1,4 @@
-"""A draft source over answers this engine has already produced (issue 15, item 3).
+"""A draft source over answers this engine has already produced.
 
 Samples of one prompt, and rows of one template, repeat each other: an n-gram source over earlier
 answers drafts what they said. :class:`HistorySource` answers ``lookup`` like the other sources of

@@ -71,15 +71,15 @@ class ScreenedArgmax:
     # 343 against 83, and each trial of the loser at 100+ rows cost a third of a second)
     DECISIVE = 2.0
 
-    def __init__(self, weight: torch.Tensor, kind: str | None = None):
+    def __init__(self, weight: torch.Tensor, kind: str | None = None, clock=time.perf_counter):
         """``kind``: the approximate pass. "f16c": the skinny kernel over a float16 copy (reads it
         once for up to 64 rows); "fbgemm": fbgemm's fp16 GEMM; "onednn": oneDNN's float32 GEMM over
         a packed copy; "bf16": oneDNN's bfloat16 GEMM (inputs and weights rounded to bfloat16,
         float32 sums; the fastest past a few rows where the CPU has bfloat16 dot products);
         "auto" (the default): fbgemm and the bfloat16 pass (oneDNN float32 where bfloat16 is not
         supported; the F16C kernel where one of them is missing), the faster per row count as
-        timed on the first calls of each size (:meth:`approx_logits`). ValueError for a pass
-        this machine lacks."""
+        timed on the first calls of each size (:meth:`approx_logits`) by ``clock`` (seconds).
+        ValueError for a pass this machine lacks."""
         w = weight.detach().float()  # [V, H] float32 (a bfloat16 weight widened exactly: a copy)
         self.weight = w
         bf16 = onednn.available() and onednn.bf16_supported()
@@ -95,6 +95,7 @@ class ScreenedArgmax:
             raise ValueError("no screen pass is available here (no fbgemm, oneDNN or skinny kernel)")
         self.passes = {k: self._pass(k, w) for k in use}
         self.bound_per_norm = max(self._bound_per_norm(k, w) for k in use)  # B(x) / ||x|| for any pass used
+        self.clock = clock
         self._chosen: dict[int, str] = {}  # row-count bucket -> pass
         self._times: dict[int, dict[str, list[float]]] = {}  # "auto" trials: bucket -> pass -> seconds
         self._decisive: set[int] = set()  # buckets whose trials found a pass DECISIVE times slower
@@ -162,9 +163,9 @@ class ScreenedArgmax:
             return self.passes[name](x)
         times = self._times.setdefault(b, {k: [] for k in self.passes})
         name = min(times, key=lambda k: len(times[k]))
-        t0 = time.perf_counter()
+        t0 = self.clock()
         out = self.passes[name](x)
-        times[name].append(time.perf_counter() - t0)
+        times[name].append(self.clock() - t0)
         if all(times.values()):
             best = {k: min(t) for k, t in times.items()}
             decisive = max(best.values()) >= self.DECISIVE * min(best.values())

@@ -43,6 +43,7 @@ def ok_row(row: SweepInputRow, config: SweepConfig, res, share_s: float, n_run: 
         finish_reason=res.finish_reason,
         n_prompt_tokens=len(res.prompt_token_ids), n_new_tokens=len(res.token_ids), steps=s["steps"],
         mean_accepted=s["mean_accepted"], prefill_s=s["prefill_s"], row_wall_s=s["wall_s"],
+        cached_prompt_tokens=s["cached_prompt_tokens"],
         run_share_s=share_s,
         run_rows=n_run, peak_rss_bytes=peak, truncated=e.truncated, max_step_gap_s=s["max_step_gap_s"])
 
