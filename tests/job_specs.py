@@ -12,5 +12,5 @@ def job_spec(**kw) -> GenerationSpec:
     engine = {k: kw.pop(k) for k in ENGINE_FIELDS if k in kw}
     request = Request.make(**{"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "seed": 0, **fields})
     base = GenerationSpec().engine
-    engine = engine_config(**{k: getattr(base, k) for k in ENGINE_FIELDS}, **engine) if engine else base
+    engine = engine_config(**{**{k: getattr(base, k) for k in ENGINE_FIELDS}, **engine}) if engine else base
     return GenerationSpec(request=request, engine=engine, **kw)

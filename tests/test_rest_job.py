@@ -18,7 +18,8 @@ from pipeline.io.reference import prepare_reference, split_meta
 
 
 def _method(cfg, method):
-    return dataclasses.replace(cfg, gen=dataclasses.replace(cfg.gen, method=method))
+    gen = dataclasses.replace(cfg.gen, engine=dataclasses.replace(cfg.gen.engine, method=method))
+    return dataclasses.replace(cfg, gen=gen)
 
 
 def test_rest_job_shares_a_datastore_and_is_lossless(tmp_path, tiny, ray_session):  # noqa: F811

@@ -23,7 +23,7 @@ from logitspec.spec_decode.tree import DraftTree
 
 # acceptance-rate states by the drafted tokens a row's previous step accepted: 0, 1, 2-3, 4-7, >= 8.
 # Inside a long copied span whole chains are accepted, and pooling those steps with ones that took 2
-# tokens made a chain's deep nodes look like poor bets (measured: docs/longbench_report.md)
+# tokens made a chain's deep nodes look like poor bets (measured: docs/results/longbench_sweep/report.md)
 STREAK_BOUNDS = (1, 2, 4, 8)
 N_STREAK_STATES = len(STREAK_BOUNDS) + 1
 
