@@ -84,6 +84,8 @@ class OutputRow(_Arrow):
     # decode steps that verified a drafted token (logitspec.engine.stats: tree size > 0); the rest decoded
     # plainly
     verified_steps: Annotated[int | None, pa.int32()] = None
+    # the prompt was cut to fit the context (--truncate left|middle); n_prompt_tokens counts what was kept
+    truncated: Annotated[bool | None, pa.bool_()] = None
 
 
 @dataclass

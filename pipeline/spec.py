@@ -20,6 +20,7 @@ def engine_config(**settings) -> SpecConfig:
         raise ConfigError(str(e)) from None
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRUNCATE = ("error", "left", "middle")  # what a prompt longer than the model's context gets (--truncate)
 DEFAULT_MAX_NEW_TOKENS = 64  # the job's --max-new-tokens
 
 
@@ -33,6 +34,9 @@ class GenerationSpec:
     # the decoding settings of every row; seed: the base of the rows' seeds (row_seed), n: samples per row
     request: Request = field(default_factory=lambda: Request(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, seed=0))
     chat: bool = False
+    # a prompt that leaves no room for max_new_tokens in the context: "error" (an error row when it does
+    # not fit at all), or cut to fit, keeping its end ("left") or both ends ("middle", as LongBench)
+    truncate: str = "error"
     dtype: str = "auto"
     warmup: bool = True
     trust_remote_code: bool = False  # let transformers run code shipped with the model (--trust-remote-code)
@@ -60,6 +64,8 @@ class GenerationSpec:
             raise ConfigError(f"history_tokens must be >= 0, got {self.history_tokens}")
         if self.share_history and not self.history_tokens:
             raise ConfigError("--share-history needs a history: set --history-tokens N (e.g. 20000)")
+        if self.truncate not in TRUNCATE:
+            raise ConfigError(f"truncate must be one of {', '.join(TRUNCATE)}, got {self.truncate!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 

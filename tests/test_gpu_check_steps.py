@@ -94,7 +94,7 @@ def test_the_ar_case_times_steady_steps_and_sums_the_wait_counter_over_them_only
 
     @contextlib.contextmanager
     def one_wait(device):
-        yield Counter({"verify.py:131": 1})
+        yield Counter({"acceptance.py:131": 1})
 
     monkeypatch.setattr(gpu_check_steps, "count_host_waits", one_wait)
     model = tiny_model("qwen2")
@@ -108,4 +108,5 @@ def test_the_ar_case_times_steady_steps_and_sums_the_wait_counter_over_them_only
     assert steady >= 5 and case["ms"] >= case["ms_min"] > 0
     assert {k: case["timed_run"][k] for k in ("graphs", "captures", "allocations")} == dict.fromkeys(
         ("graphs", "captures", "allocations"), 0)
-    assert case["host_waits"] == {"total": steady, "per_step": 1.0, "by_location": {"verify.py:131": steady}}
+    where = {"acceptance.py:131": steady}
+    assert case["host_waits"] == {"total": steady, "per_step": 1.0, "by_location": where}

@@ -66,6 +66,48 @@ def test_foreign_part_file_is_refused_before_anything_is_written(tmp_path, tiny,
 
 
 @pytest.mark.parametrize("dry", [False, True])
+def test_an_output_holding_the_input_file_is_refused_unless_foreign_files_are_allowed(tmp_path, tiny, capsys,
+                                                                                       monkeypatch, dry):
+    """The input file inside --output: readers of the output dataset would trip on it, so the job says so
+    and stops before anything is written; --allow-foreign-files lets it run (the file left alone)."""
+    from pipeline.job.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    inp = _jsonl(out / "prompts.jsonl", [{"id": i, "prompt": "Hello"} for i in range(3)])
+    before = _snapshot(out)
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "-q", "--dry-run"] if dry else \
+        ["--input", str(inp), "--output", str(out), "--model", tiny, "-q"]
+    _no_ray(monkeypatch)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds files that are not this job's (prompts.jsonl)" in err
+    assert "--allow-foreign-files" in err
+    assert len(err.strip().splitlines()) == 1 and _snapshot(out) == before
+    if dry:  # allowed: the plan goes through (nothing written by a dry run)
+        assert main(argv + ["--allow-foreign-files"]) == 0 and _snapshot(out) == before
+
+
+@pytest.mark.parametrize("name,content,line", [
+    ("in.jsonl", b'{"id": 0, "prompt": "Hello"}\n{"id": 1, "prompt": "caf\xe9 au lait"}\n', 2),
+    ("in.csv", b"id,prompt\n0,Hello\n1,ok\n2,na\xefve\n", 4),
+])
+def test_text_input_that_is_not_utf8_is_refused_naming_the_line(tmp_path, tiny, capsys, monkeypatch, name,
+                                                                content, line):
+    """Latin-1 bytes in a JSONL or CSV input: refused before anything starts, naming the line (Arrow's JSON
+    reader would pass them on silently, its CSV reader would type the column as binary)."""
+    from pipeline.job.cli import main
+
+    _no_ray(monkeypatch)
+    inp = tmp_path / name
+    inp.write_bytes(content)
+    assert main(["--input", str(inp), "--output", str(tmp_path / "out"), "--model", tiny, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert f"{inp}:{line}: not UTF-8" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dry", [False, True])
 def test_output_that_cannot_be_made_is_refused(tmp_path, tiny, capsys, monkeypatch, dry):
     from pipeline.job.cli import main
 

@@ -240,8 +240,11 @@ def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, ca
     assert store.write([_out_row(2)]) is None  # already on disk: never written twice
     store.close()
     (out / ".part-dead.parquet.x.tmp").write_bytes(b"half")  # a crashed run's temporary
-    (out / "notes.txt").write_text("mine")  # a foreign file: named, left alone
-    store2 = OutputStore(out, pa.int64())
+    (out / "notes.txt").write_text("mine")  # a foreign file: refused, unless allowed; then named, left alone
+    refused = r"holds files that are not this job's \(notes.txt\).*--allow-foreign"
+    with pytest.raises(ConfigError, match=refused):
+        OutputStore(out, pa.int64()).prepare({"model": "m"}, overwrite=False)
+    store2 = OutputStore(out, pa.int64(), allow_foreign=True)
     store2.prepare({"model": "m"}, overwrite=False)
     assert f"{out / 'notes.txt'} is not a file of this job" in caplog.text and (out / "notes.txt").exists()
     assert store2.keys() == {(1, 0), (2, 0), (3, 0), (4, 0)} and not list(out.glob(".*.tmp"))
@@ -990,13 +993,15 @@ def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
 
 
 # ---------------------------------------------------------------------------------------------- fault matrix
-def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_rows: int, *flags: str):
-    """``jobs/generate.py``'s main on ``n_rows`` rows with ``LOGITSPEC_FAULT`` (pipeline.replica.faults) set:
-    (exit code, summary, output table)."""
+def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_rows: int, *flags: str,
+               prompts: dict | None = None):
+    """``jobs/generate.py``'s main on ``n_rows`` rows (``prompts``: some rows' own prompts) with
+    ``LOGITSPEC_FAULT`` (pipeline.replica.faults) set: (summary, output table)."""
     from pipeline.job.cli import main
 
     monkeypatch.setenv("LOGITSPEC_FAULT", fault)
-    rows = [{"id": i, "prompt": f"Row {i}: the quick brown fox jumps"} for i in range(n_rows)]
+    rows = [{"id": i, "prompt": (prompts or {}).get(i, f"Row {i}: the quick brown fox jumps")}
+            for i in range(n_rows)]
     inp = _write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
     code = main(["--input", str(inp), "--output", str(out), "--model", tiny, "--address", ray_session, "-q",
@@ -1006,6 +1011,21 @@ def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_r
     assert code == 0, err
     summary = json.loads((out / "_summary.json").read_text())
     return summary, _check_exactly_once(out, list(range(n_rows)))
+
+
+def test_out_of_memory_in_a_replica_splits_batches_and_the_job_goes_on(tmp_path, tiny, ray_session,
+                                                                        monkeypatch, capsys):
+    """``oom:1:48``: the replica's forwards over more than one row, or past 48 positions, raise MemoryError
+    (at its model-runner seam). Every 2-row batch is split and its rows run alone; the one long row does
+    not fit alone and becomes an error row naming its size; the replica stays alive (no death, no
+    replacement), exit 0, complete, every row once."""
+    long = " ".join(["the lighthouse keeper counted his telescopes"] * 3)
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, "oom:1:48", 6,
+                                "--budget", "fixed", prompts={4: long})
+    assert summary["complete"] and summary["replicas"]["deaths"] == 0 and summary["replicas"]["started"] == 1
+    errors = dict(zip(table.column("id").to_pylist(), table.column("error").to_pylist()))
+    assert [i for i, e in errors.items() if e] == [4]
+    assert errors[4].startswith("out of memory: the prompt's") and "MiB of KV cache" in errors[4]
 
 
 @pytest.mark.slow

@@ -129,9 +129,9 @@ class Engine:
         return self.parts.prefix_cache
 
     # ------------------------------------------------------------------ input
-    def encode(self, prompt, apply_chat_template: bool = False) -> list[int]:
+    def encode(self, prompt, apply_chat_template: bool = False, *, fit_context: bool = True) -> list[int]:
         """Token ids of one prompt (a string, a list of chat messages, or token ids); ValueError if
-        unusable."""
+        unusable, or (``fit_context``) as long as the model's context or longer."""
         if prompt is None:
             raise ValueError("prompt is None")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
@@ -157,7 +157,7 @@ class Engine:
             raise ValueError(f"a prompt must be a string, chat messages or token ids, not {kind}")
         if not ids:
             raise ValueError("empty prompt")
-        if len(ids) >= self.max_context:
+        if fit_context and len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
         return list(ids)
 

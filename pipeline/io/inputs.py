@@ -137,6 +137,8 @@ def open_file(path: pathlib.Path, split: str | None = None) -> InputFile:
     if fmt is None:
         raise ConfigError(f"cannot read {str(path)!r}: unknown file type (use "
                           f"{', '.join(sorted(TABLE_SUFFIXES))} or a saved datasets directory)")
+    if fmt in ("json", "csv"):
+        check_utf8(path)
     if fmt == "json" and _starts_with(path, b"["):
         return _json_rows_file(path)
     try:
@@ -153,6 +155,40 @@ def open_file(path: pathlib.Path, split: str | None = None) -> InputFile:
             return _json_rows_file(path)
         raise ConfigError(f"cannot read {str(path)!r} as {fmt}: {e}") from None
     return InputFile(path, fmt, list(schema.names), {f.name: f.type for f in schema})
+
+
+NEWLINE = b"\n"
+
+
+def check_utf8(path: pathlib.Path, chunk: int = 1 << 24) -> None:
+    """ConfigError naming the line and column (in bytes) of the first byte of ``path`` (a text file) that
+    is not UTF-8: Arrow's JSON reader would pass such bytes on silently and its CSV reader type the column
+    as binary. One pass over the file in ``chunk``-byte pieces."""
+    line, column, carry = 1, 0, b""  # at the start of ``data``: its line and the bytes of it before
+    with open(path, "rb") as fh:
+        while True:
+            block = fh.read(chunk)
+            data = carry + block
+            try:
+                data.decode("utf-8")
+                ok = len(data)
+            except UnicodeDecodeError as e:
+                if block and e.reason == "unexpected end of data":
+                    ok = e.start  # a character cut by the chunk's end: finish it with the next chunk
+                else:
+                    line, column = _advance(data[:e.start], line, column)
+                    raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x} at byte "
+                                      f"{column + 1} of the line); save the file as UTF-8") from None
+            line, column = _advance(data[:ok], line, column)
+            carry = data[ok:]
+            if not block:
+                return
+
+
+def _advance(data: bytes, line: int, column: int) -> tuple[int, int]:
+    """(line, bytes of it before the end) after ``data``, from those at its start."""
+    breaks = data.count(NEWLINE)
+    return line + breaks, (len(data) - data.rfind(NEWLINE) - 1) if breaks else column + len(data)
 
 
 def _json_rows_file(path: pathlib.Path) -> InputFile:

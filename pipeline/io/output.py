@@ -98,10 +98,12 @@ class OutputStore:
     them is never written again."""
 
     def __init__(self, root: str | os.PathLike, id_type: pa.DataType, part_rows: int = 10_000,
-                 part_seconds: float = 60.0, schema: pa.Schema | None = None, keep: tuple[str, ...] = ()):
+                 part_seconds: float = 60.0, schema: pa.Schema | None = None, keep: tuple[str, ...] = (),
+                 allow_foreign: bool = False):
         """``schema``: the rows' schema (default :meth:`OutputRow.schema` of ``id_type``; the evaluation
         sweep passes :meth:`SweepOutputRow.schema`); ``keep``: input columns each row carries, after the
-        schema's (their values given by :meth:`keep_values` before the rows come back)."""
+        schema's (their values given by :meth:`keep_values` before the rows come back); ``allow_foreign``:
+        accept a directory that holds files of others (:meth:`foreign_files`), with a warning."""
         self.root = pathlib.Path(root).expanduser()
         self.parts = self.root
         self.schema = OutputRow.schema(id_type) if schema is None else schema
@@ -115,6 +117,7 @@ class OutputStore:
         self.keep = tuple(keep)
         self.kept: dict = {}  # id -> its kept input values (a tuple), until its rows are written
         self.keep_types: dict = {}  # kept column -> its Arrow type (the input's)
+        self.allow_foreign = allow_foreign
 
     def keep_values(self, ids: pa.Array, table: pa.Table) -> None:
         """Remember the kept input columns of these rows (``table``'s, row for row with ``ids``)."""
@@ -166,10 +169,9 @@ class OutputStore:
         else:
             atomic_write_json(job_path, job)
         (self.root / SUMMARY_FILE).unlink(missing_ok=True)  # a stale summary must never describe this run
-        for f in sorted(self.root.iterdir()):
-            if not f.name.startswith(("_", ".")) and not f.match(PART_GLOB):
-                log.warning("%s is not a file of this job; it is left alone, but Parquet readers of %s will "
-                            "try to read it: move it elsewhere", f, self.root)
+        for f in self.foreign_files():
+            log.warning("%s is not a file of this job; it is left alone, but Parquet readers of %s will "
+                        "try to read it: move it elsewhere", f, self.root)
         self.existing = self.read_existing(columns=("id", "sample"))
 
     def _check_job(self, job_path: pathlib.Path, job: dict, upgrade: Callable[[dict], dict] | None) -> None:
@@ -212,6 +214,13 @@ class OutputStore:
         only file footers are read). With ``overwrite`` an unreadable part is left to be deleted, but a
         readable Parquet file of another kind is still refused: it is not this job's to delete."""
         check_writable(self.root)
+        foreign = self.foreign_files()
+        if foreign and not self.allow_foreign:
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            names = ", ".join(f.name for f in foreign[:5]) + more
+            raise ConfigError(f"{self.root} holds files that are not this job's ({names}): readers of the "
+                              f"output dataset would try to read them as rows; move them out, choose another "
+                              f"--output, or pass --allow-foreign-files to keep them there")
         for f in self.part_files():
             try:
                 names = set(pq.read_schema(f).names)
@@ -224,6 +233,15 @@ class OutputStore:
             if lacking:
                 raise ConfigError(f"{f} was not written by this job (no column {', '.join(lacking)}); "
                                   f"move it out of {self.root} or choose another --output")
+
+    def foreign_files(self) -> list[pathlib.Path]:
+        """Files and folders in the directory that are not this job's: neither its parts nor its own
+        (``_``- or ``.``-named) files, nor the earlier layout's."""
+        if not self.root.is_dir():
+            return []
+        own = (LEGACY_PARTS_DIR, LEGACY_JOB_FILE, LEGACY_SUMMARY_FILE)
+        return [f for f in sorted(self.root.iterdir())
+                if not f.name.startswith(("_", ".")) and not f.match(PART_GLOB) and f.name not in own]
 
     def required_columns(self) -> list[str]:
         """Columns every part of this job has held since its first version (``sample``, ``corpus`` and

@@ -16,7 +16,7 @@ from logitspec.engine.request import Request, add_request_flags, request_from_ar
 from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 
 from ..errors import ConfigError
-from ..spec import DEFAULT_MAX_NEW_TOKENS, DTYPES, GenerationSpec, engine_config
+from ..spec import DEFAULT_MAX_NEW_TOKENS, DTYPES, TRUNCATE, GenerationSpec, engine_config
 from .config import REQUEST_COLUMNS, JobConfig, parse_reference
 
 log = logging.getLogger("pipeline.job.cli")
@@ -62,6 +62,9 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--split", default=None, help="split of a saved DatasetDict")
     io.add_argument("--limit", type=int, default=None, help="use only the first N input rows")
     io.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+    io.add_argument("--allow-foreign-files", action="store_true",
+                    help="run although --output holds files that are not this job's (left alone; readers of "
+                         "the output dataset will trip on them); by default such a directory is refused")
     io.add_argument("--dry-run", action="store_true",
                     help="check and plan (rows to do after resume, batches, part files), print it, exit; "
                          "starts no Ray and writes nothing")
@@ -94,6 +97,10 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                           "other replicas produced since its last batch (up to --history-tokens)")
     gen.add_argument("--chat", action="store_true",
                      help="apply the tokenizer's chat template to text prompts")
+    gen.add_argument("--truncate", default="error", choices=TRUNCATE,
+                     help="a prompt that leaves no room for --max-new-tokens in the model's context: error "
+                          "(an error row when it does not fit at all), or cut to fit keeping its end (left) "
+                          "or both ends (middle, as LongBench); the output's truncated column says which")
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
     gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
     gen.add_argument("--no-warmup", action="store_true", help="skip the replica's warm-up generation")
@@ -154,6 +161,7 @@ def job_request(args: argparse.Namespace) -> Request:
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     engine = engine_config(method=args.method, budget=args.budget, max_batch_size=args.max_batch_size)
     gen = GenerationSpec(model=args.model, engine=engine, request=job_request(args), chat=args.chat,
+                         truncate=args.truncate,
                          dtype=args.dtype,
                          warmup=not args.no_warmup,
                          trust_remote_code=args.trust_remote_code, history_tokens=args.history_tokens,
@@ -170,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         cpus_per_actor=args.cpus_per_actor, gpus_per_actor=args.gpus_per_actor,
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
+        allow_foreign_files=args.allow_foreign_files,
         address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
 
 

@@ -55,6 +55,7 @@ class JobConfig:
     part_rows: int = 10_000  # the driver writes a part file per this many finished rows ...
     part_seconds: float = 60.0  # ... or when its oldest buffered row is this old (and at the end)
     overwrite: bool = False
+    allow_foreign_files: bool = False  # run on an --output that holds files of others (warned, left alone)
     address: str | None = None  # Ray address; None: $RAY_ADDRESS, else start a local Ray
     log_interval: float = 10.0
     max_replacements: int | None = None  # actor deaths replaced before the job gives up; None: 3 + 2 * actors

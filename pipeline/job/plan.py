@@ -45,6 +45,7 @@ def job_record(cfg: JobConfig) -> dict:
     its ``n``: raising ``--num-samples`` on resume adds the missing samples."""
     g = cfg.gen
     return {"model": g.model, "method": g.method, "request": record_request(g.request), "chat": g.chat,
+            "truncate": g.truncate,
             "dtype": g.dtype, "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
             "messages_column": cfg.messages_column, "corpus_column": cfg.corpus_column,
             "request_columns": list(cfg.request_columns),
@@ -62,7 +63,8 @@ LEGACY_REQUEST_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "see
 def upgrade_record(previous: dict) -> dict:
     """A ``_job.json`` of this version from one written before the request had a type (its decoding
     settings as loose fields) or before ``--request-columns``, so that such an output still resumes."""
-    previous = {"request_columns": [], **previous}  # written before rows could carry settings: none did
+    # written before rows could carry settings (none did) or before --truncate (long prompts were errors)
+    previous = {"request_columns": [], "truncate": "error", **previous}
     if "request" in previous or not all(k in previous for k in LEGACY_REQUEST_FIELDS):
         return previous
     loose = {k: previous[k] for k in LEGACY_REQUEST_FIELDS}
@@ -152,7 +154,8 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     references = build_references(cfg, model_path)
     timing["reference_build_s"] = time.perf_counter() - t
     cfg = resolve_keep_columns(cfg, data)
-    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds, keep=kept_columns(cfg))
+    store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds, keep=kept_columns(cfg),
+                        allow_foreign=cfg.allow_foreign_files)
     if dry_run:
         if not cfg.overwrite:  # with --overwrite nothing written counts
             store.inspect(job_record(cfg), upgrade=upgrade_record)

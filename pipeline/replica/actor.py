@@ -43,7 +43,8 @@ def set_up_job(spec: GenerationSpec, device: str, reference_refs: dict) -> tuple
         return load_model(spec.model, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
 
     return set_up(spec, device, reference_refs, load=load,
-                  make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history))
+                  make_engine=lambda m, t, cfg, history: Engine(m, t, cfg, history=history,
+                                                                 runner=faults.runner_for(m, cfg)))
 
 
 LOADING_NAMESPACE = "logitspec-loading"  # Ray's internal key-value store: actor id -> "loading" marks

@@ -1,11 +1,14 @@
 """Test-only fault injection: with ``LOGITSPEC_FAULT`` set, a replica's process SIGKILLs itself at a
-chosen point, as the OOM killer or a lost node would. Nothing happens when the variable is unset.
+chosen point, as the OOM killer or a lost node would, or its forwards run out of memory on chosen
+shapes. Nothing happens when the variable is unset.
 
 The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
 :func:`pipeline.replica.actor_env.actor_runtime_env`); forms:
 
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time
+    oom:R:T      a forward over more than R rows, or reaching past T positions in a row, raises
+                 MemoryError (:class:`OutOfMemoryAt`, the engine's model runner)
 
 ``DIR`` counts the kills so far (one file each), so ``N`` holds across the replacement processes.
 """
@@ -45,3 +48,48 @@ def at_batch(rows: list) -> None:
     kind, _, row_id = os.environ.get(ENV, "").partition(":")
     if kind == "row" and any(str(r.id) == row_id for r in rows):
         _die()
+
+
+class OutOfMemoryAt:
+    """A model runner that raises ``MemoryError``, as an allocator would, on a forward over more than
+    ``rows`` rows or reaching past ``tokens`` positions in a row; otherwise the runner it wraps. The
+    ``oom:ROWS:TOKENS`` fault, and a seam for tests (``Engine(runner=OutOfMemoryAt(...))``)."""
+
+    def __init__(self, runner, rows: int, tokens: int):
+        self.runner, self.rows, self.tokens = runner, rows, tokens
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def _check(self, rows: int, positions: int) -> None:
+        if rows > self.rows or positions > self.tokens:
+            raise MemoryError(f"test fault: a forward of {rows} rows reaching {positions} positions (this "
+                              f"replica fits {self.rows} rows, {self.tokens} positions)")
+
+    def step(self, rows, kv, *args, **kwargs):
+        self._check(len(rows), max(r.prefix_len + int(r.depths.max()) + 1 for r in rows))
+        return self.runner.step(rows, kv, *args, **kwargs)
+
+    def prefill(self, tokens, *args, **kwargs):
+        self._check(1, len(tokens))
+        return self.runner.prefill(tokens, *args, **kwargs)
+
+    def prefill_rows(self, prompts, *args, **kwargs):
+        self._check(len(prompts), max(len(p) for p in prompts))
+        return self.runner.prefill_rows(prompts, *args, **kwargs)
+
+    def extend(self, row, tokens, *args, **kwargs):
+        self._check(1, getattr(row, "columns", 0) + len(tokens))
+        return self.runner.extend(row, tokens, *args, **kwargs)
+
+
+def runner_for(model, config):
+    """The model runner a replica's engine gets: None (the engine's default) unless ``LOGITSPEC_FAULT``
+    is ``oom:ROWS:TOKENS``, then the default runner wrapped in :class:`OutOfMemoryAt`."""
+    kind, _, rest = os.environ.get(ENV, "").partition(":")
+    if kind != "oom":
+        return None
+    from logitspec.worker.gpu import default_runner
+
+    rows, _, tokens = rest.partition(":")
+    return OutOfMemoryAt(default_runner(model, config.max_batch_size), int(rows), int(tokens))

@@ -11,9 +11,10 @@ Ray here.
 
 Outputs are the :class:`RowGenerator`'s for every (id, sample): the same prompts, seeds and ``n=``
 grouping (:meth:`RowGenerator.prepare`), and a sequence's tokens depend only on its own seed, not on
-the rows sharing its batch. If a session step raises, the session is dropped and each prompt it
-had in flight is rerun alone (:meth:`RowGenerator.run_alone`), so only failing prompts become error
-rows; prompts not yet submitted go to a fresh session.
+the rows sharing its batch. If a session step raises, the session is dropped and the prompts it had
+in flight are rerun outside it (:meth:`RowGenerator.recover`: in halves after running out of memory,
+else one by one), so only failing prompts become error rows; prompts not yet submitted go to a fresh
+session.
 """
 from __future__ import annotations
 
@@ -164,14 +165,16 @@ class StreamingRows:
         task.results[i][j] = result
 
     def _recover(self, err: BaseException) -> None:
-        """The session raised: drop it and rerun each prompt it had in flight alone."""
-        reqs = {(id(t), i): (t, i) for t, i in self._inflight.values()}
-        log.warning("engine session failed (%s: %s); rerunning its %d prompt(s) one by one",
+        """The session raised: drop it and rerun the prompts it had in flight outside it
+        (:meth:`RowGenerator.recover`: in halves after running out of memory, else one by one)."""
+        reqs = list({(id(t), i): (t, i) for t, i in self._inflight.values()}.values())
+        log.warning("engine session failed (%s: %s) with %d prompt(s) in flight",
                     type(err).__name__, err, len(reqs))
         self._drop_session()
-        for task, i in reqs.values():
-            for j, res in enumerate(self.gen.run_alone(task.reqs[i])):
-                self._put(task, i, j, res)
+        results = self.gen.recover([task.reqs[i] for task, i in reqs], err)
+        for (task, i), res in zip(reqs, results):
+            for j, x in enumerate(res):
+                self._put(task, i, j, x)
 
     def _drop_session(self) -> None:
         for k, v in self._counters().items():

@@ -2,9 +2,11 @@
 
 An :class:`~pipeline.rows.InputRow` gives one :class:`~pipeline.rows.OutputRow` per sample it asks for.
 Each row is encoded first; a row the engine refuses (too long for the context, no chat template, ...)
-becomes error rows and the others go on. If ``Engine.run`` raises on the batch, its prompts (a row, or
-one sample of it) are retried one by one so only the failing ones become error rows. The parts
-(:meth:`RowGenerator.prepare`, ``run``, ``assemble``) are also used by :mod:`pipeline.replica.streaming`.
+becomes error rows and the others go on. If ``Engine.run`` runs out of memory on a batch, the batch is
+split in halves and each retried (down to one prompt: one that does not fit alone becomes error rows
+naming its size); if it raises anything else, its prompts (a row, or one sample of it) are retried one
+by one, so only the failing ones become error rows. The parts (:meth:`RowGenerator.prepare`, ``run``,
+``assemble``, :meth:`RowGenerator.recover`) are also used by :mod:`pipeline.replica.streaming`.
 """
 from __future__ import annotations
 
@@ -48,7 +50,20 @@ def error_rows(row: InputRow, error: str, spec: GenerationSpec,
     return [error_row(row.id, error, spec, row.corpus, n_prompt_tokens, s) for s in row.samples]
 
 
-def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
+def truncate_tokens(ids: list[int], keep: int, how: str) -> list[int]:
+    """``ids`` cut to ``keep`` tokens: its last ones (``left``: the beginning goes) or its first ``keep // 2``
+    and last ``keep - keep // 2`` (``middle``: the middle goes, as LongBench cuts its prompts)."""
+    if len(ids) <= keep:
+        return list(ids)
+    if how == "left":
+        return list(ids[len(ids) - keep:])
+    if how == "middle":
+        head = keep // 2
+        return list(ids[:head]) + list(ids[len(ids) - (keep - head):])
+    raise ValueError(f"truncate must be left or middle, got {how!r}")
+
+
+def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec, truncated: bool = False) -> OutputRow:
     """The output row of one sample's :class:`~logitspec.engine.engine.GenerationResult`."""
     s = res.stats
     return OutputRow(id=row.id, sample=sample, generation=res.text, finish_reason=res.finish_reason,
@@ -57,7 +72,44 @@ def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec) -> OutputRow:
                      accepted_lengths=list(s["accepted_lengths"]), retrieval_success=s["retrieval_success"],
                      wall_s=s["wall_s"], method=spec.method, model=spec.model_label or spec.model,
                      corpus=row.corpus, accepted_from=s["accepted_from"],
-                     verified_steps=s.get("verified_steps"))
+                     verified_steps=s.get("verified_steps"), truncated=truncated)
+
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says memory ran out: ``MemoryError``, CUDA's ``OutOfMemoryError``, or an allocator's
+    ``RuntimeError`` (torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(err, MemoryError):
+        return True
+    oom = getattr(__import__("torch"), "OutOfMemoryError", None)
+    if oom is not None and isinstance(err, oom):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err).lower() for m in OOM_MESSAGES)
+
+
+def free_memory() -> None:
+    """Give back what a failed step left: Python's garbage, and CUDA's cached blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def kv_bytes_per_token(model) -> int | None:
+    """Bytes of KV cache one token takes in ``model`` (keys and values of every layer), or None."""
+    try:
+        cfg = model.config.get_text_config(decoder=True)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        size = next(model.parameters()).element_size()
+        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
+    except (AttributeError, StopIteration, TypeError):
+        return None
 
 
 @dataclass
@@ -71,6 +123,7 @@ class Prompt:
     request: Request
     ref: Any
     samples: list[int]
+    truncated: bool = False  # ids were cut to fit the context (GenerationSpec.truncate)
 
 
 class RowGenerator:
@@ -95,9 +148,7 @@ class RowGenerator:
                 run = self.run(reqs)
                 results, engine_stats = self.split(reqs, run.results), dict(run.stats)
             except Exception as e:  # noqa: BLE001 - isolate the row(s) that fail
-                log.warning("batch of %d rows failed (%s: %s); retrying them one by one",
-                            len({q.pos for q in reqs}), type(e).__name__, e)
-                results = [self.run_alone(q) for q in reqs]
+                results = self.recover(reqs, e)
         rows_out = self.assemble(rows, out, reqs, results)
         return rows_out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats,
                           **self.answers(results)}
@@ -130,21 +181,39 @@ class RowGenerator:
         out: list[list[OutputRow]] = [[] for _ in rows]
         reqs: list[Prompt] = []
         for i, r in enumerate(rows):
+            request = r.request or spec.request
             try:
-                ids = self.engine.encode(r.prompt, apply_chat_template=spec.chat)
+                ids, truncated = self.encode(r.prompt, request)
             except ValueError as e:
-                out[i] = error_rows(r, str(e), spec)
+                out[i] = error_rows(r, str(e), spec, getattr(e, "n_prompt_tokens", None))
                 continue
             ref = self.references.get(r.corpus) if r.corpus is not None else None
-            samples, request = list(r.samples), r.request or spec.request
+            samples = list(r.samples)
             base = request.seed if request.seed is not None else spec.request.seed
             if samples == list(range(len(samples))):
                 reqs.append(Prompt(i, ids, request.with_(seed=row_seed(base, r.id, 0), n=len(samples)), ref,
-                                   samples))
+                                   samples, truncated))
             else:
-                reqs += [Prompt(i, ids, request.with_(seed=row_seed(base, r.id, s), n=1), ref, [s])
+                reqs += [Prompt(i, ids, request.with_(seed=row_seed(base, r.id, s), n=1), ref, [s], truncated)
                          for s in samples]
         return out, reqs
+
+    def encode(self, prompt, request: Request) -> tuple[list[int], bool]:
+        """A row's prompt tokens, and whether they were cut: a prompt that leaves no room for the
+        request's ``max_new_tokens`` in the model's context is cut to that room with
+        ``GenerationSpec.truncate`` ``left`` or ``middle``; with ``error`` one that does not fit at all
+        is a ValueError (carrying ``n_prompt_tokens``)."""
+        ids = self.engine.encode(prompt, apply_chat_template=self.spec.chat, fit_context=False)
+        context = self.engine.max_context
+        if self.spec.truncate == "error":
+            if len(ids) >= context:
+                err = ValueError(f"prompt has {len(ids)} tokens; the model's context is {context} "
+                                 "(--truncate left or middle cuts such prompts to fit)")
+                err.n_prompt_tokens = len(ids)
+                raise err
+            return ids, False
+        keep = max(1, context - request.max_new_tokens)
+        return truncate_tokens(ids, keep, self.spec.truncate), len(ids) > keep
 
     def run(self, reqs: list[Prompt]):
         """One ``Engine.run`` over ``reqs``: its results (request by request, samples in order) and stats."""
@@ -156,7 +225,47 @@ class RowGenerator:
         try:
             return self.run([req]).results
         except Exception as e:  # noqa: BLE001 - this request's samples become error rows
+            if is_out_of_memory(e):
+                free_memory()
+                return [self.too_big(req, e)] * len(req.samples)
             return [f"{type(e).__name__}: {e}"] * len(req.samples)
+
+    def recover(self, reqs: list[Prompt], err: BaseException) -> list[list]:
+        """Per request, its results or error messages after ``Engine.run`` over ``reqs`` raised ``err``:
+        out of memory, the requests are split in halves and each half retried (:meth:`run_split`);
+        anything else, each request is retried alone."""
+        rows = len({q.pos for q in reqs})
+        if is_out_of_memory(err):
+            log.warning("out of memory on a batch of %d prompts (%d rows, %s); splitting it in halves",
+                        len(reqs), rows, err)
+            free_memory()
+            return self.run_split(reqs)
+        log.warning("batch of %d rows failed (%s: %s); retrying them one by one", rows, type(err).__name__,
+                    err)
+        return [self.run_alone(q) for q in reqs]
+
+    def run_split(self, reqs: list[Prompt]) -> list[list]:
+        """Per request its results: ``reqs`` run in two halves, a half that runs out of memory split
+        again, down to one request (:meth:`run_alone`); any other error: each request alone."""
+        if len(reqs) == 1:
+            return [self.run_alone(reqs[0])]
+        out: list[list] = []
+        for half in (reqs[:len(reqs) // 2], reqs[len(reqs) // 2:]):
+            try:
+                out += self.split(half, self.run(half).results)
+            except Exception as e:  # noqa: BLE001 - split again, or isolate
+                out += self.recover(half, e)
+        return out
+
+    def too_big(self, req: Prompt, err: BaseException) -> str:
+        """The error of a request that runs out of memory alone: what it needs and what failed."""
+        tokens = len(req.ids) + req.request.max_new_tokens
+        per_token = kv_bytes_per_token(self.engine.model)
+        mib = tokens * req.request.n * (per_token or 0) / 2**20
+        need = f", about {mib:,.1f} MiB of KV cache" if per_token else ""
+        return (f"out of memory: the prompt's {len(req.ids):,} tokens + {req.request.max_new_tokens:,} new "
+                f"x {req.request.n} sample(s){need}, do not fit this replica alone "
+                f"({type(err).__name__}: {str(err)[:200]})")
 
     @staticmethod
     def split(reqs: list[Prompt], results: list) -> list[list]:
@@ -173,5 +282,5 @@ class RowGenerator:
             r = rows[q.pos]
             for s, x in zip(q.samples, res):
                 out[q.pos].append(error_row(r.id, x, spec, r.corpus, len(q.ids), s)
-                                  if isinstance(x, str) else ok_row(r, s, x, spec))
+                                  if isinstance(x, str) else ok_row(r, s, x, spec, q.truncated))
         return [r for rs in out for r in rs]
