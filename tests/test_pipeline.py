@@ -1013,6 +1013,27 @@ def _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, fault: str, n_r
     return summary, _check_exactly_once(out, list(range(n_rows)))
 
 
+def test_truncate_middle_cuts_longbench_rows_to_fit_and_the_output_says_so(tmp_path, tiny, ray_session):
+    """``--truncate middle`` on the LongBench-format rows of data/longbench_local (about 3.8k tokens each,
+    a 128-token model): every row generated from its cut prompt (124 tokens: the context less 4 new), the
+    ``truncated`` column true, a short row untouched; the choice is part of the job's record."""
+    from test_truncate import longbench_prompts
+
+    from pipeline.job.cli import main
+
+    prompts = longbench_prompts() + ["A short prompt"]
+    inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in enumerate(prompts)])
+    out = tmp_path / "out"
+    argv = ["--input", str(inp), "--output", str(out), "--model", tiny, "--address", ray_session, "-q",
+            "--max-new-tokens", "4", "--no-warmup", "--threads-per-actor", "1", "--truncate", "middle"]
+    assert main(argv) == 0
+    table = _check_exactly_once(out, list(range(len(prompts)))).sort_by("id").to_pylist()
+    assert all(r["error"] is None for r in table)
+    assert [r["truncated"] for r in table] == [True] * (len(prompts) - 1) + [False]
+    assert all(r["n_prompt_tokens"] == 124 for r in table[:-1]) and table[-1]["n_prompt_tokens"] < 124
+    assert json.loads((out / "_job.json").read_text())["truncate"] == "middle"
+
+
 def test_out_of_memory_in_a_replica_splits_batches_and_the_job_goes_on(tmp_path, tiny, ray_session,
                                                                         monkeypatch, capsys):
     """``oom:1:48``: the replica's forwards over more than one row, or past 48 positions, raise MemoryError
@@ -1327,3 +1348,57 @@ def test_request_columns_refuse_values_of_the_wrong_type(tmp_path, tiny):
     floats = pa.table({"temperature": pa.array([0.5, 1]), "top_k": pa.array([3, None])})
     assert [r for r, _ in row_requests(floats, cfg)] == [cfg.request.with_(temperature=0.5, top_k=3),
                                                         cfg.request.with_(temperature=1.0)]
+
+
+def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_one_after_the_start_timeout():
+    """The driver never waits forever (no Ray: fake replicas that never answer, the scheduler's own
+    checks): a replica with work in flight that returns nothing for ``batch_timeout_s`` is killed and
+    replaced, its batches go back to the queue and the death log says why; replicas that never become
+    ready fail the job after ``start_timeout_s``, naming the reason."""
+    import itertools
+    import time
+
+    import pytest
+
+    from pipeline.replica.scheduler import Batch, JobFailed, Scheduler
+
+    class Silent:
+        refs = itertools.count()
+        killed = []
+
+        def __init__(self, name):
+            self.name = name
+
+        def ready(self):
+            return (self.name, "ready")
+
+        def submit(self, rows, history=None):
+            return (self.name, next(self.refs))
+
+        def kill(self):
+            self.killed.append(self.name)
+
+    batches = [Batch(0, [{"id": 0}]), Batch(1, [{"id": 1}])]
+    sched = Scheduler(Silent, 1, batches, lambda *a: None, lambda *a: None, batch_timeout_s=0.05)
+    sched._start()
+    (name, slot), = sched.slots.items()
+    slot.ready, slot.info = True, {"node_id": "n1"}
+    sched._feed()
+    sched._check_timeouts()
+    assert name in sched.slots  # not silent for long yet
+    time.sleep(0.1)
+    sched._check_timeouts()
+    assert name not in sched.slots and Silent.killed == [name] and len(sched.slots) == 1  # replaced
+    assert [b.key for b in sched.queue] == [0, 1]
+    lost = sched.stats.death_log[0]
+    assert lost["node_id"] == "n1" and lost["rows_redone"] == [0, 1] and "no result from" in lost["error"]
+    assert "--batch-timeout" in lost["error"]
+
+    never = Scheduler(Silent, 1, [Batch(0, [{"id": 0}])], lambda *a: None, lambda *a: None,
+                      start_timeout_s=0.05)
+    never._start()
+    time.sleep(0.1)
+    never._check_timeouts()  # the first replica given up, a second one started
+    time.sleep(0.1)
+    with pytest.raises(JobFailed, match="not ready .* after it was started .*--start-timeout"):
+        never._check_timeouts()

@@ -134,6 +134,12 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                            "tasks")
     ray_.add_argument("--max-replacements", type=int, default=None,
                       help="dead actors replaced before giving up; default 3 + 2 x actors")
+    ray_.add_argument("--batch-timeout", type=float, default=3600.0,
+                      help="seconds a replica with work in flight may return nothing before it is given up "
+                           "as lost (killed, its rows redone elsewhere); 0: no limit")
+    ray_.add_argument("--start-timeout", type=float, default=3600.0,
+                      help="seconds a replica may take to be placed and load the model before it is given "
+                           "up; 0: no limit")
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     p.add_argument("--json", action="store_true",
@@ -179,7 +185,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
         threads_per_actor=args.threads_per_actor, batch_rows=args.batch_rows, stream=not args.no_stream,
         part_rows=args.part_rows, part_seconds=args.part_seconds, overwrite=args.overwrite,
         allow_foreign_files=args.allow_foreign_files,
-        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements)
+        address=args.address, log_interval=args.log_interval, max_replacements=args.max_replacements,
+        batch_timeout_s=args.batch_timeout or None, start_timeout_s=args.start_timeout or None)
 
 
 def dry_run(cfg: JobConfig) -> int:

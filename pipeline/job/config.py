@@ -60,6 +60,8 @@ class JobConfig:
     log_interval: float = 10.0
     max_replacements: int | None = None  # actor deaths replaced before the job gives up; None: 3 + 2 * actors
     max_row_attempts: int = 2  # a single row that kills its actor this many times becomes an error row
+    batch_timeout_s: float | None = 3600.0  # a replica silent this long with work in flight is given up
+    start_timeout_s: float | None = 3600.0  # ... and one not ready this long after it was asked for
 
     def __post_init__(self) -> None:
         if not self.input:
@@ -77,6 +79,11 @@ class JobConfig:
             raise ConfigError(f"--cpus-per-actor must be > 0, got {self.cpus_per_actor}")
         if not self.gpus_per_actor >= 0:
             raise ConfigError(f"--gpus-per-actor must be >= 0, got {self.gpus_per_actor}")
+        for name in ("batch_timeout_s", "start_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ConfigError(f"{flag} must be > 0 (0 on the command line: no limit), got {value}")
         if self.max_replacements is not None and self.max_replacements < 0:
             raise ConfigError(f"--max-replacements must be >= 0, got {self.max_replacements}")
         if not self.part_seconds > 0:

@@ -162,7 +162,8 @@ def run_replicas(cfg: JobConfig, plan: JobPlan, sink: _Sink, rows: Iterator[list
     t_sched = time.perf_counter()
     try:
         drive_replicas(factory, cfg.actors, batches, sink, record, on_event, history=history,
-                       max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts)
+                       max_replacements=cfg.replacements, max_row_attempts=cfg.max_row_attempts,
+                       batch_timeout_s=cfg.batch_timeout_s, start_timeout_s=cfg.start_timeout_s)
     finally:  # also when stopped or failed: the summary says how far start-up and generation got
         stats = record.stats
         if stats is not None:

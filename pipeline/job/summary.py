@@ -147,11 +147,12 @@ def _per_corpus(counts: dict, references: dict) -> dict:
 
 def _replicas(cfg, stats) -> dict:
     infos = stats.replica_info if stats else []
-    keys = ("name", "pid", "device", "dtype", "threads", "tcmalloc", "ready_s", "import_s", "model_load_s",
-            "reference_attach_s", "warmup_s")
+    keys = ("name", "pid", "node_id", "device", "dtype", "threads", "tcmalloc", "ready_s", "import_s",
+            "model_load_s", "reference_attach_s", "warmup_s")
     return {"requested": cfg.actors, "started": stats.replicas_started if stats else 0,
             "deaths": stats.deaths if stats else 0, "replacements": stats.replacements if stats else 0,
             "batches_redone": stats.batches_redone if stats else 0,
+            "lost": list(stats.death_log) if stats else [],  # which replica, on which node, which rows redone
             "startup": [{k: i.get(k) for k in keys} for i in infos]}
 
 

@@ -7,6 +7,7 @@ The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
 
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time
+    slow:S       every batch takes S seconds more (paces a job, so a test can act while it runs)
     oom:R:T      a forward over more than R rows, or reaching past T positions in a row, raises
                  MemoryError (:class:`OutOfMemoryAt`, the engine's model runner)
 
@@ -18,6 +19,7 @@ import os
 import pathlib
 import signal
 import tempfile
+import time
 
 ENV = "LOGITSPEC_FAULT"
 
@@ -45,9 +47,11 @@ def at_load() -> None:
 
 def at_batch(rows: list) -> None:
     """Called by a replica process before it generates ``rows``."""
-    kind, _, row_id = os.environ.get(ENV, "").partition(":")
-    if kind == "row" and any(str(r.id) == row_id for r in rows):
+    kind, _, arg = os.environ.get(ENV, "").partition(":")
+    if kind == "row" and any(str(r.id) == arg for r in rows):
         _die()
+    if kind == "slow":
+        time.sleep(float(arg))
 
 
 class OutOfMemoryAt:

@@ -57,6 +57,7 @@ class _Slot:
     ready: bool = False
     info: dict = field(default_factory=dict)
     inflight: deque = field(default_factory=deque)  # (ref, Batch), oldest (= running) first
+    progress: float = 0.0  # when it last returned a result, or was sent work while idle
 
 
 @dataclass
@@ -70,6 +71,8 @@ class SchedulerStats:
     deaths: int = 0
     batches_redone: int = 0
     replica_info: list = field(default_factory=list)  # info dicts of every replica that became ready
+    # per death: the replica, its node, the error, the ids of the rows its batches in flight held (redone)
+    death_log: list = field(default_factory=list)
 
 
 class Scheduler:
@@ -78,9 +81,13 @@ class Scheduler:
                  on_failed_rows: Callable[[list, str], None],
                  on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
                  depth: int = 2, max_replacements: int = 5, max_row_attempts: int = 2,
-                 tick_s: float = 1.0, history: SharedHistory | None = None):
+                 tick_s: float = 1.0, history: SharedHistory | None = None,
+                 batch_timeout_s: float | None = None, start_timeout_s: float | None = None):
         """``history``: the job's shared history (``--share-history``): batches carry other
-        replicas' answers to a replica, results bring its answers back."""
+        replicas' answers to a replica, results bring its answers back. ``batch_timeout_s``: a replica
+        with work in flight that returns nothing for this long is given up as lost (killed, its
+        batches redone elsewhere); ``start_timeout_s``: so is one not ready this long after it was
+        asked for (not placed, or stuck loading). None: no limit."""
         self.factory = factory
         self.n = n_replicas
         self.queue: deque[Batch] = deque()  # batches to redo (requeued), taken before new ones
@@ -95,6 +102,7 @@ class Scheduler:
         self.max_row_attempts = max_row_attempts
         self.tick_s = tick_s
         self.history = history
+        self.batch_timeout_s, self.start_timeout_s = batch_timeout_s, start_timeout_s
         self.slots: dict[str, _Slot] = {}
         self.ready_refs: dict = {}  # ObjectRef -> slot name
         self.task_refs: dict = {}  # ObjectRef -> slot name
@@ -137,8 +145,16 @@ class Scheduler:
         self.stats.batches_redone += len(requeue)
         for batch in reversed(requeue):
             self._requeue(batch)
-        log.warning("%s died (%s); %d batch(es) go back to the queue", name, self._last_error, len(requeue))
-        self.on_event("death", name=name, error=self._last_error, requeued=len(requeue))
+        node = slot.info.get("node_id")
+        redone = [row_id(r) for b in requeue for r in b.rows]
+        self.stats.death_log.append({"replica": name, "node_id": node, "error": self._last_error,
+                                     "batches_redone": len(requeue), "rows_redone": redone})
+        more = f" and {len(redone) - 10} more" if len(redone) > 10 else ""
+        shown = ", ".join(map(str, redone[:10])) + more
+        log.warning("%s%s died (%s); %d batch(es) go back to the queue%s", name,
+                    f" on node {node}" if node else "", self._last_error, len(requeue),
+                    f", rows redone: {shown}" if redone else "")
+        self.on_event("death", name=name, error=self._last_error, requeued=len(requeue), node_id=node)
         if not slot.ready and getattr(err, "actor_init_failed", True):
             # its __init__ raised (e.g. the model does not fit): a replacement would fail the same way.
             # A process killed while loading (OOM killer, lost node) is replaced like any dead replica.
@@ -190,6 +206,8 @@ class Scheduler:
                         self.queue[0].alone or any(b.alone for _, b in slot.inflight)):
                     break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
+                if not slot.inflight:
+                    slot.progress = time.perf_counter()
                 ref = slot.replica.submit(batch.rows,
                                           self.history.for_replica(name) if self.history else None)
                 slot.inflight.append((ref, batch))
@@ -214,6 +232,7 @@ class Scheduler:
                 elif ref in self.task_refs:
                     self._on_task(ref)
             self.on_tick()
+            self._check_timeouts()
             self._warn_if_stuck(t0)
             if self.stop_requested:
                 raise KeyboardInterrupt(self.stop_requested)
@@ -221,6 +240,22 @@ class Scheduler:
             if not slot.ready:
                 slot.replica.kill()
         return self.stats
+
+    def _check_timeouts(self) -> None:
+        """Give up on replicas that answer nothing for too long (a hung process, a node that went silent)."""
+        now = time.perf_counter()
+        for name, slot in list(self.slots.items()):
+            node = slot.info.get("node_id")
+            where = f" on node {node}" if node else ""
+            if slot.ready and slot.inflight and self.batch_timeout_s is not None and \
+                    now - slot.progress > self.batch_timeout_s:
+                self._lost(name, TimeoutError(f"no result from {name}{where} for {now - slot.progress:.3g} s "
+                                              f"(--batch-timeout {self.batch_timeout_s:g})"))
+            elif not slot.ready and self.start_timeout_s is not None and \
+                    now - slot.started > self.start_timeout_s:
+                self._lost(name, TimeoutError(f"{name} not ready {now - slot.started:.3g} s after it was "
+                                              f"started (not placed, or stuck loading; --start-timeout "
+                                              f"{self.start_timeout_s:g})"))
 
     def _warn_if_stuck(self, t0: float) -> None:
         """No replica up for a while: warn when some are still waiting to be placed (the cluster lacks the
@@ -252,8 +287,9 @@ class Scheduler:
         self._initial_ready += 1
         if self._initial_ready == self.n:
             self.stats.all_ready_s = now
-        log.info("%s ready in %.1f s (pid %s, %s, model load %.1f s)", name, slot.info["ready_s"],
-                 info.get("pid"), info.get("device"), info.get("model_load_s", float("nan")))
+        log.info("%s ready in %.1f s (pid %s on node %s, %s, model load %.1f s)", name, slot.info["ready_s"],
+                 info.get("pid"), info.get("node_id"), info.get("device"),
+                 info.get("model_load_s", float("nan")))
         self.on_event("ready", name=name, info=slot.info)
 
     def _on_task(self, ref) -> None:
@@ -271,7 +307,7 @@ class Scheduler:
             self._task_error(batch, e)
             return
         slot.inflight = deque((r, b) for r, b in slot.inflight if r != ref)
-        self.stats.last_result = time.perf_counter()
+        self.stats.last_result = slot.progress = time.perf_counter()
         if self.history is not None:
             self.history.collect(name, stats.pop("answers", None))
         self.on_result(batch, rows, stats)
@@ -286,6 +322,11 @@ class Scheduler:
                 self.queue.appendleft(Batch(self._new_key(), [row], split=True))
         else:
             self.on_failed_rows(batch.rows, msg)
+
+
+def row_id(row):
+    """A row's id, for the log and the summary (an input row, a dict with an id, or as it is)."""
+    return row.get("id", row) if isinstance(row, dict) else getattr(row, "id", row)
 
 
 def _loading(replica) -> bool | None:
