@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 METHODS = ("ar", "pld", "logitspec", "rest", "lookahead")
+RUNNERS = ("auto", "eager", "graph")  # the model runner: auto = the graph runner on CUDA, eager elsewhere
 
 
 @dataclass(frozen=True)
@@ -15,6 +16,9 @@ class SpecConfig:
     """
 
     method: str = "logitspec"
+    # the model runner (logitspec.worker.gpu.runner_for): "auto" (CUDA graphs on CUDA, eager elsewhere),
+    # "eager", or "graph" (the static-slot runner; on CPU its static path without capture)
+    runner: str = "auto"
     # --- batching
     max_batch_size: int = 1
     # while rows decode, free slots wait for company until their idle slot-steps since the last refill
@@ -68,6 +72,8 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.budget not in ("auto", "fixed"):
             raise ValueError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
         if self.max_batch_size < 1:

@@ -526,3 +526,16 @@ def test_quick_run_on_the_embedded_model(tmp_path):
     assert summary["question_turns_per_task"]["mt_bench"] == 2 and len(summary["tasks"]) == 6
     for f in ("results.jsonl", "report.md", "speedup.png", "accept_hist.png"):
         assert (out / f).is_file()
+
+
+def test_engine_methods_through_the_graph_runner_are_lossless_and_the_runner_recorded(tmp_path, one_thread):
+    """``@runner=graph`` variants (on CPU the static path without capture), 65-node paper-size trees and
+    lookahead's fixed shape among them: every output equals ``ar``'s, and the summary names the runner."""
+    methods = "pld@runner=graph,logitspec@runner=graph@budget=fixed@capacity=64,lookahead@runner=graph"
+    summary = bench((_tiny_model(), None), _tiny_questions(), tmp_path, methods=methods, max_new_tokens=8,
+                    warmup_tokens=4, progress=False)
+    for name in methods.split(","):
+        assert summary["methods"][name]["lossless"] == 1.0, name
+        described = summary["method_configs"][name]
+        assert described["config"]["runner"] == "graph" and described["runner"].startswith("graph:sdpa:")
+    assert summary["method_configs"]["ar"]["runner"] == "eager"

@@ -257,3 +257,61 @@ def test_the_step_compiles_as_one_graph_without_recompiling():
             compiled()
             assert torch.allclose(hidden, want, atol=1e-6)
     assert len(compiles) == 1
+
+
+def test_a_tree_beyond_the_node_buckets_runs_without_a_graph_and_equals_generate(caplog):
+    """Nodes beyond the largest bucket never crash: that step runs in its exact shape without a graph
+    (logged once), and decoding stays lossless."""
+    model = tiny_model("llama")
+    runner = GraphRunner(model, max_rows=2, max_len=96, key_block=32, node_buckets=(1, 2, 4))
+    prompts = repetitive_prompts(2, seed=8)
+    refs = [hf_greedy(model, p, N_NEW) for p in prompts]
+
+    def tree(b, root, step):  # 6 nodes: the greedy continuation's first tokens, then a branch
+        chain = refs[b][step:step + 4] or [1]
+        return DraftTree(np.array([root] + chain + [3]), np.array([-1] + list(range(len(chain))) + [0]))
+
+    with torch.inference_mode():
+        got = greedy_chains(runner, prompts, N_NEW, tree=tree)
+    assert got == refs
+    assert any(T > 4 for _, T, _ in runner.buckets)  # an exact, unbucketed shape ran
+    assert caplog.text.count("beyond the largest node bucket") == 1
+
+
+def test_a_capture_that_fails_falls_back_to_running_without_a_graph(caplog):
+    """A step whose CUDA-graph capture raises runs uncaptured, with one warning, never a crash (the
+    capture itself is the seam; on CPU it is made to fail)."""
+    class FailingCapture(GraphRunner):
+        def _capture(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = tiny_model("qwen2")
+    runner = FailingCapture(model, max_rows=2, max_len=64, key_block=32)
+    runner.capture = True  # as on CUDA
+    prompts = repetitive_prompts(2, seed=9)
+    with torch.inference_mode():
+        got = greedy_chains(runner, prompts, 8)
+    assert got == [hf_greedy(model, p, 8) for p in prompts]
+    assert runner.counters["uncaptured"] == runner.counters["graphs"] > 0 and runner.counters["captures"] == 0
+    assert caplog.text.count("capturing the step") == 1
+
+
+@pytest.mark.parametrize("choice,kind", [("auto", EagerRunner), ("eager", EagerRunner),
+                                         ("graph", GraphRunner)])
+def test_the_runner_a_config_names(choice, kind):
+    engine = Engine(tiny_model("llama"), None, SpecConfig(runner=choice, max_batch_size=2))
+    assert type(engine.runner) is kind  # on CPU auto is the eager runner, graph the uncaptured static path
+
+
+@pytest.mark.parametrize("method", ["logitspec", "lookahead"])
+def test_the_papers_65_node_trees_and_lookaheads_shape_run_through_the_graph_runner(method):
+    """``SpecConfig.paper()`` (64 drafted nodes and the root: beyond the 64-node bucket) and lookahead's
+    fixed shape through the graph runner: lossless against HF generate."""
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(3, seed=10)
+    cfg = (SpecConfig.paper(method=method, runner="graph", max_batch_size=2) if method == "logitspec"
+           else SpecConfig(method=method, runner="graph", max_batch_size=2))
+    engine = Engine(model, None, cfg)
+    assert isinstance(engine.runner, GraphRunner)
+    got = engine.generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in got] == [hf_greedy(model, p, N_NEW) for p in prompts]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..config import RUNNERS
 from ..evaluation.longbench import read_directory
 from ..helpfmt import DefaultsHelpFormatter
 from .longbench_set import LONGBENCH_DIR
@@ -42,6 +43,10 @@ def add_bench_command(sub) -> None:
     p.add_argument("--max-batch-size", type=int, default=1, help="engine batch size; a unit is that many "
                                                                  "questions")
     p.add_argument("--capacity", type=int, default=None, help="SpecConfig.capacity for the engine methods")
+    p.add_argument("--runner", default=None, choices=RUNNERS,
+                   help="SpecConfig.runner for the engine methods (a variant's @runner= wins): auto "
+                        "(CUDA graphs on CUDA, eager elsewhere), eager, or graph (static slots; off CUDA "
+                        "uncaptured)")
     p.add_argument("--guesses", type=int, default=None,
                    help="SpecConfig.top_k for the engine methods: LogitSpec's next-next guesses per step")
     add_decoding_options(p)
@@ -88,6 +93,7 @@ def bench_command(args) -> int:
     summary = bench(args.model, args.questions, args.out, methods, per_task, categories,
                     max_new_tokens=max_new,
                     max_batch_size=args.max_batch_size, capacity=args.capacity, top_k=args.guesses,
+                    runner=args.runner,
                     decoding=decoding,
                     warmup=not args.no_warmup, warmup_tokens=args.warmup_tokens,
                     progress=not args.no_progress, resume=args.resume,
@@ -124,7 +130,7 @@ def _command_line(args, per_task, max_new, methods) -> str:
     if args.categories:
         parts += ["--categories", args.categories]
     parts += ["--max-new-tokens", str(max_new)]
-    for opt in ("max_batch_size", "capacity", "guesses", "threads"):
+    for opt in ("max_batch_size", "capacity", "guesses", "runner", "threads"):
         v = getattr(args, opt)
         if v is not None and not (opt == "max_batch_size" and v == 1):
             parts += ["--" + opt.replace("_", "-"), str(v)]

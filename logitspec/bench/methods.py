@@ -240,12 +240,13 @@ def _accept_lengths(starts: list[int | None], prompt_len: int, new_tokens: int) 
 
 
 def describe(runner) -> dict:
-    """What a method ran with: the full SpecConfig (defaults change) and, for the auto budget, the
-    forward cost curve it used; or the ``generate`` keywords."""
+    """What a method ran with: the full SpecConfig (defaults change), the model runner that ran it (its
+    kind: ``eager``, or ``graph:<attention>:<capture>:<block>``) and, for the auto budget, the forward
+    cost curve it used; or the ``generate`` keywords."""
     if isinstance(runner, HFRunner):
         return {"generate": {k: v for k, v in runner.kwargs.items() if v is not None}}
     eng = runner.engine
-    out = {"config": asdict(eng.config)}
+    out = {"config": asdict(eng.config), "runner": getattr(eng.runner, "kind", "eager")}
     if runner.reference is not None:
         out["datastore"] = getattr(runner.reference, "meta", {})
     curve = eng.policy.cost_curve

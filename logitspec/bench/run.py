@@ -95,7 +95,8 @@ def _units(questions: Sequence[Question], batch: int) -> list[list[Question]]:
 def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
               methods: str | Sequence[str] = DEFAULT_METHODS,
               max_new_tokens: int = 64, max_batch_size: int = 1, capacity: int | None = None,
-              top_k: int | None = None, warmup: bool = True, warmup_tokens: int = 16, progress: bool = True,
+              top_k: int | None = None, runner: str | None = None, warmup: bool = True,
+              warmup_tokens: int = 16, progress: bool = True,
               model_name: str = "?", command: str | None = None, settings: dict | None = None,
               resume: bool = False, decoding: Decoding = Decoding(), longbench=None,
               longbench_per_task: int | None = None) -> dict:
@@ -116,7 +117,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     specs = parse_methods(methods)
-    runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k, decoding)
+    runners = _make_runners(model, tokenizer, specs, max_batch_size, capacity, top_k, decoding, runner)
     names = [s.name for s in specs]
     ref = runners[REFERENCE].engine
     build = PromptBuilder(tokenizer, ref.encode)
@@ -130,7 +131,8 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
     groups = _units(list(questions), max_batch_size)
     summary = _start_summary(model, model_name, command, questions, {
         "methods": names, "max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size,
-        "capacity": capacity, "top_k": top_k, "warmup": warmup, "warmup_tokens": warmup_tokens,
+        "capacity": capacity, "top_k": top_k, "runner": runner, "warmup": warmup,
+        "warmup_tokens": warmup_tokens,
         "warmup_prompt": "built-in, not measured" if warmup else None,
         "temperature": decoding.sampling.temperature, "top_p": decoding.sampling.top_p,
         "sampling_top_k": decoding.sampling.top_k,
@@ -161,7 +163,7 @@ def run_bench(model, tokenizer, questions: Sequence[Question], out_dir,
 
 
 def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int, capacity: int | None,
-                  top_k: int | None, decoding: Decoding) -> dict[str, Any]:
+                  top_k: int | None, decoding: Decoding, runner: str | None = None) -> dict[str, Any]:
     """One runner per method: the engine methods first (the HF baselines take the reference's EOS ids)."""
     from ..config import SpecConfig
 
@@ -170,6 +172,8 @@ def _make_runners(model, tokenizer, specs: list[MethodSpec], max_batch_size: int
         base_cfg["capacity"] = capacity
     if top_k is not None:
         base_cfg["top_k"] = top_k
+    if runner is not None:
+        base_cfg["runner"] = runner
     runners: dict[str, Any] = {}
     for s in specs:  # build every config first: a bad variant fails before any forward
         if not s.is_hf:

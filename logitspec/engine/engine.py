@@ -29,7 +29,7 @@ from logitspec.spec_decode.interface import Drafter
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.policy import AcceptOverride, SpeculationPolicy, StepObserver
 from logitspec.worker import calibrate
-from logitspec.worker.gpu import default_runner
+from logitspec.worker.gpu import runner_for
 from logitspec.worker.prefix_cache import PrefixCache
 from logitspec.worker.runner import ModelRunner
 
@@ -69,10 +69,11 @@ class Engine:
         draws for a seed; slower). ``history``: a :class:`~logitspec.spec_decode.history.HistorySource` fed
         with
         every finished row's answer and consulted after the row's own context and its reference.
-        ``runner``: the model runner (default :func:`~logitspec.worker.gpu.default_runner`: the CUDA-graph
+        ``runner``: the model runner (default: the one ``config.runner`` names,
+        :func:`~logitspec.worker.gpu.runner_for`: for "auto" the CUDA-graph
         :class:`~logitspec.worker.gpu.GraphRunner` on CUDA, the eager
-        :class:`~logitspec.worker.eager_runner.EagerRunner`
-        elsewhere). ``agree_on``: how a tensor-parallel group agrees on host-timed values
+        :class:`~logitspec.worker.eager_runner.EagerRunner` elsewhere). ``agree_on``: how a
+        tensor-parallel group agrees on host-timed values
         (:class:`~logitspec.spec_decode.policy.SpeculationPolicy`). ``drafter``, ``accept_override``,
         ``step_observer``: handed to the policy (a drafter in place of the method's, the node each row
         accepts instead of the rule's, a callback after each step; benchmark tools record and replay
@@ -82,7 +83,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.config = config or SpecConfig()
         if runner is None:
-            runner = default_runner(model, self.config.max_batch_size, fast_head=fast_head)
+            runner = runner_for(model, self.config, fast_head=fast_head)
         self.runner = runner
         if prefix_cache is not None:
             prefix_cache.bind(model)

@@ -17,6 +17,7 @@ causal chunks through the engine's attention (:mod:`logitspec.worker.attention`)
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -36,6 +37,8 @@ from logitspec.worker.gpu.step import (
 )
 from logitspec.worker.head import NodeLogits, OutputMode
 from logitspec.worker.masks import PackedStep, StepRow, pack
+
+log = logging.getLogger("logitspec.worker.gpu")
 
 ATTENTIONS = ("sdpa", "flex")
 
@@ -83,7 +86,8 @@ class GraphRunner:
         self._flex: dict[tuple[int, int], FlexMasks] = {}
         self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
         self._pool = None
-        self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0}
+        self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0}
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ the seam (runner.ModelRunner)
     # its batch cache is one fixed storage that new_batch empties: nothing (a cost measurement) may
@@ -168,7 +172,13 @@ class GraphRunner:
 
     def _fill(self, rows: list[StepRow], kv: SlotKV) -> tuple[StepBuffers, int]:
         R = bucket(len(rows), self.row_buckets)
-        T = bucket(max(len(r.tokens) for r in rows), self.node_buckets)
+        n = max(len(r.tokens) for r in rows)
+        if n > self.node_buckets[-1]:  # beyond the buckets: this exact shape, run without a graph
+            T = n
+            self._warn_once("oversize", f"a step of {n} nodes per row is beyond the largest node bucket "
+                                        f"({self.node_buckets[-1]}): such steps run without a CUDA graph")
+        else:
+            T = bucket(n, self.node_buckets)
         need = max(kv.lengths) + T
         if need > kv.max_len:
             raise ValueError(f"a row needs {need} columns (nodes padded to {T}); slots hold {kv.max_len}")
@@ -237,10 +247,24 @@ class GraphRunner:
         step = self._steps.get(key)
         if step is None:
             fn = lambda: self._forward(buf, key_len)  # noqa: E731
-            step = self._capture(fn) if self.capture else fn
+            step = fn
+            if self.capture and buf.T <= self.node_buckets[-1]:
+                try:
+                    step = self._capture(fn)
+                except Exception as e:  # noqa: BLE001 - this shape runs without a graph, never a crash
+                    self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
+                                               f"({type(e).__name__}: {e}); steps that fail to capture run "
+                                               f"without a graph")
+            if step is fn:
+                self.counters["uncaptured"] += self.capture
             self._steps[key] = step
             self.counters["graphs"] += 1
         return step
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning("%s (logged once)", message)
 
     def _capture(self, fn):
         """``fn`` captured in a CUDA graph (warm-up calls on a side stream first; every graph in one
@@ -291,6 +315,19 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
         kv.commit_paths(paths)
         step += 1
     return [o[:new_tokens] for o in out]
+
+
+def runner_for(model, config, fast_head: bool = True):
+    """The model runner ``config.runner`` names for an engine of ``config.max_batch_size`` rows:
+    ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`) or ``graph`` (a
+    :class:`GraphRunner`; off CUDA its static path without capture)."""
+    if config.runner == "eager" or not fast_head:
+        return EagerRunner(model, fast_head=fast_head)
+    if config.runner == "graph" and next(model.parameters()).device.type != "cuda":
+        cfg = model.config.get_text_config(decoder=True)
+        max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=-(-max_len // 128) * 128)
+    return default_runner(model, config.max_batch_size)
 
 
 def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
