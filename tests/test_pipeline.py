@@ -251,6 +251,7 @@ def test_part_files_are_atomic_buffered_and_ids_never_written_twice(tmp_path, ca
     store2.write([_out_row(2), _out_row(2, sample=1)])  # (2, 0) is on disk: only (2, 1) is written
     assert store2.keys() == {(1, 0), (2, 0), (2, 1), (3, 0), (4, 0)}
     store2.close()
+    (out / "notes.txt").unlink()
     assert sorted(read_generations(out).column("id").to_pylist()) == [1, 2, 2, 3, 4]
     with pytest.raises(ConfigError, match="other settings .*model: was 'm', now 'n'"):
         OutputStore(out, pa.int64()).prepare({"model": "n"}, overwrite=False)
