@@ -33,14 +33,18 @@ class SpecConfig:
     min_ngram: int = 1
     # --- pld: one chain of up to this many tokens (Spec-Bench: 10)
     pld_max_tokens: int = 10
-    # --- logitspec
+    # --- the draft budget of every drafting method but lookahead (whose tree has a fixed shape)
     # "auto": each step verifies the draft nodes that maximise expected tokens per second, from the
-    # measured cost curve and running acceptance rates (up to ``capacity``); "fixed": always up to
-    # ``capacity`` (scaled down with the batch by ``budget_decay``), as in the paper.
+    # measured cost curve and running acceptance rates (up to the method's tree: ``capacity`` for
+    # logitspec); "fixed": always the method's whole tree (scaled down with the batch by
+    # ``budget_decay``), as in the paper.
     budget: str = "auto"
+    # --- logitspec
     capacity: int = 32  # max draft nodes per sequence and step, root excluded
     top_k: int = 32  # next-next guesses taken from the last logits (x1 excluded)
-    branch0_max_tokens: int = 10  # plain lookup continuation of x1
+    # the plain lookup continuation of x1, inserted first: 0 lets it grow to the step's budget, so at any
+    # budget a logitspec tree holds the pld chain (which stops at pld_max_tokens)
+    branch0_max_tokens: int = 0
     # rank pruning: a guess of rank r (1-based) keeps rank_keep[i] tokens if r <= rank_limits[i]
     rank_limits: tuple[int, ...] = (8, 32)
     rank_keep: tuple[int, ...] = (4, 3)

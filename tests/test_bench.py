@@ -286,8 +286,10 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     # the auto budget's cost curve, as the engine loaded or measured it, is in the summary and the report
     curve = summary["method_configs"]["logitspec"]["cost_curve"]
     assert curve["tokens"][0] == 1 and min(curve["seconds"]) > 0
-    assert "cost_curve" not in summary["method_configs"]["pld"]
+    assert "cost_curve" in summary["method_configs"]["pld"]  # every drafting method is budgeted
+    assert "cost_curve" not in summary["method_configs"]["ar"]
     assert "## Forward cost curves used by the auto draft budget" in md
+    assert "| `pld` | auto |" in md and "| `ar` | - |" in md and "| `hf` | - |" in md  # each one's budget
     # re-rendering from the records gives the same numbers; a cut-short file renders as partial
     assert rerender(tmp_path)["methods"] == on_disk["methods"] and "Partial" not in md
     lines = (tmp_path / "results.jsonl").read_text().splitlines()

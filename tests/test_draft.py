@@ -58,3 +58,38 @@ def test_budget_scales_with_active_sequences():
     c = SpecConfig(capacity=16, budget_decay=1.0, min_capacity=2)
     assert [c.budget_for(16, a) for a in (1, 2, 4, 8, 16)] == [16, 8, 4, 2, 2]
     assert SpecConfig.paper().budget_for(64, 8) == 64
+
+
+def _paths(tree) -> set[tuple[int, ...]]:
+    """Every node's token path from the root (the root's token first)."""
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(len(toks)):
+        path = [toks[i]]
+        while par[i] >= 0:
+            i = par[i]
+            path.append(toks[i])
+        out.append(tuple(reversed(path)))
+    return set(out)
+
+
+def test_logitspecs_tree_holds_plds_at_every_budget():
+    """At the same budget N, LogitSpec's first chain (inserted before its guess branches, up to N tokens)
+    holds PLD's chain, so its tree contains PLD's: on random contexts with repeats, N = 2 .. 64."""
+    import random
+
+    rng = random.Random(0)
+    pld = PromptLookupDrafter(SpecConfig(method="pld"))
+    ls = LogitSpecDrafter(SpecConfig(method="logitspec", capacity=64))
+    checked = longer = 0
+    for _ in range(300):
+        base = [rng.randrange(20) for _ in range(rng.randrange(3, 12))]
+        ctx = (base * rng.randrange(2, 5))[: rng.randrange(8, 40)] + [rng.randrange(20)]
+        guesses = [rng.randrange(20) for _ in range(rng.randrange(0, 8))]
+        for budget in (2, 8, 16, 32, 64):
+            p = pld.draft([SequenceIndex(ctx)], ctx, [], budget)
+            t = ls.draft([SequenceIndex(ctx)], ctx, guesses, budget)
+            assert _paths(p) <= _paths(t), (ctx, guesses, budget)
+            checked += len(p) > 1
+            longer += max(len(q) for q in _paths(t)) > 11  # a first chain past pld's 10 tokens
+    assert checked > 300 and longer > 0

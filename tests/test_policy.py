@@ -99,12 +99,10 @@ def test_skipped_steps_compute_no_guesses():
     assert policy.guess_count == 0
 
 
-@pytest.mark.parametrize("method", ["ar", "pld"])
-def test_other_methods_never_prune(method):
-    policy = _policy(STEEP, method=method, budget="auto")
+def test_ar_drafts_nothing_and_asks_for_no_guesses():
+    policy = _policy(STEEP, method="ar", budget="auto")
     trees = policy.draft(_rows(1))
-    assert policy.guess_count == 0
-    assert [len(t) > 1 for t in trees] == [method == "pld"]
+    assert policy.guess_count == 0 and [len(t) for t in trees] == [1]
 
 
 def test_the_curve_is_measured_on_first_need_only():
@@ -116,3 +114,15 @@ def test_the_curve_is_measured_on_first_need_only():
     for _ in range(3):
         policy.observe(rows, policy.draft(rows), [[0]], TIMES)
     assert calls == [1] and policy.cost_curve is FREE
+
+
+@pytest.mark.parametrize("method", ["pld", "rest", "logitspec"])
+def test_every_drafting_method_is_cut_by_the_auto_budget_alike(method):
+    """One budget for every method: with drafts that never pay each verifies the root alone, with free
+    ones its whole tree; ``budget="fixed"`` keeps the whole tree whatever the curve."""
+    rows = _rows(1)
+    assert [len(t) for t in _policy(STEEP, method=method).draft(rows)] == [1]
+    free = _policy(FREE, method=method).draft(rows)
+    fixed = _policy(STEEP, method=method, budget="fixed").draft(rows)
+    assert len(free[0]) > 1 and [len(t) for t in free] == [len(t) for t in fixed]
+    assert _policy(FREE, method=method).auto_budget and not _policy(FREE, method="lookahead").auto_budget

@@ -301,13 +301,13 @@ def render_report(summary: dict) -> str:
               "`speed.py` (mean speed / reference mean speed). " + _lossless_note(s) + " Time split = "
                                                                                        "share of "
               "wall time (engine methods only).", "",
-              "| Method | speedup (totals) | speedup (Spec-Bench) | retrieval success | mean tree size | "
-              "lossless "
-              "| " + " | ".join(SPLIT_COLUMNS) + " |", "|---" * (6 + len(SPLIT_COLUMNS)) + "|"]
+              "| Method | draft budget | speedup (totals) | speedup (Spec-Bench) | retrieval success | "
+              "mean tree size | lossless "
+              "| " + " | ".join(SPLIT_COLUMNS) + " |", "|---" * (7 + len(SPLIT_COLUMNS)) + "|"]
     for m, v in ms.items():
         ts = v.get("time_split") or {}
         lines.append(
-            f"| `{m}` | {_f(v['speedup_total'].get('overall'), '{:.2f}x')} | "
+            f"| `{m}` | {budget_of(summary, m)} | {_f(v['speedup_total'].get('overall'), '{:.2f}x')} | "
             f"{_f(v['speedup_specbench'].get('overall'), '{:.2f}x')} | "
             f"{_f(v['retrieval_success'], '{:.1%}')} | {_f(v['mean_tree_size'], '{:.1f}')} | "
             f"{_f(v['lossless'], '{:.0%}')} | "
@@ -320,6 +320,19 @@ def render_report(summary: dict) -> str:
         lines += [""] + [f"![{p}]({p})" for p in plots]
     lines.append("")
     return "\n".join(lines)
+
+
+def budget_of(summary: dict, method: str) -> str:
+    """Which draft budget a method ran under: ``auto`` or ``fixed (N)`` for the budgeted methods, the
+    method's own fixed shape for lookahead, ``-`` for plain decoding and the HF baselines."""
+    cfg = ((summary.get("method_configs") or {}).get(method) or {}).get("config")
+    if not cfg or cfg.get("method") == "ar":
+        return "-"
+    if cfg.get("method") == "lookahead":
+        return "fixed shape"
+    size = {"pld": cfg.get("pld_max_tokens"), "rest": cfg.get("rest_num_draft")}.get(cfg["method"],
+                                                                                    cfg.get("capacity"))
+    return "auto" if cfg.get("budget") == "auto" else f"fixed ({size})"
 
 
 def _lossless_note(settings: dict) -> str:

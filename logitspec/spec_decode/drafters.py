@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from logitspec.config import SpecConfig
-from logitspec.spec_decode.interface import KIND, Drafter, guess_kind, lookup_kind
+from logitspec.spec_decode.interface import Drafter, guess_kind, lookup_kind
 from logitspec.spec_decode.lookahead import LookaheadDrafter
 from logitspec.spec_decode.ngram_index import retrieve_with_order
 from logitspec.spec_decode.tree import GUESS, DraftTree, TreeBuilder
@@ -23,10 +23,10 @@ class PromptLookupDrafter(Drafter):
     def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        hits, _, src = retrieve_with_order(sources, context, min(budget, c.pld_max_tokens), 1, c.max_ngram,
-                                           c.min_ngram)
-        if hits:
-            b.retrieved = b.add_chain(hits[0], kind=KIND["lookup"], origin=src) > 0
+        hits, order, src = retrieve_with_order(sources, context, min(budget, c.pld_max_tokens), 1,
+                                               c.max_ngram, c.min_ngram)
+        if hits:  # its nodes learn acceptance by match length, as logitspec's first chain
+            b.retrieved = b.add_chain(hits[0], kind=lookup_kind(order, c.max_ngram), origin=src) > 0
         return b.build()
 
 
@@ -42,7 +42,8 @@ class LogitSpecDrafter(Drafter):
     def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
         b = TreeBuilder(context[-1], budget)
-        chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens,
+        # the first chain, up to the budget (or branch0_max_tokens): it holds what pld would draft
+        chains, order, src = retrieve_with_order(sources, context, c.branch0_max_tokens or budget,
                                                  c.continuations_per_key, c.max_ngram, c.min_ngram)
         for chain in chains:
             b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram), origin=src) > 0

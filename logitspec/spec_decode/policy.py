@@ -47,6 +47,7 @@ SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this sh
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
 EXPLORE_AFTER = 16  # draft-free steps per row before a step explores
 EXPLORE_NODES = 2  # nodes per row an exploring step verifies
+BUDGETED = ("pld", "rest", "logitspec")  # the methods the auto budget cuts
 
 
 # per row of a step, the node to accept instead of the acceptance rule's
@@ -101,7 +102,8 @@ class SpeculationPolicy:
         self.cost_curve = cost_curve
         self.measure_curve = measure_curve
         self.agree_on = agree_on
-        self.auto_budget = config.method == "logitspec" and config.budget == "auto"
+        # every drafting method whose tree can be cut (lookahead's has a fixed shape) is budgeted alike
+        self.auto_budget = config.budget == "auto" and config.method in BUDGETED
         # Retrieved continuations start optimistic (offline replays accepted most of them), more so
         # right after a step that accepted 4 or more drafted tokens (inside a copied span the copy
         # goes on: a fresh engine verifies whole chains there, as PLD does); logit guesses start at

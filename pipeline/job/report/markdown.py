@@ -9,6 +9,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from logitspec.spec_decode.policy import BUDGETED
+
 from ...numbers import pct, seconds, sig
 from .budget import budget_sentence, budget_stats
 from .data import REPLICA_COLUMN, TIME_COLUMN, RunData, column, group_stats, ok_rows, replica_names
@@ -109,7 +111,7 @@ def _header(data: RunData, s: dict, budget: dict) -> list[list[str]]:
            else f"{sig(s['tokens_per_s'])} (from the rows' finish times)" if s["tokens_per_s"] is not None
            else "not recorded")
     method = budget["method"] or "-"
-    if gen.get("budget") and method == "logitspec":
+    if gen.get("budget") and method in BUDGETED:
         method += f" (budget {gen['budget']}, batch up to {gen.get('max_batch_size', '-')})"
     rows = f"{s['rows']:,} ({s['rows'] - s['errors']:,} generated, {s['errors']:,} error rows)"
     if rows_info.get("total") is not None:
