@@ -1,14 +1,14 @@
 """The engine: one model replica decoding many prompts, as a session over a model runner and a policy.
 
-:class:`Engine` builds the three roles from a model, a tokenizer and a :class:`SpecConfig`: the
-*model runner* (:class:`~logitspec.worker.runner.ModelRunner`; the eager
-:class:`~logitspec.worker.eager_runner.EagerRunner` by default) runs the target and owns the KV storage and
-the output layer; the *speculation policy* (:class:`~logitspec.spec_decode.policy.SpeculationPolicy`) drafts
-and sizes trees; a *session* (:class:`~logitspec.engine.session.Session`, from :meth:`Engine.open`) owns
-the batch of sequences and their per-request settings, and runs the step loop (draft -> target
-forward -> accept -> commit -> emit) through the other two. The engine encodes prompts and offers
-``open``, ``run`` and ``generate``; the policy's learning persists across its sessions (as in a
-long-running job).
+:class:`Engine` builds the three roles from a model, a tokenizer and a :class:`SpecConfig`: the *model
+runner* (:class:`~logitspec.worker.runner.ModelRunner`; the one ``SpecConfig.runner`` names: CUDA graphs on
+CUDA, the eager :class:`~logitspec.worker.eager_runner.EagerRunner` elsewhere) runs the target and owns the
+KV storage and the output layer; the *speculation policy*
+(:class:`~logitspec.spec_decode.policy.SpeculationPolicy`) drafts and sizes trees; a *session*
+(:class:`~logitspec.engine.session.Session`, from :meth:`Engine.open`) owns the batch of sequences and their
+per-request settings, and runs the step loop (draft -> target forward -> accept -> commit -> emit) through
+the other two. The engine encodes prompts and offers ``open``, ``run`` and ``generate``; the policy's
+learning persists across its sessions (as in a long-running job).
 """
 from __future__ import annotations
 
