@@ -124,7 +124,7 @@ def _check_graph_parts(out, summary, timing_skipped):
         assert all(summary[k] > 0 for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64"))
 
 
-def test_the_default_parts_are_issue_40s():
+def test_the_default_parts_are_the_graph_runners_and_all_adds_the_eager_ones():
     import gpu_check
 
     plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))

@@ -1379,7 +1379,7 @@ def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_on
         def kill(self):
             self.killed.append(self.name)
 
-    batches = [Batch(0, [{"id": 0}]), Batch(1, [{"id": 1}])]
+    batches = [Batch(0, [InputRow(0, "a")]), Batch(1, [InputRow(1, "b")])]
     sched = Scheduler(Silent, 1, batches, lambda *a: None, lambda *a: None, batch_timeout_s=0.05)
     sched._start()
     (name, slot), = sched.slots.items()
@@ -1395,7 +1395,7 @@ def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_on
     assert lost["node_id"] == "n1" and lost["rows_redone"] == [0, 1] and "no result from" in lost["error"]
     assert "--batch-timeout" in lost["error"]
 
-    never = Scheduler(Silent, 1, [Batch(0, [{"id": 0}])], lambda *a: None, lambda *a: None,
+    never = Scheduler(Silent, 1, [Batch(0, [InputRow(0, "a")])], lambda *a: None, lambda *a: None,
                       start_timeout_s=0.05)
     never._start()
     time.sleep(0.1)

@@ -120,6 +120,14 @@ class GrowingLayer(DynamicLayer):
             super().crop(tokens_to_remove)
 
 
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token takes in ``model``: keys and values of every layer, in its dtype."""
+    cfg = model.config.get_text_config(decoder=True)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    return 2 * int(cfg.num_hidden_layers) * heads * head_dim * next(model.parameters()).element_size()
+
+
 def new_cache(reserve: int = 0) -> Cache:
     """An empty cache whose layers are :class:`GrowingLayer`, created as the model first writes them
     (``reserve``: with room for that many columns at their first growth)."""

@@ -89,11 +89,11 @@ class OutOfMemoryAt:
 
 def runner_for(model, config):
     """The model runner a replica's engine gets: None (the engine's default) unless ``LOGITSPEC_FAULT``
-    is ``oom:ROWS:TOKENS``, then the default runner wrapped in :class:`OutOfMemoryAt`."""
+    is ``oom:ROWS:TOKENS``, then the runner ``config.runner`` names wrapped in :class:`OutOfMemoryAt`."""
     kind, _, rest = os.environ.get(ENV, "").partition(":")
     if kind != "oom":
         return None
-    from logitspec.worker.gpu import default_runner
+    from logitspec.worker.gpu import runner_for as configured_runner
 
     rows, _, tokens = rest.partition(":")
-    return OutOfMemoryAt(default_runner(model, config.max_batch_size), int(rows), int(tokens))
+    return OutOfMemoryAt(configured_runner(model, config), int(rows), int(tokens))

@@ -325,8 +325,8 @@ class Scheduler:
 
 
 def row_id(row):
-    """A row's id, for the log and the summary (an input row, a dict with an id, or as it is)."""
-    return row.get("id", row) if isinstance(row, dict) else getattr(row, "id", row)
+    """A row's id, for the log and the summary."""
+    return getattr(row, "id", row)
 
 
 def _loading(replica) -> bool | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from logitspec.engine.request import Request
 from logitspec.engine.session import sample_seed
+from logitspec.worker.kv_cache import kv_bytes_per_token
 
 from ..rows import InputRow, OutputRow
 from ..spec import GenerationSpec
@@ -83,8 +84,9 @@ def is_out_of_memory(err: BaseException) -> bool:
     ``RuntimeError`` (torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory")."""
     if isinstance(err, MemoryError):
         return True
-    oom = getattr(__import__("torch"), "OutOfMemoryError", None)
-    if oom is not None and isinstance(err, oom):
+    import torch
+
+    if isinstance(err, torch.cuda.OutOfMemoryError):
         return True
     return isinstance(err, RuntimeError) and any(m in str(err).lower() for m in OOM_MESSAGES)
 
@@ -98,18 +100,6 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def kv_bytes_per_token(model) -> int | None:
-    """Bytes of KV cache one token takes in ``model`` (keys and values of every layer), or None."""
-    try:
-        cfg = model.config.get_text_config(decoder=True)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        size = next(model.parameters()).element_size()
-        return 2 * cfg.num_hidden_layers * kv_heads * head_dim * size
-    except (AttributeError, StopIteration, TypeError):
-        return None
 
 
 @dataclass
@@ -260,9 +250,8 @@ class RowGenerator:
     def too_big(self, req: Prompt, err: BaseException) -> str:
         """The error of a request that runs out of memory alone: what it needs and what failed."""
         tokens = len(req.ids) + req.request.max_new_tokens
-        per_token = kv_bytes_per_token(self.engine.model)
-        mib = tokens * req.request.n * (per_token or 0) / 2**20
-        need = f", about {mib:,.1f} MiB of KV cache" if per_token else ""
+        mib = tokens * req.request.n * kv_bytes_per_token(self.engine.model) / 2**20
+        need = f", about {mib:,.1f} MiB of KV cache"
         return (f"out of memory: the prompt's {len(req.ids):,} tokens + {req.request.max_new_tokens:,} new "
                 f"x {req.request.n} sample(s){need}, do not fit this replica alone "
                 f"({type(err).__name__}: {str(err)[:200]})")

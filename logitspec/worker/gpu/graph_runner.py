@@ -36,6 +36,7 @@ from logitspec.worker.gpu.step import (
     sdpa_mask_for,
 )
 from logitspec.worker.head import NodeLogits, OutputMode
+from logitspec.worker.kv_cache import kv_bytes_per_token
 from logitspec.worker.masks import PackedStep, StepRow, pack
 
 log = logging.getLogger("logitspec.worker.gpu")
@@ -255,8 +256,8 @@ class GraphRunner:
                     self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
                                                f"({type(e).__name__}: {e}); steps that fail to capture run "
                                                f"without a graph")
-            if step is fn:
-                self.counters["uncaptured"] += self.capture
+            if self.capture and step is fn:
+                self.counters["uncaptured"] += 1
             self._steps[key] = step
             self.counters["graphs"] += 1
         return step
@@ -324,10 +325,15 @@ def runner_for(model, config, fast_head: bool = True):
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
     if config.runner == "graph" and next(model.parameters()).device.type != "cuda":
-        cfg = model.config.get_text_config(decoder=True)
-        max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
-        return GraphRunner(model, max_rows=config.max_batch_size, max_len=-(-max_len // 128) * 128)
+        columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns)
     return default_runner(model, config.max_batch_size)
+
+
+def slot_columns(model) -> int:
+    """A slot's columns for ``model``: its context, at most 8192, and room for the largest node bucket."""
+    cfg = model.config.get_text_config(decoder=True)
+    return min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
 
 
 def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
@@ -339,14 +345,10 @@ def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: 
     first = next(model.parameters())
     if first.device.type != "cuda" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
-    cfg = model.config.get_text_config(decoder=True)
     if max_len is None:
-        max_len = min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
-    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    per_column = 2 * int(cfg.num_hidden_layers) * heads * head_dim * first.element_size()  # keys and values
+        max_len = slot_columns(model)
     free = torch.cuda.mem_get_info(first.device)[0]
-    max_len = min(max_len, int(memory_share * free) // (per_column * max_rows))
+    max_len = min(max_len, int(memory_share * free) // (kv_bytes_per_token(model) * max_rows))
     max_len = max_len // 128 * 128  # flex attention's block
     if max_len < 128 + max(NODE_BUCKETS):
         raise ValueError(f"{max_rows} slots leave room for {max_len} columns each")
