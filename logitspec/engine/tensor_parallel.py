@@ -153,14 +153,14 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
     :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
     :func:`group_cost_curve`)."""
     from logitspec.engine.engine import Engine
+    from logitspec.spec_decode.policy import uses_auto_budget
     from logitspec.worker.eager_runner import EagerRunner
 
     runner = EagerRunner(model, fast_head=False)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     if grouped and agree_on is None:
         agree_on = rank0_value
-    auto = config.method == "logitspec" and config.budget == "auto"
-    if grouped and auto and cost_curve is None:
+    if grouped and uses_auto_budget(config) and cost_curve is None:
         cost_curve = group_cost_curve(runner)
     return Engine(model, tokenizer, config, runner=runner, history=history, cost_curve=cost_curve,
                   agree_on=agree_on or float)

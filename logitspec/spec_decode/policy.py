@@ -50,6 +50,11 @@ EXPLORE_NODES = 2  # nodes per row an exploring step verifies
 BUDGETED = ("pld", "rest", "logitspec")  # the methods the auto budget cuts
 
 
+def uses_auto_budget(config: SpecConfig) -> bool:
+    """Whether an engine of ``config`` sizes its trees from a measured cost curve (the auto budget)."""
+    return config.budget == "auto" and config.method in BUDGETED
+
+
 # per row of a step, the node to accept instead of the acceptance rule's
 AcceptOverride = Callable[[Sequence[DraftTree]], list[int]]
 # after each decoding step: (rows, trees, accepted node paths)
@@ -103,7 +108,7 @@ class SpeculationPolicy:
         self.measure_curve = measure_curve
         self.agree_on = agree_on
         # every drafting method whose tree can be cut (lookahead's has a fixed shape) is budgeted alike
-        self.auto_budget = config.budget == "auto" and config.method in BUDGETED
+        self.auto_budget = uses_auto_budget(config)
         # Retrieved continuations start optimistic (offline replays accepted most of them), more so
         # right after a step that accepted 4 or more drafted tokens (inside a copied span the copy
         # goes on: a fresh engine verifies whole chains there, as PLD does); logit guesses start at
