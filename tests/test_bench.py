@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import random
 import statistics
 
@@ -23,6 +24,8 @@ from logitspec.bench.questions import TASKS, first_turns
 from logitspec.bench.samples import Decoding
 from logitspec.config import SpecConfig
 from logitspec.sample.params import SamplingParams
+
+REPO_DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 
 
 def rec(method, qid, task, tokens, wall, *, turn=0, steps=None, accept=None, token_ids=None, **kw):
@@ -155,6 +158,20 @@ def test_load_questions_groups_tasks_and_takes_first_n(tmp_path):
         load_questions(p, categories=["nope"])
     with pytest.raises(ValueError, match="not found"):
         load_questions(tmp_path / "missing.jsonl")
+
+
+def test_a_jobs_prompt_rows_read_as_one_turn_questions_of_their_task(tmp_path):
+    demo = load_questions(REPO_DATA / "demo" / "prompts.jsonl", per_task=1)
+    rows = [json.loads(line) for line in (REPO_DATA / "demo" / "prompts.jsonl").read_text().splitlines()]
+    tasks = sorted({r["task"] for r in rows})
+    assert sorted(q.task for q in demo) == tasks and len(tasks) == 4
+    first = next(r for r in rows if r["task"] == demo[0].task)
+    assert demo[0].question_id == first["id"] and demo[0].turns == (first["prompt"],)
+    p = _write_questions(tmp_path / "p.jsonl", [{"id": "a", "prompt": "x"}, {"id": "b", "prompt": 3}])
+    with pytest.raises(ValueError, match="p.jsonl:2: neither a Spec-Bench row nor a job's prompt row"):
+        load_questions(p)
+    untasked = _write_questions(tmp_path / "q.jsonl", [{"id": 1, "prompt": "x"}])
+    assert [q.task for q in load_questions(untasked)] == ["prompts"]
 
 
 def test_first_turns_are_the_first_questions_of_each_task_cut_to_length(tmp_path):

@@ -103,6 +103,7 @@ def test_plain_choice_skips_drafting_between_rechecks(family_case, monkeypatch, 
                     cost_curve=CostCurve([1, 64], [1.0, 631.0]))
     calls, draft = [], engine.policy.drafter.draft
     engine.policy.drafter.draft = lambda *a: calls.append(1) or draft(*a)
+    engine.policy.guard.mode = lambda rows: "draft"  # the budget's own schedule (the guard's: test_evidence)
     res = engine.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in res] == refs
     row_steps = sum(r.stats["steps"] - 1 for r in res)  # decoding steps (the prefill emits the first token)

@@ -1,5 +1,5 @@
 """The speculation policy without a model: hand-made rows, cost curves and verified paths drive its
-budget and its state machine (when it drafts, skips drafting, re-checks and explores)."""
+budget and its state machine (when it drafts, skips drafting and re-checks)."""
 from dataclasses import dataclass, field
 
 import pytest
@@ -8,7 +8,7 @@ from logitspec.config import SpecConfig
 from logitspec.spec_decode import policy as policy_module
 from logitspec.spec_decode.budget import CostCurve
 from logitspec.spec_decode.ngram_index import SequenceIndex
-from logitspec.spec_decode.policy import EXPLORE_NODES, RECHECK_EVERY, SpeculationPolicy
+from logitspec.spec_decode.policy import RECHECK_EVERY, SpeculationPolicy
 
 STEEP = CostCurve([1, 64], [1.0, 631.0])  # every drafted node costs ten plain steps: trees never pay
 FREE = CostCurve([1, 64], [1.0, 1.0])  # drafted nodes cost nothing: every tree pays
@@ -37,9 +37,14 @@ def _rows(n: int) -> list[Row]:
     return [Row([1, 2, 3, 4, 5] * 4 + [1, 2, 3][: 1 + b % 3]) for b in range(n)]
 
 
-def _policy(curve: CostCurve, **config) -> SpeculationPolicy:
+def _policy(curve: CostCurve, guard: bool = False, **config) -> SpeculationPolicy:
+    """A policy on ``curve``; without ``guard`` its speed guard always lets the budget decide (the
+    tests of the budget's own state machine; the guard has tests of its own)."""
     cfg = SpecConfig(**{"method": "logitspec", **config})
-    return SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=curve)
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=curve)
+    if not guard:
+        policy.guard.mode = lambda rows: "draft"
+    return policy
 
 
 def _run(policy: SpeculationPolicy, rows, steps: int):
@@ -73,15 +78,14 @@ def test_trees_that_do_not_pay_are_not_verified():
     assert [len(t) for t in trees] == [1]  # the root alone: plain decoding
 
 
-def test_skipping_rechecks_on_schedule_and_explores():
-    """With trees that never pay: the first step drafts and chooses none; then only every
-    RECHECK_EVERY-th step drafts, the interval doubling up to MAX_RECHECK_EVERY; once the draft-free
-    steps pass EXPLORE_AFTER per row, a drafting step verifies EXPLORE_NODES nodes per row."""
-    log = _run(_policy(STEEP), _rows(1), 40)
+def test_skipping_rechecks_on_schedule():
+    """With trees that never pay (no acceptance rate reaches the break-even, so no probes either):
+    the first step drafts and chooses none; then only every RECHECK_EVERY-th draft-free step drafts,
+    the interval doubling up to MAX_RECHECK_EVERY; nothing is verified."""
+    log = _run(_policy(STEEP), _rows(1), 60)
     drafting = [i for i, (d, _) in enumerate(log) if d]
-    assert drafting == [0, 2 * RECHECK_EVERY, 16, 17, 33, 34]
-    assert [i for i, (_, nodes) in enumerate(log) if nodes] == [16, 33]
-    assert all(nodes == EXPLORE_NODES for _, nodes in log if nodes)
+    assert drafting == [0, 2 * RECHECK_EVERY, 16, 32, 48]
+    assert not any(nodes for _, nodes in log)
 
 
 def test_cheap_drafting_is_never_skipped(monkeypatch):

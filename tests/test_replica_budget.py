@@ -51,3 +51,26 @@ def test_plain_decoding_is_said_plainly():
     b.add([OutputRow(id=0, accepted_lengths=[1] * 9, verified_steps=0)],
           {"mean_active": 8.0, "batch_steps": 8})
     assert b.sentence().startswith("decoded plainly: drafts verified on 0 of 8 steps")
+
+
+def test_the_line_carries_the_auto_budgets_evidence():
+    """A real policy's evidence after steps whose first nodes were never accepted: the line names the
+    kind, its tests, acceptance interval and the break-even, the probes and the speed guard's modes."""
+    from logitspec.spec_decode.budget import CostCurve
+    from tests.test_evidence import BE20, TIMES
+    from tests.test_policy import _policy, _rows
+
+    policy = _policy(BE20, guard=True)
+    rows = _rows(1)
+    for _ in range(60):
+        trees = policy.draft(rows)
+        policy.observe(rows, trees, [[0]], TIMES)
+    engine = type("E", (), {"policy": policy})()
+    b = ReplicaBudget("logitspec", "cpu")
+    b.add([OutputRow(id=0, accepted_lengths=[1] * 61, verified_steps=10)], {"mean_active": 1.0,
+                                                                           "batch_steps": 60}, engine)
+    line = b.sentence()
+    assert isinstance(policy.cost_curve, CostCurve)
+    assert "; evidence: lookup first nodes accepted 0% of " in line
+    assert "against a break-even of 20% at 1 row(s)" in line
+    assert "rows probed" in line and "from 1 rows: drafting steps" in line and "verdict" in line

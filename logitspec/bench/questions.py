@@ -36,6 +36,8 @@ class Question:
 def load_questions(path=None, per_task: int | None = None,
                    categories: Sequence[str] | None = None) -> list[Question]:
     """Rows of a Spec-Bench ``question.jsonl``, in file order, grouped by task (Spec-Bench's order).
+    A job's JSONL input (``{"id", "prompt", "task"?}`` rows, e.g. ``data/demo/prompts.jsonl``) reads
+    as one-turn questions of its ``task`` column (``prompts`` without one).
 
     ``categories`` keeps rows whose category or task is listed; ``per_task`` then keeps the first N
     rows of each task.
@@ -51,10 +53,14 @@ def load_questions(path=None, per_task: int | None = None,
                 continue
             try:
                 d = json.loads(line)
+                if "turns" not in d and isinstance(d.get("prompt"), str):  # a job's input row
+                    rows.append(Question(d["id"], str(d.get("task") or "prompts"), (d["prompt"],)))
+                    continue
                 turns = tuple(t if isinstance(t, str) else tuple(int(x) for x in t) for t in d["turns"])
                 rows.append(Question(d["question_id"], str(d["category"]), turns))
             except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: not a Spec-Bench row ({e})") from None
+                raise ValueError(f"{path}:{n}: neither a Spec-Bench row nor a job's prompt row ({e})"
+                                 ) from None
             if not rows[-1].turns:
                 raise ValueError(f"{path}:{n}: no turns")
     return select_questions(rows, per_task, categories)

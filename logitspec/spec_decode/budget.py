@@ -15,6 +15,7 @@ the chosen width (rows that are copying get more, rows whose drafts are poor bet
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Sequence
 
 import numpy as np
@@ -176,6 +177,14 @@ class CostCurve:
         if self.context:
             d["context"] = dict(self.context)
         return d
+
+
+def break_even(curve: CostCurve, rows: int) -> float:
+    """The acceptance rate at which one draft token per row pays at ``rows`` rows: a forward of 2
+    tokens a row gives 1 + p tokens a row where one of 1 gives 1, so it pays when
+    p > step(rows, 2) / step(rows, 1) - 1 (at least 1: no rate pays; nan for a curve of 0 s)."""
+    one = curve.step(int(rows), 1)
+    return max(0.0, curve.step(int(rows), 2) / one - 1.0) if one > 0 else math.nan
 
 
 def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:

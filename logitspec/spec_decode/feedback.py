@@ -22,7 +22,7 @@ none (below ``MIN_ROWS``): its curve is measured on the kind of step it takes, a
 corrections only added noise (MAT 1.85-2.45 with them, 2.39-2.43 without, in an A/B run since
 removed: ``git show 4974864:scripts/feedback_ab.py``). Steps that verified no drafts update the
 plain side; nothing else does, so a budget that stops drafting keeps its last corrections until its
-exploring steps (:mod:`logitspec.spec_decode.policy`, ``EXPLORE_AFTER``) bring new ones.
+probes (:mod:`logitspec.spec_decode.evidence`) bring new ones.
 """
 from __future__ import annotations
 

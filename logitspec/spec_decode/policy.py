@@ -11,9 +11,14 @@ took (:meth:`SpeculationPolicy.observe`). Tests drive it with a hand-made cost c
 The auto budget's state machine: while it keeps choosing no draft nodes and drafting (with
 verifying: the guesses' top-k) is a noticeable share of a step's time (``SKIP_DRAFT_SHARE``), only
 every ``RECHECK_EVERY``-th step drafts, to re-check (the interval doubles, up to
-``MAX_RECHECK_EVERY``, each time the re-check chooses none again); the others skip drafting. After
-16 draft-free steps per row, a step verifies a couple of nodes per row (explores), since rates are
-learned only from verified nodes and a pessimistic estimate could otherwise never recover.
+``MAX_RECHECK_EVERY``, each time the re-check chooses none again); the others skip drafting.
+
+Rates are learned only from verified nodes, so a pessimistic estimate could never recover; two
+checks from :mod:`~logitspec.spec_decode.evidence` sit on top. Where the budget chose no nodes for
+a row but the evidence that its drafts do not pay is not sound (the first-node acceptance interval
+of the draft's kind reaches the break-even rate; counts decay, so evidence ages), the row verifies
+its first node (a probe); and a speed guard interleaves steps that may draft with plain steps and
+turns drafting off only when the measured tokens per second say plain decoding is faster.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from logitspec.spec_decode.budget import (
     N_STREAK_STATES,
     AcceptanceStats,
     CostCurve,
+    break_even,
     choose_sizes,
     drain_weights,
     estimate,
@@ -33,8 +39,9 @@ from logitspec.spec_decode.budget import (
     top_nodes,
 )
 from logitspec.spec_decode.drafters import make_drafter
+from logitspec.spec_decode.evidence import FirstNodeEvidence, SpeedGuard
 from logitspec.spec_decode.feedback import Realised
-from logitspec.spec_decode.interface import LOOKUP_KINDS, N_KINDS, Drafter
+from logitspec.spec_decode.interface import KINDS, LOOKUP_KINDS, N_KINDS, Drafter
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.tree import DraftTree
 
@@ -45,8 +52,6 @@ RECHECK_EVERY = 4
 MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
-EXPLORE_AFTER = 16  # draft-free steps per row before a step explores
-EXPLORE_NODES = 2  # nodes per row an exploring step verifies
 BUDGETED = ("pld", "rest", "logitspec")  # the methods the auto budget cuts
 
 
@@ -117,6 +122,10 @@ class SpeculationPolicy:
         priors.update({(streak_state(n), k): (9.0, 1.0) for n in (4, 8) for k in LOOKUP_KINDS})
         self.acceptance = AcceptanceStats(N_KINDS, kind_priors=priors, n_states=N_STREAK_STATES)
         self.realised = Realised()  # the budget's estimates against what steps delivered
+        self.evidence = FirstNodeEvidence(N_STREAK_STATES, N_KINDS)  # first-node acceptance, with intervals
+        self.guard = SpeedGuard()  # drafting steps against plain ones, by the clock
+        self.mode = "draft"  # the guard's mode for the current step
+        self.probes = 0  # rows whose first node was verified only for evidence
         self.steps_without_drafts = 0
         self.recheck_every = RECHECK_EVERY  # steps between re-checks while no drafts are chosen
         self.draft_share = 1.0  # drafting's share of the last drafting step's time
@@ -129,9 +138,12 @@ class SpeculationPolicy:
         context (see the module for when a step skips drafting). ``draining``: no prompt waits for
         a slot, so the batch ends with its slowest row (the budget weighs rows by what they have
         left: :func:`~logitspec.spec_decode.budget.drain_weights`)."""
-        if self.auto_budget and self.steps_without_drafts % self.recheck_every and \
-                self.draft_share >= SKIP_DRAFT_SHARE:
-            self.steps_without_drafts += 1
+        if self.auto_budget:
+            self.evidence.age()
+            self.mode = self.guard.mode(len(rows))
+        if self.auto_budget and (self.mode == "plain" or self.steps_without_drafts % self.recheck_every
+                                 and self.draft_share >= SKIP_DRAFT_SHARE):
+            self.steps_without_drafts += self.mode == "draft"
             self.drafted = False
             if self.cost_curve is not None:
                 self.expected = (0.0, self.cost_curve.step(len(rows), 1, self._columns(rows)))
@@ -182,6 +194,11 @@ class SpeculationPolicy:
         Returns each row's acceptance state after it."""
         for row, tree, path in zip(rows, trees, paths):
             self.acceptance.update(tree, path, row.streak)
+            if self.auto_budget:
+                self.evidence.update(tree, path, row.streak)
+        if self.auto_budget:
+            self.guard.record(len(trees), self.mode, sum(len(p) for p in paths),
+                              self.agree_on(sum(times.values())))  # every TP rank the same
         if outputs is not None:
             for row, tree, path, out in zip(rows, trees, paths, outputs):
                 self.drafter.observe(row.draft_state, tree, path, out)
@@ -199,6 +216,16 @@ class SpeculationPolicy:
     def stats(self) -> dict[str, float]:
         """The budget's corrections so far (none unless the budget is auto)."""
         return self.realised.as_dict() if self.auto_budget else {}
+
+    def evidence_summary(self, rows: int = 1) -> dict:
+        """What the auto budget decides from (empty unless the budget is auto): per draft kind the
+        first nodes tested (decayed counts), their acceptance and its interval; the break-even rate
+        at ``rows`` rows; the rows probed; the speed guard's per-class verdict and tokens/s."""
+        if not self.auto_budget:
+            return {}
+        be = break_even(self.cost_curve, rows) if self.cost_curve is not None else None
+        return {"first_nodes": self.evidence.summary(dict(enumerate(KINDS))), "break_even": be, "rows": rows,
+                "probes": self.probes, "speed": self.guard.summary()}
 
     # ------------------------------------------------------------------ the auto budget
     def curve(self) -> CostCurve:
@@ -226,18 +253,28 @@ class SpeculationPolicy:
         fix = self.realised.of(B)
         sizes = choose_sizes(ranked, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
                              columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
-        sizes = self._after_choice(sizes, most)
+        sizes = self._probe(sizes, trees, rows, break_even(curve, B))
+        sizes = self._after_choice(sizes)
         self.expected = None if fresh else estimate(ranked, sizes, curve, columns)
         return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
 
-    def _after_choice(self, sizes: list[int], most: int) -> list[int]:
+    def _probe(self, sizes: list[int], trees: Sequence[DraftTree], rows: Sequence[DraftRow],
+               be: float) -> list[int]:
+        """One node for each row the budget gave none whose drafts are not soundly shown to fall
+        short of the break-even acceptance ``be`` (:meth:`FirstNodeEvidence.unsound`)."""
+        out = list(sizes)
+        for b, (n, tree, row) in enumerate(zip(sizes, trees, rows)):
+            if n == 0 and len(tree) > 1 and self.evidence.unsound(tree, row.streak, be):
+                out[b] = 1
+                self.probes += 1
+        return out
+
+    def _after_choice(self, sizes: list[int]) -> list[int]:
         """The state machine's step after the budget chose ``sizes``: count draft-free steps, widen
-        or reset the re-check interval, and explore after ``EXPLORE_AFTER`` draft-free steps per row."""
+        or reset the re-check interval."""
         none = not any(sizes)
         self.steps_without_drafts = self.steps_without_drafts + 1 if none else 0
         self.recheck_every = min(2 * self.recheck_every, MAX_RECHECK_EVERY) if none else RECHECK_EVERY
-        if self.steps_without_drafts > EXPLORE_AFTER * len(sizes):
-            sizes, self.steps_without_drafts = [min(EXPLORE_NODES, most)] * len(sizes), 0
         return sizes
 
     def _columns(self, rows: Sequence[DraftRow]) -> float:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import time
 
+from logitspec.spec_decode.budget import break_even
+
 from ..numbers import pct, sig
 
 LOG_EVERY_S = 60.0  # a replica repeats its line at most this often (its last task's line is the latest)
@@ -25,6 +27,7 @@ class ReplicaBudget:
         self.retrieved = 0.0
         self.active_steps = self.batch_steps = 0.0
         self.curve = None
+        self.evidence: dict = {}  # the auto budget's evidence (SpeculationPolicy.evidence_summary)
         self.logged_at: float | None = None
 
     def add(self, rows: list, engine_stats: dict | None = None, engine=None) -> None:
@@ -49,6 +52,8 @@ class ReplicaBudget:
         policy = getattr(engine, "policy", None)
         if getattr(policy, "cost_curve", None) is not None:
             self.curve = policy.cost_curve
+        if hasattr(policy, "evidence_summary"):
+            self.evidence = policy.evidence_summary(max(1, round(self.batch or 1)))
 
     @property
     def batch(self) -> float | None:
@@ -68,10 +73,13 @@ class ReplicaBudget:
                 "accepted_steps": self.accepted_steps,
                 "mean_accepted": self.tokens / self.steps if self.steps else None,
                 "retrieval_success": self.retrieved / d if d else None, "batch": batch, "break_even": be,
-                "device": self.device}
+                "device": self.device, "evidence": self.evidence}
 
     def sentence(self) -> str:
-        return budget_sentence(self.stats())
+        """The budget's line, with the evidence it decided on where the budget is auto."""
+        stats = self.stats()
+        evidence = evidence_words(stats["evidence"])
+        return budget_sentence(stats) + (f"; evidence: {evidence}" if evidence else "")
 
     def due(self, now: float | None = None) -> bool:
         """True (and noted) when the line is to be logged now: the first time, then every
@@ -85,11 +93,30 @@ class ReplicaBudget:
 
 def break_even_acceptance(curve, batch: int) -> float:
     """The acceptance rate at which one draft token per row pays at ``batch`` rows, from a cost curve
-    (``curve.step(rows, per_row)``: forward seconds, e.g. :class:`logitspec.spec_decode.budget.CostCurve`): a
-    2-token forward gives 1 + p tokens where a 1-token one gives 1, so it pays when
-    p > step(batch, 2) / step(batch, 1) - 1 (at least 1: no rate pays)."""
-    one = curve.step(int(batch), 1)
-    return max(0.0, curve.step(int(batch), 2) / one - 1.0) if one > 0 else math.nan
+    (:func:`logitspec.spec_decode.budget.break_even`)."""
+    return break_even(curve, int(batch))
+
+
+def evidence_words(evidence: dict) -> str:
+    """The auto budget's evidence (:meth:`~logitspec.spec_decode.policy.SpeculationPolicy.evidence_summary`)
+    in words: per draft kind the first nodes accepted of those tested, with the 95% upper and lower
+    bounds, against the break-even; the rows probed; per batch-size class the tokens/s of steps that
+    may draft and of plain steps, and the guard's verdict. Empty without evidence."""
+    parts = []
+    for kind, e in (evidence.get("first_nodes") or {}).items():
+        lo, hi = e["interval"]
+        parts.append(f"{kind} first nodes accepted {pct(e['accepted'])} of {e['tested']:g} tested "
+                     f"(interval {pct(lo)}-{pct(hi)})")
+    be = evidence.get("break_even")
+    if parts and be is not None and math.isfinite(be):
+        parts[-1] += f" against a break-even of {pct(be)} at {evidence.get('rows', 1)} row(s)"
+    if evidence.get("probes"):
+        parts.append(f"{evidence['probes']:,} rows probed")
+    for rows, c in (evidence.get("speed") or {}).items():
+        d, p = c["draft"], c["plain"]
+        parts.append(f"from {rows} rows: drafting steps {sig(d['tokens_per_s'])} tok/s ({d['steps']:,}), "
+                     f"plain {sig(p['tokens_per_s'])} tok/s ({p['steps']:,}), verdict {c['verdict']}")
+    return "; ".join(parts)
 
 
 def budget_sentence(stats: dict) -> str:
