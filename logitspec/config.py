@@ -50,6 +50,10 @@ class SpecConfig:
     rank_keep: tuple[int, ...] = (4, 3)
     rank_keep_else: int = 1
     continuations_per_key: int = 1  # distinct continuations retrieved per n-gram key
+    # the order guess branches are added in: "logits" (the paper's: by the guess's rank in the last
+    # logits) or "context" (guesses whose (root, guess) n-gram the context holds first, each group in
+    # logit order; measured in docs/benchmarks.md)
+    guess_order: str = "logits"
     # --- rest (logitspec.spec_decode.rest; REST's defaults): the longest context suffix of rest_max_span
     # down to
     # rest_min_span tokens found in the datastore (the row's reference, if a rest.Datastore; else the
@@ -80,6 +84,8 @@ class SpecConfig:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if self.budget not in ("auto", "fixed"):
             raise ValueError(f"budget must be 'auto' or 'fixed', got {self.budget!r}")
+        if self.guess_order not in ("logits", "context"):
+            raise ValueError(f"guess_order must be 'logits' or 'context', got {self.guess_order!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if not self.refill_wait >= 0:

@@ -315,3 +315,39 @@ def test_the_papers_65_node_trees_and_lookaheads_shape_run_through_the_graph_run
     assert isinstance(engine.runner, GraphRunner)
     got = engine.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in got] == [hf_greedy(model, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["ar", "logitspec"])
+def test_every_step_shape_is_built_at_start_up_and_none_after(method):
+    """A graph runner with flex attention (the engine's on CUDA: steps keyed on rows and nodes alone)
+    builds every (row bucket, node bucket) the configuration can use when the engine is made; a
+    whole run then builds nothing more (on CUDA: captures nothing), and stays lossless."""
+    model = tiny_model("gemma3")
+    prompts = repetitive_prompts(4, seed=11)
+    cfg = SpecConfig(method=method, budget="fixed", capacity=8, max_batch_size=3)
+    runner = GraphRunner(model, max_rows=3, max_len=256, attention="flex")
+    engine = Engine(model, None, cfg, runner=runner)
+    assert runner.started
+    rows = (1, 2, 3)  # the row buckets below 3 slots, and 3
+    nodes = (1,) if method == "ar" else (1, 2, 4, 8, 16)  # 8 drafted and the root: up to the 16 bucket
+    assert runner.start_up["graphs"] == len(rows) * len(nodes) == runner.counters["graphs"]
+    built = runner.counters["graphs"]
+    lengths = (N_NEW, 5, 9, 7)  # rows end at different steps: the batch shrinks and refills
+    got = engine.run(prompts, [Request(max_new_tokens=n) for n in lengths]).results
+    assert [r.token_ids for r in got] == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+    assert runner.counters["replays"] > 0
+    assert runner.counters["graphs"] == built and runner.counters["built_after_start"] == 0
+    if method != "ar":
+        assert max(r.stats["mean_accepted"] for r in got) > 1.2  # trees of several nodes ran
+
+
+def test_a_step_built_after_start_up_is_counted():
+    """The counter that proves "nothing after start-up" counts: an SDPA runner keys steps on the key
+    length too, so a longer context builds a new step after start-up."""
+    model = tiny_model("llama")
+    runner = GraphRunner(model, max_rows=2, max_len=128, key_block=16)
+    runner.capture_all(2, 4)
+    assert runner.start_up["graphs"] == 0 and runner.started
+    with torch.inference_mode():
+        greedy_chains(runner, repetitive_prompts(2, seed=12), 8)
+    assert runner.counters["built_after_start"] == runner.counters["graphs"] > 0

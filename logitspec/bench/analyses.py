@@ -11,8 +11,13 @@
   datastore) beside them. A step is every position of the trace (each a point where decoding could
   stand), not the steps one decoder took; the drafters are pure, so this is their answer there.
 
-``python -m logitspec.bench.analyses topk|retrieval|all --model default --per-task 1
---max-new-tokens 64 --out DIR`` prints a table and writes ``DIR/topk.json`` / ``DIR/retrieval.json``.
+* ``budget``: every budgeted drafter at equal fixed budgets N (``--capacities``), by replayed greedy
+  acceptance (:mod:`logitspec.bench.budget_replay`): MAT per task, tree size, retrieval success and
+  the share of accepted drafted tokens that came from guess branches.
+
+``python -m logitspec.bench.analyses topk|retrieval|budget|all --model default --per-task 1
+--max-new-tokens 64 --out DIR`` prints a table and writes ``DIR/topk.json`` / ``DIR/retrieval.json`` /
+``DIR/budget.json`` (``budget.md``: its table).
 The counting functions (:func:`next_next_ranks`, :func:`topk_shares`, :func:`retrieval_flags`) are
 pure and take hand-made traces.
 """
@@ -187,15 +192,21 @@ def _print_retrieval(rep: dict) -> None:
 # ------------------------------------------------------------------------------------------ command
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The command's options (for a ``logitspec`` subcommand too: then call :func:`run_from_args`)."""
-    p.add_argument("analysis", choices=("topk", "retrieval", "all"),
+    p.add_argument("analysis", choices=("topk", "retrieval", "budget", "all"),
                    help="topk: share of steps whose true next-next token is in the top-k of the last "
                         "logits (k = 1..100); retrieval: retrieval success with and without next-next "
-                        "guidance; all: both")
+                        "guidance; budget: the drafters at equal fixed budgets (--capacities), MAT by "
+                        "replayed greedy acceptance; all: the three")
     p.add_argument("--model", default="default", help="a logitspec model spec (default: the embedded "
                                                       "Gemma 3 270M)")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: beside the "
                                                      "repository)")
-    p.add_argument("--per-task", type=int, default=1, help="questions per Spec-Bench task (first turns)")
+    p.add_argument("--data", default="spec_bench",
+                   help="comma-separated: spec_bench (--questions), longbench (--longbench-dir's rows)")
+    p.add_argument("--longbench-dir", default=None, help="a LongBench-format directory (default: the "
+                                                         "repository's data/longbench_local)")
+    p.add_argument("--per-task", type=int, default=1, help="questions per task (first turns)")
+    p.add_argument("--capacities", default="8,16,32,64", help="budget: the fixed budgets N, comma-separated")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens traced per question")
     p.add_argument("--out", required=True, help="output directory (topk.json / retrieval.json)")
 
@@ -205,14 +216,25 @@ def run_from_args(args) -> dict:
     from .questions import load_questions
 
     t0 = time.perf_counter()
-    qs = load_questions(args.questions, args.per_task)
+    data = [d for d in args.data.split(",") if d]
+    if not data or set(data) - {"spec_bench", "longbench"}:
+        raise ValueError(f"--data: choose from spec_bench, longbench; got {args.data!r}")
+    capacities = [int(c) for c in args.capacities.split(",") if c]
+    if not capacities or min(capacities) < 1:
+        raise ValueError(f"--capacities: positive integers, got {args.capacities!r}")
+    qs = load_questions(args.questions, args.per_task) if "spec_bench" in data else []
     model, tok = load_model(args.model)
+    if "longbench" in data:
+        qs = qs + _longbench(args, model, tok)
     traces = greedy_traces(model, tok, qs, args.max_new_tokens)
     settings = {"model": args.model, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
                 "questions": len(qs), "traces": len(traces), "trace_s": round(time.perf_counter() - t0, 1),
                 "command": f"logitspec analyses {args.analysis} --model {args.model} --per-task "
                            f"{args.per_task} --max-new-tokens {args.max_new_tokens} --out {args.out}"
-                           + (f" --questions {args.questions}" if args.questions else "")}
+                           + (f" --questions {args.questions}" if args.questions else "")
+                           + (f" --data {args.data}" if args.data != "spec_bench" else "")
+                           + (f" --capacities {args.capacities}" if args.analysis in ("budget", "all")
+                              else "")}
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {}
@@ -232,7 +254,28 @@ def run_from_args(args) -> dict:
              "tasks": rep}, indent=1) + "\n")
         _print_retrieval(rep)
         result["retrieval"] = rep
+    if args.analysis in ("budget", "all"):
+        from .budget_replay import budget_report, mat_table
+
+        rep = budget_report(traces, capacities)
+        (out / "budget.json").write_text(json.dumps({"settings": settings, "methods": rep}, indent=1) + "\n")
+        table = mat_table(rep)
+        (out / "budget.md").write_text(f"`{settings['command']}` (replayed greedy acceptance)\n\n{table}\n")
+        print(table)
+        result["budget"] = rep
     return result
+
+
+def _longbench(args, model, tokenizer) -> list:
+    """The first ``--per-task`` rows of each LongBench-format data set, as token-id questions."""
+    from logitspec.engine.engine import Engine
+
+    from ..config import SpecConfig
+    from .longbench_set import LONGBENCH_DIR, longbench_questions
+
+    eng = Engine(model, tokenizer, SpecConfig(method="ar"))
+    return longbench_questions(args.longbench_dir or LONGBENCH_DIR, tokenizer, eng.encode, eng.max_context,
+                               args.per_task, max_new_cap=args.max_new_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

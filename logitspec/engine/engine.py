@@ -93,6 +93,9 @@ class Engine:
                                         measure_curve=self._measure_curve, agree_on=agree_on,
                                         drafter=drafter, accept_override=accept_override,
                                         step_observer=step_observer)
+        if hasattr(self.runner, "capture_all") and not self.runner.started:
+            # every step shape this configuration can take, before any request (the graph runner)
+            self.runner.capture_all(self.config.max_batch_size, self.policy.drafter.base_budget() + 1)
         on_host = self.runner.device.type == "cpu" if sample_on_host is None else sample_on_host
         stop_ids = model_eos_ids(model, tokenizer) if eos_ids is None else eos_ids
         self.parts = SessionParts(

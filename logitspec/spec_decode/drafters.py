@@ -49,10 +49,18 @@ class LogitSpecDrafter(Drafter):
             b.retrieved |= b.add_chain(chain, kind=lookup_kind(order, c.max_ngram), origin=src) > 0
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
-        for rank, g in enumerate(guesses, 1):
+        ranked = list(enumerate(guesses, 1))
+        if c.guess_order == "context":  # guesses that followed the root in the context first
+            pair = min(2, len(tail) + 1)  # the n-gram (root, guess) at least
+
+            def follows_root(g: int) -> bool:
+                hits, order, _ = retrieve_with_order(sources, tail + [g], 1, 1, c.max_ngram, c.min_ngram)
+                return bool(hits) and order >= pair
+            ranked.sort(key=lambda rg: not follows_root(int(rg[1])))
+        for place, (rank, g) in enumerate(ranked, 1):
             if b.full:
                 break
-            keep = c.keep_for_rank(rank)
+            keep = c.keep_for_rank(place)
             hits, _, src = (retrieve_with_order(sources, tail + [int(g)], keep - 1, 1, c.max_ngram,
                                                 c.min_ngram)
                             if keep > 1 else ([], 0, -1))

@@ -42,6 +42,9 @@ from logitspec.worker.masks import PackedStep, StepRow, pack
 log = logging.getLogger("logitspec.worker.gpu")
 
 ATTENTIONS = ("sdpa", "flex")
+# the engine's graph runners attend with flex attention: each row's keys end on the device (its block
+# lists), so a step's graph is keyed on (rows, nodes) alone and every one is captured at start-up
+ENGINE_ATTENTION = "flex"
 
 
 class GraphRunner:
@@ -87,7 +90,10 @@ class GraphRunner:
         self._flex: dict[tuple[int, int], FlexMasks] = {}
         self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
         self._pool = None
-        self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0}
+        self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
+                         "built_after_start": 0}
+        self.started = False  # capture_all ran: a step built after it counts in built_after_start
+        self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ the seam (runner.ModelRunner)
@@ -260,7 +266,42 @@ class GraphRunner:
                 self.counters["uncaptured"] += 1
             self._steps[key] = step
             self.counters["graphs"] += 1
+            self.counters["built_after_start"] += self.started and buf.T <= self.node_buckets[-1]
         return step
+
+    def capture_all(self, rows: int, nodes: int) -> dict:
+        """Build (on CUDA: capture) every step a configuration of up to ``rows`` rows and ``nodes``
+        nodes per row (root included) can take, before any request: each (row bucket, node bucket)
+        pair up to the buckets that hold them. Keyed on (rows, nodes) only with flex attention (its
+        blocks end each row's keys on the device); with SDPA the key length is part of the key, and
+        those steps are built on first use. Logs and returns the count, seconds and the device bytes
+        the graphs took; from then on, a step built counts in ``counters["built_after_start"]``."""
+        t0 = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        built = 0
+        if self.attention == "flex":
+            R_max = bucket(min(rows, self.max_rows), self.row_buckets)
+            T_max = bucket(min(nodes, self.node_buckets[-1]), self.node_buckets)
+            for R in (r for r in self.row_buckets if r <= R_max):
+                for T in (t for t in self.node_buckets if t <= T_max):
+                    n = self.counters["graphs"]
+                    self._step_for(self._buffers_for(R, T), self.kv.max_len)
+                    built += self.counters["graphs"] - n
+            if cuda:
+                torch.cuda.synchronize(self.device)
+        self.kv.reset()  # the captures' warm-up calls wrote pad nodes into the slots
+        self.started = True
+        self.start_up = {"graphs": built, "seconds": round(time.perf_counter() - t0, 3),
+                         "bytes": (torch.cuda.memory_reserved(self.device) - before) if cuda else None,
+                         "attention": self.attention}
+        what = "captured" if self.capture else "built (uncaptured)"
+        log.info("graph runner: %s %d step(s) for up to %d rows x %d nodes in %.1f s%s; %s", what, built,
+                 rows, nodes, self.start_up["seconds"],
+                 f", {self.start_up['bytes'] / 2**20:.0f} MiB" if cuda else "",
+                 "no step is built after this" if self.attention == "flex" else
+                 "SDPA steps are keyed on the key length too and built on first use")
+        return self.start_up
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -321,11 +362,12 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
 def runner_for(model, config, fast_head: bool = True):
     """The model runner ``config.runner`` names for an engine of ``config.max_batch_size`` rows:
     ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`) or ``graph`` (a
-    :class:`GraphRunner`; off CUDA its static path without capture)."""
+    :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA)."""
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
     if config.runner == "graph" and next(model.parameters()).device.type != "cuda":
         columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
+        # SDPA: flex attention off CUDA is its unfused reference (every score materialized, per layer)
         return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns)
     return default_runner(model, config.max_batch_size)
 
@@ -352,4 +394,4 @@ def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: 
     max_len = max_len // 128 * 128  # flex attention's block
     if max_len < 128 + max(NODE_BUCKETS):
         raise ValueError(f"{max_rows} slots leave room for {max_len} columns each")
-    return GraphRunner(model, max_rows=max_rows, max_len=max_len, **kw)
+    return GraphRunner(model, max_rows=max_rows, max_len=max_len, **{"attention": ENGINE_ATTENTION, **kw})
