@@ -362,11 +362,27 @@ def _graph_step(runner, kv, lengths: list[int], toks: list[int], b: int, n: int)
     return lambda: runner.step(rows, kv, OutputMode.GREEDY).nodes.argmax.tolist()
 
 
+def kernels_per_step(fn, device: torch.device) -> int | None:
+    """CUDA kernels one call of ``fn`` launches (a graph's replay: the kernels inside it), by the
+    profiler; None off CUDA or where the profiler sees no kernel."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return n or None
+
+
 def graph_timings(plan: Plan, deadline: float) -> dict:
     """The graph runner's step on the Llama-3-8B shape (random bfloat16 weights; the tiny stand-in on
     CPU): ms per step (the forward, the output layer over the real nodes and the wait for it) at
     ``plan.rows`` x nodes per row (1..32), row r holding context + 16 r tokens; SDPA at every point,
-    flex attention at ``FLEX_POINTS``; then every point again: captures and allocations then."""
+    flex attention at ``FLEX_POINTS``. Every point is captured first, then timed (a deadline checked
+    before each); the kernels of the 1x1 step; then every point again: captures and allocations then."""
     from logitspec.worker.gpu import GraphRunner
 
     t0 = time.time()
@@ -388,17 +404,23 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
         runner.prefill_slot(toks[:lengths[-1]], chunk=2048)  # slot 0; the others copy it (their own lengths)
         kv.K[:, 1:most] = kv.K[:, :1]
         kv.V[:, 1:most] = kv.V[:, :1]
-        res, first_s, skipped = {}, {}, []
+        res, first_s, skipped, ready = {}, {}, [], []
         step = functools.partial(_graph_step, runner, kv, lengths, toks)
-        for b, n in points:
+        for b, n in points:  # every bucket captured (flex: compiled) before anything is timed
             if time.time() > deadline:
                 skipped.append([b, n])
                 continue
             t1 = time.time()
-            fn = step(b, n)
-            fn()  # captures (and, for flex, compiles) this bucket
+            step(b, n)()
             first_s[f"{b}x{n}"] = round(time.time() - t1, 2)
-            res[(b, n)] = fastest(fn, device, reps=max(3, plan.reps))
+            ready.append((b, n))
+        captured = dict(runner.counters)
+        for b, n in ready:
+            if time.time() > deadline:
+                skipped.append([b, n])
+                continue
+            res[(b, n)] = fastest(step(b, n), device, reps=max(3, plan.reps))
+        kernels = kernels_per_step(step(1, 1), device) if (1, 1) in res else None
         before = dict(runner.counters)
         alloc0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
         for b, n in res:  # every shape again: nothing may be captured or allocated for the graphs
@@ -410,6 +432,8 @@ def graph_timings(plan: Plan, deadline: float) -> dict:
             "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
             "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
             "first_call_s": first_s, "skipped": skipped, "counters": after,
+            "kernels_per_step": kernels,
+            "timed": {k: after[k] - captured[k] for k in ("graphs", "captures", "allocations")},
             "repeat": {**{k: after[k] - before[k] for k in ("graphs", "captures", "allocations")},
                        "cuda_allocations_per_step": round((alloc1 - alloc0) / max(1, len(res)), 1)
                        if cuda else None},
@@ -442,13 +466,15 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-# the graph runner's check, in this order (the default): graph-mode lossless, then the 8B shape's steps, the
-# recorded methods' acceptance replayed on it, the tree curve
-GRAPH_PARTS = ("graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "replay", "graph_timing")
+# the graph runner's check, in this order (the default): graph-mode lossless, the tree curve (the goals the
+# check exists for, before anything that could starve it), then the 8B shape's steps, the recorded
+# methods' acceptance replayed on it
+GRAPH_PARTS = ("graph_lossless", "graph_timing", "hf_graph", "ar_steps", "prefill_8k", "replay")
 EAGER_PARTS = ("lossless", "device_paths")  # the eager engine's check (passed on the H200), with the curves
-# a part's share of the time left when it starts (the rest: the parts after it); graph_timing skips
-# what it cannot start by the end (flex attention's points last)
-SHARE = {"graph_lossless": 0.25, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3, "replay": 0.5}
+# a part's share of the time left when it starts (the rest: the parts after it); every part skips what
+# it cannot start by its share's end (graph_timing: flex attention's points last)
+SHARE = {"graph_lossless": 0.2, "graph_timing": 0.35, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3,
+         "replay": 1.0}
 
 
 def part_names(plan: Plan, asked: str | None = None) -> list[str]:

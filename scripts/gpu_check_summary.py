@@ -53,12 +53,42 @@ def step_figures(read: dict) -> dict:
             "replay": (read["replay"] or {}).get("replay"),
             "replay_note": None if read["replay"] else REPLAY_PENDING}
     timed = [c for mode in ("greedy", "sampled") for c in ((ar or {}).get(mode) or {}).values()]
-    repeats = [a["repeat"]["captures"] for a in ((timing or {}).get("attention") or {}).values()]
+    attentions = (timing or {}).get("attention") or {}
+    repeats = [a[k]["captures"] for a in attentions.values() for k in ("repeat", "timed") if k in a]
     counted = [c["timed_run"]["captures"] for c in timed] + repeats
-    keys["captures_after_warmup"] = sum(counted) if counted else None
+    keys["captures_after_start"] = sum(counted) if counted else None
     waits = [c["host_waits"]["per_step"] for c in timed if "host_waits" in c]
     keys["graph_host_waits_per_step"] = max(waits) if waits else None
+    kernels = {a: got.get("kernels_per_step") for a, got in attentions.items()}
+    keys["kernels_per_step"] = kernels.get("flex") or kernels.get("sdpa")
+    keys["attention"] = "flex" if kernels.get("flex") else ("sdpa" if attentions else None)
     return keys
+
+
+def null_reasons(summary: dict) -> dict:
+    """Why each figure of the summary is None: the part that makes it did not run, failed, or skipped
+    it (the figure's reason beside it, ``nulls``)."""
+    made_by = {"ar_ms_b1": "ar_steps", "ar_ms_b32": "ar_steps", "hf_graph_ms_b1": "hf_graph",
+               "prefill_8k_s": "prefill_8k", "sampled_x_greedy_b1": "ar_steps",
+               "sampled_x_greedy_b32": "ar_steps", "lossless_equal": "graph_lossless",
+               "lossless_total": "graph_lossless", "replay": "replay", "captures_after_start": "graph_timing",
+               "kernels_per_step": "graph_timing", "graph_host_waits_per_step": "ar_steps",
+               **{k: "graph_timing" for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64")}}
+    parts, out = summary.get("parts", {}), {}
+    for key, part in made_by.items():
+        if summary.get(key) is not None:
+            continue
+        got = parts.get(part)
+        if got is None:
+            out[key] = f"the {part} part did not run (--parts)"
+        elif got.get("error"):
+            out[key] = f"the {part} part failed: {str(got['error'])[:200]}"
+        elif key in ("kernels_per_step", "graph_host_waits_per_step") and not str(
+                (summary.get("environment") or {}).get("device", "")).startswith("cuda"):
+            out[key] = "counted on CUDA only"
+        else:
+            out[key] = f"the {part} part ran out of time or skipped it (its JSON lists what it skipped)"
+    return out
 
 
 def write(summary: dict, out: pathlib.Path, start: float) -> dict:
@@ -84,6 +114,7 @@ def write(summary: dict, out: pathlib.Path, start: float) -> dict:
     summary["failed_cases"] = [{k: c[k] for k in ("family", "dtype", "method", "batch", "budget")}
                                for c in cases if not c["ok"]]
     summary["part_errors"] = [k for k, v in summary["parts"].items() if v["error"]]
+    summary["nulls"] = null_reasons(summary)
     summary["wall_s"] = round(time.time() - start, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -94,7 +125,8 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     passed, eager and graph, and no part failed)."""
     summary = write(summary, out, start)
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s",
-            *SUMMARY_KEYS[:-1], "captures_after_warmup", "graph_host_waits_per_step")
+            *SUMMARY_KEYS[:-1], "captures_after_start", "graph_host_waits_per_step", "kernels_per_step",
+            "attention", "nulls")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
     graph_ok = (summary["graph"] or {}).get("lossless_ok", "graph_lossless" not in summary["parts"])
     passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))

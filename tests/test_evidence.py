@@ -122,4 +122,6 @@ def test_the_policy_decodes_plainly_when_drafting_steps_are_slower():
         policy.observe(rows, trees, [[0]] * len(rows), t)
     assert sum(1 for n in nodes[-100:] if n) <= 15
     summary = policy.evidence_summary(2)
-    assert summary["speed"]["2"]["verdict"] == "plain" and summary["break_even"] == pytest.approx(0.0)
+    assert summary["speed"]["2"]["verdict"] == "plain"
+    # the curve prices nodes at nothing; the learned cost correction prices drafting steps above
+    assert summary["break_even"] > 0.3

@@ -115,8 +115,10 @@ def _check_graph_parts(out, summary, timing_skipped):
     assert min(prefill[k] for k in ("engine_s", "slot_chunked_s", "slot_whole_s")) > 0
     assert summary["prefill_8k_s"] == prefill["engine_s"]
     assert summary["lossless_equal"] == summary["lossless_total"] > 0
-    assert summary["captures_after_warmup"] == 0
+    assert summary["captures_after_start"] == 0
     assert summary["graph_host_waits_per_step"] is None  # counted on CUDA only
+    assert summary["nulls"]["kernels_per_step"] == "counted on CUDA only"
+    assert set(summary["nulls"]) <= {"kernels_per_step", "graph_host_waits_per_step", "replay"}
     if not ar["skipped"]:
         assert all(summary[k] > 0 for k in ("ar_ms_b1", "ar_ms_b32", "sampled_x_greedy_b1",
                                             "sampled_x_greedy_b32"))
@@ -124,12 +126,12 @@ def _check_graph_parts(out, summary, timing_skipped):
         assert all(summary[k] > 0 for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64"))
 
 
-def test_the_default_parts_are_the_graph_runners_and_all_adds_the_eager_ones():
+def test_the_default_parts_are_the_graph_runners_tree_timing_first_and_all_adds_the_eager_ones():
     import gpu_check
 
     plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))
-    assert gpu_check.part_names(plan) == ["graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "replay",
-                                          "graph_timing"]
+    assert gpu_check.part_names(plan) == ["graph_lossless", "graph_timing", "hf_graph", "ar_steps",
+                                          "prefill_8k", "replay"]
     assert gpu_check.part_names(plan, "lossless,ar_steps") == ["lossless", "ar_steps"]
     assert {"lossless", "device_paths", "curve_llama3-8b", "curve_qwen2.5-7b", "ar_steps"} <= set(
         gpu_check.part_names(plan, "all"))

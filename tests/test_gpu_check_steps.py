@@ -74,7 +74,11 @@ def test_the_summary_has_every_promised_key_from_the_parts_files(tmp_path):
     assert (summary["hf_graph_ms_b1"], summary["prefill_8k_s"], summary["tree4_x_b64"]) == (8.2, 0.4, 1.7)
     assert (summary["lossless_equal"], summary["lossless_total"]) == (3, 3)
     assert summary["replay"] is None and "replay" in summary["replay_note"]
-    assert summary["captures_after_warmup"] == 0 and summary["graph_host_waits_per_step"] == 1.0
+    assert summary["captures_after_start"] == 0 and summary["graph_host_waits_per_step"] == 1.0
+    # a figure not measured is None with its reason beside it
+    assert summary["kernels_per_step"] is None
+    assert summary["nulls"]["kernels_per_step"] == "counted on CUDA only"
+    assert "replay" in summary["nulls"]["replay"] and "ar_ms_b1" not in summary["nulls"]
     (tmp_path / "replay.json").write_text(json.dumps({"replay": {"trace": {"logitspec": {"x_ar": 2.5}}}}))
     summary = gpu_check_summary.write({"parts": {}}, tmp_path, 0.0)
     assert summary["replay"] == {"trace": {"logitspec": {"x_ar": 2.5}}} and summary["replay_note"] is None

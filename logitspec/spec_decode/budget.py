@@ -179,12 +179,14 @@ class CostCurve:
         return d
 
 
-def break_even(curve: CostCurve, rows: int) -> float:
+def break_even(curve: CostCurve, rows: int, cost_scale: float = 1.0) -> float:
     """The acceptance rate at which one draft token per row pays at ``rows`` rows: a forward of 2
     tokens a row gives 1 + p tokens a row where one of 1 gives 1, so it pays when
-    p > step(rows, 2) / step(rows, 1) - 1 (at least 1: no rate pays; nan for a curve of 0 s)."""
+    p > step(rows, 2) / step(rows, 1) - 1 (at least 1: no rate pays; nan for a curve of 0 s).
+    ``cost_scale``: the learned correction of a drafting forward's time against a plain one's
+    (:class:`~logitspec.spec_decode.feedback.Corrections`)."""
     one = curve.step(int(rows), 1)
-    return max(0.0, curve.step(int(rows), 2) / one - 1.0) if one > 0 else math.nan
+    return max(0.0, curve.step(int(rows), 2) * cost_scale / one - 1.0) if one > 0 else math.nan
 
 
 def choose_size(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int) -> int:

@@ -220,10 +220,12 @@ class SpeculationPolicy:
     def evidence_summary(self, rows: int = 1) -> dict:
         """What the auto budget decides from (empty unless the budget is auto): per draft kind the
         first nodes tested (decayed counts), their acceptance and its interval; the break-even rate
-        at ``rows`` rows; the rows probed; the speed guard's per-class verdict and tokens/s."""
+        at ``rows`` rows (with the learned cost correction); the rows probed; the speed guard's
+        per-class verdict and tokens/s."""
         if not self.auto_budget:
             return {}
-        be = break_even(self.cost_curve, rows) if self.cost_curve is not None else None
+        be = (break_even(self.cost_curve, rows, self.realised.of(rows).cost) if self.cost_curve is not None
+              else None)
         return {"first_nodes": self.evidence.summary(dict(enumerate(KINDS))), "break_even": be, "rows": rows,
                 "probes": self.probes, "speed": self.guard.summary()}
 
@@ -253,7 +255,7 @@ class SpeculationPolicy:
         fix = self.realised.of(B)
         sizes = choose_sizes(ranked, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
                              columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
-        sizes = self._probe(sizes, trees, rows, break_even(curve, B))
+        sizes = self._probe(sizes, trees, rows, break_even(curve, B, fix.cost))
         sizes = self._after_choice(sizes)
         self.expected = None if fresh else estimate(ranked, sizes, curve, columns)
         return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
