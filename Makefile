@@ -1,11 +1,11 @@
-# Quick start: `make demo` (set up, then run the Ray job on the sample prompts), `make test`.
+# Quick start: `make demo` (set up, then run the Ray job on the demo's prompts), `make test`.
 .PHONY: setup demo test test-fast bench
 
 setup:
 	bash scripts/setup.sh
 
 demo: setup
-	.venv/bin/python jobs/generate.py --input data/sample_prompts.jsonl --output out/sample
+	.venv/bin/python jobs/generate.py --input data/demo/prompts.jsonl --output out/sample
 
 test: setup
 	.venv/bin/python -m pytest -q -ra --durations=15

@@ -981,10 +981,11 @@ def test_remote_code_is_refused_unless_asked(tmp_path, tiny):
 
 @pytest.mark.slow
 def test_quick_start_on_the_embedded_model(tmp_path, ray_session):
-    """The README quick start, on 3 sample rows and 8 new tokens: the embedded default model."""
+    """The README quick start (``make demo``'s input), on 3 of its rows and 8 new tokens: the embedded
+    default model."""
     from pipeline.job.run import run_job
 
-    summary = run_job(JobConfig(input=str(REPO / "data" / "sample_prompts.jsonl"),
+    summary = run_job(JobConfig(input=str(REPO / "data" / "demo" / "prompts.jsonl"),
                                 output=str(tmp_path / "out"), gen=job_spec(max_new_tokens=8), limit=3))
     assert summary["complete"] and summary["rows"]["done_now"] == 3
     table = read_generations(tmp_path / "out")

@@ -33,6 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .budget_replay import guesses_of
+
 K_MAX = 100  # the paper's curve: k = 1..100
 RETRIEVAL_VARIANTS = ("logitspec", "logitspec_no_guesses", "pld", "rest_context")
 
@@ -135,11 +137,6 @@ def greedy_traces(model, tokenizer, questions, max_new_tokens: int, top: int = 6
         traces.append(Trace(q.task, q.question_id, list(p), list(o), next_next_ranks(logits, o),
                             torch.topk(logits, min(top, logits.shape[-1]), dim=-1).indices.numpy()))
     return traces
-
-
-def guesses_of(trace: Trace, k: int) -> list[list[int]]:
-    """Per step, the top-k tokens of the last logits without the chosen token (LogitSpec's guesses)."""
-    return [[int(t) for t in row if t != tok][:k] for row, tok in zip(trace.top, trace.output)]
 
 
 # ------------------------------------------------------------------------------------------ reports

@@ -56,6 +56,12 @@ class Replayed:
                 "guess_share": round(self.accepted["guess"] / drafted, 4) if drafted else None}
 
 
+def guesses_of(trace, k: int) -> list[list[int]]:
+    """Per step of a greedy trace (:class:`~logitspec.bench.analyses.Trace`), the top-k tokens of the
+    last logits without the chosen token (LogitSpec's guesses)."""
+    return [[int(t) for t in row if t != tok][:k] for row, tok in zip(trace.top, trace.output)]
+
+
 def replay_greedy(drafter, prompt: Sequence[int], output: Sequence[int], guesses: Sequence[Sequence[int]],
                   budget: int, max_ngram: int, min_ngram: int) -> Replayed:
     """Greedy decoding of ``output`` (its first token from the prefill) with ``drafter``'s trees of
@@ -94,7 +100,6 @@ def budget_report(traces, capacities: Sequence[int], methods: Sequence[str] = ME
     engine's defaults with ``budget="fixed"``)."""
     from logitspec.spec_decode.drafters import make_drafter
 
-    from .analyses import guesses_of
     from .methods import parse_methods
     from .questions import task_order
 
