@@ -76,7 +76,8 @@ def _generate(args) -> int:
 def _add_analyses(sub) -> None:
     from .bench.analyses import add_arguments
 
-    text = "the paper's two analyses: next-next token in the top-k of the last logits, retrieval success"
+    text = ("the paper's two analyses (next-next token in the top-k of the last logits, retrieval success) "
+            "and the drafters at equal fixed budgets by replayed greedy acceptance")
     p = sub.add_parser("analyses", help=text, formatter_class=DefaultsHelpFormatter,
                        description=f"Analyses: {text} (as python -m logitspec.bench.analyses).")
     add_arguments(p)

@@ -93,3 +93,18 @@ def test_logitspecs_tree_holds_plds_at_every_budget():
             checked += len(p) > 1
             longer += max(len(q) for q in _paths(t)) > 11  # a first chain past pld's 10 tokens
     assert checked > 300 and longer > 0
+
+
+def test_guess_order_context_puts_guesses_that_followed_the_root_first():
+    """guess_order="context": a guess the context shows right after the root goes first (with its
+    continuation), the others after it in logit order; "logits" keeps the logits' order."""
+    ctx = [5, 6, 42, 43, 1, 9, 8, 3, 6, 7, 2, 6]  # the root 6 was followed by 42, then (latest) by 7
+    sources = [SequenceIndex(ctx, 3, 1)]
+    guesses = [11, 12, 42]  # 42 is the third guess by the logits
+    for order, first in (("logits", 11), ("context", 42)):
+        cfg = SpecConfig(method="logitspec", capacity=6, top_k=3, guess_order=order, max_ngram=2)
+        tree = LogitSpecDrafter(cfg).draft(sources, ctx, guesses, 6)
+        children = [int(tree.tokens[i]) for i in range(1, len(tree)) if tree.parents[i] == 0]
+        guessed = [t for t in children if t in guesses]
+        assert guessed[0] == first, (order, children)
+    assert tree.child(tree.child(0, 42), 43) is not None  # the moved guess keeps its continuation
