@@ -125,3 +125,18 @@ def test_the_policy_decodes_plainly_when_drafting_steps_are_slower():
     assert summary["speed"]["2"]["verdict"] == "plain"
     # the curve prices nodes at nothing; the learned cost correction prices drafting steps above
     assert summary["break_even"] > 0.3
+
+
+def test_the_guard_compares_steps_of_different_row_counts_per_row():
+    """Drafting steps of 4 rows (1.5 tokens a row in 1.2 plain steps' time) against plain steps of 7
+    rows (in the same class): per row drafting is faster, though the 7-row steps commit more tokens
+    a second; the guard, given each step's plain time, keeps drafting."""
+    guard = SpeedGuard()
+    for _ in range(40):
+        m = guard.mode(4)
+        if m == "draft":
+            guard.record(4, "draft", 6, 1.2, plain_s=1.0)
+        else:
+            guard.record(7, "plain", 7, 1.0, plain_s=1.0)
+    assert guard.summary()["4"]["verdict"] == "draft"
+    assert guard.summary()["4"]["plain"]["tokens_per_s"] > guard.summary()["4"]["draft"]["tokens_per_s"]

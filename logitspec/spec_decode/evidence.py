@@ -11,8 +11,9 @@ thin evidence never learns otherwise. Two checks keep it honest:
   the policy verifies one node of such rows (a probe) even where the point estimate says none.
   Counts decay every step (``DECAY``), so evidence ages and a kind is re-checked on a schedule no
   run of bad luck can stop.
-- :class:`SpeedGuard`: the measured tokens per second of steps that may draft (the budget decides)
-  against steps that decode plainly, per batch-size class, interleaved. Drafting is turned off only
+- :class:`SpeedGuard`: the measured speed of steps that may draft (the budget decides) against steps
+  that decode plainly, per batch-size class, interleaved (tokens per row per plain step's curve time,
+  so steps of different row counts in one class compare fairly). Drafting is turned off only
   when the interval of the difference says plain decoding is faster; plain steps are still taken
   now and then while drafting wins, and drafting steps while plain wins, at intervals that double
   while the verdict holds (``RECHECK_FIRST`` .. ``RECHECK_LAST``). This is what makes the auto budget
@@ -124,6 +125,7 @@ class _Classes:
         self.verdict = "undecided"  # "draft" | "plain" | "undecided"
         self.every = RECHECK_FIRST  # steps between samples of the losing mode
         self.since = 0  # steps since the losing mode was last sampled
+        self.shown: dict[str, float] = {}  # per mode, recent tokens per second (for the log)
 
 
 class SpeedGuard:
@@ -147,12 +149,17 @@ class SpeedGuard:
             return "draft" if winner == "plain" else "plain"
         return winner
 
-    def record(self, rows: int, mode: str, tokens: int, seconds: float) -> None:
-        """A step of ``rows`` rows in ``mode`` committed ``tokens`` in ``seconds``."""
+    def record(self, rows: int, mode: str, tokens: int, seconds: float, plain_s: float | None = None) -> None:
+        """A step of ``rows`` rows in ``mode`` committed ``tokens`` in ``seconds``. ``plain_s``: the
+        cost curve's time for a plain step of ``rows`` rows; with it the modes are compared by tokens
+        per row per plain step's time (steps of 4 and 7 rows share a class, and a step of more rows
+        commits more tokens a second whatever its mode), without it by tokens per second."""
         if seconds <= 0:
             return
         c = self._of(rows)
-        (c.draft if mode == "draft" else c.plain).add(tokens / seconds)
+        speed = tokens / rows * plain_s / seconds if plain_s else tokens / seconds
+        (c.draft if mode == "draft" else c.plain).add(speed)
+        c.shown[mode] = 0.9 * c.shown.get(mode, tokens / seconds) + 0.1 * tokens / seconds
         if min(c.draft.n, c.plain.n) < MIN_ARM_STEPS:
             return
         diff = c.draft.mean - c.plain.mean
@@ -171,6 +178,6 @@ class SpeedGuard:
         for key, c in sorted(self._classes.items()):
             out[str(1 << (key - 1))] = {
                 "verdict": c.verdict,
-                "draft": {"steps": c.draft.count, "tokens_per_s": round(c.draft.mean, 2)},
-                "plain": {"steps": c.plain.count, "tokens_per_s": round(c.plain.mean, 2)}}
+                "draft": {"steps": c.draft.count, "tokens_per_s": round(c.shown.get("draft", 0.0), 2)},
+                "plain": {"steps": c.plain.count, "tokens_per_s": round(c.shown.get("plain", 0.0), 2)}}
         return out

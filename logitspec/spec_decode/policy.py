@@ -196,9 +196,10 @@ class SpeculationPolicy:
             self.acceptance.update(tree, path, row.streak)
             if self.auto_budget:
                 self.evidence.update(tree, path, row.streak)
-        if self.auto_budget:
-            self.guard.record(len(trees), self.mode, sum(len(p) for p in paths),
-                              self.agree_on(sum(times.values())))  # every TP rank the same
+        if self.auto_budget and self.cost_curve is not None:
+            B = len(trees)
+            self.guard.record(B, self.mode, sum(len(p) for p in paths), self.agree_on(sum(times.values())),
+                              plain_s=self.cost_curve.step(B, 1))  # every TP rank the same
         if outputs is not None:
             for row, tree, path, out in zip(rows, trees, paths, outputs):
                 self.drafter.observe(row.draft_state, tree, path, out)
