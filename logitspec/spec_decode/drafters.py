@@ -50,20 +50,23 @@ class LogitSpecDrafter(Drafter):
         # keys for (root, guess): the last max_ngram - 1 context tokens, then the guess
         tail = list(context[len(context) - (c.max_ngram - 1):]) if c.max_ngram > 1 else []
         ranked = list(enumerate(guesses, 1))
+        found = {}  # guess -> its (root, guess) retrieval, of the longest branch any place keeps
         if c.guess_order == "context":  # guesses that followed the root in the context first
             pair = min(2, len(tail) + 1)  # the n-gram (root, guess) at least
-
-            def follows_root(g: int) -> bool:
-                hits, order, _ = retrieve_with_order(sources, tail + [g], 1, 1, c.max_ngram, c.min_ngram)
-                return bool(hits) and order >= pair
-            ranked.sort(key=lambda rg: not follows_root(int(rg[1])))
+            longest = max(1, max((*c.rank_keep, c.rank_keep_else)) - 1)
+            for _, g in ranked:
+                found[int(g)] = retrieve_with_order(sources, tail + [int(g)], longest, 1, c.max_ngram,
+                                                    c.min_ngram)
+            ranked.sort(key=lambda rg: not (found[int(rg[1])][0] and found[int(rg[1])][1] >= pair))
         for place, (rank, g) in enumerate(ranked, 1):
             if b.full:
                 break
             keep = c.keep_for_rank(place)
-            hits, _, src = (retrieve_with_order(sources, tail + [int(g)], keep - 1, 1, c.max_ngram,
-                                                c.min_ngram)
-                            if keep > 1 else ([], 0, -1))
+            hits, _, src = [], 0, -1
+            if keep > 1:
+                hits, _, src = found.get(int(g)) or retrieve_with_order(sources, tail + [int(g)], keep - 1, 1,
+                                                                        c.max_ngram, c.min_ngram)
+                hits = [h[:keep - 1] for h in hits]  # a retrieval's prefix is the shorter retrieval
             added = b.add_chain([int(g)] + (hits[0] if hits else []), kind=guess_kind(rank), origin=src,
                                 first_origin=GUESS)
             b.retrieved |= bool(hits) and added > 0

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from logitspec.spec_decode.feedback import class_rows, size_class
 from logitspec.spec_decode.tree import DraftTree
 
 Z = 1.645  # one-sided 95%
@@ -32,6 +33,11 @@ DECAY = 0.995  # per step: counts halve in about 140 steps
 MIN_ARM_STEPS = 6.0  # steps each mode needs before the guard compares them
 RECHECK_FIRST, RECHECK_LAST = 8, 64  # steps between samples of the losing mode, doubling while it loses
 ARM_DECAY = 0.97  # per sample of a mode: its speed is a mean over about its last 30 steps
+
+
+def first_nodes(tree: DraftTree) -> np.ndarray:
+    """int64 [k]: the draft's first nodes (the root's children)."""
+    return np.flatnonzero(tree.parents[1:] == 0) + 1
 
 
 def wilson(hits: float, tries: float, z: float = Z) -> tuple[float, float]:
@@ -63,8 +69,7 @@ class FirstNodeEvidence:
 
     def update(self, tree: DraftTree, path, state: int) -> None:
         """The root's children were tested; the one on ``path`` (if any) passed."""
-        children = np.flatnonzero(tree.parents[1:] == 0) + 1 if len(tree) > 1 else []
-        for c in children:
+        for c in first_nodes(tree):
             k = int(tree.kinds[c])
             self.tries[state, k] += 1.0
             self.hits[state, k] += float(len(path) > 1 and path[1] == c)
@@ -75,8 +80,7 @@ class FirstNodeEvidence:
     def unsound(self, tree: DraftTree, state: int, break_even: float) -> bool:
         """Whether the evidence that ``tree``'s first nodes do not pay is not yet sound: some first
         node's kind has an acceptance interval reaching ``break_even``."""
-        children = np.flatnonzero(tree.parents[1:] == 0) + 1 if len(tree) > 1 else []
-        return any(self.bounds(state, int(tree.kinds[c]))[1] >= break_even for c in children)
+        return any(self.bounds(state, int(tree.kinds[c]))[1] >= break_even for c in first_nodes(tree))
 
     def summary(self, kind_names: dict[int, str]) -> dict:
         """Per kind (states pooled): first nodes tested (decayed), acceptance and its interval."""
@@ -117,7 +121,7 @@ class _Arm:
         return max(self.s2 / self.w - self.mean ** 2, 0.0) if self.w else 0.0
 
 
-class _Classes:
+class _ClassState:
     """The guard's state for one batch-size class."""
 
     def __init__(self):
@@ -132,10 +136,10 @@ class SpeedGuard:
     """Steps that may draft against plain steps, by measured tokens per second (see the module)."""
 
     def __init__(self):
-        self._classes: dict[int, _Classes] = {}
+        self._classes: dict[int, _ClassState] = {}
 
-    def _of(self, rows: int) -> _Classes:
-        return self._classes.setdefault(int(rows).bit_length(), _Classes())
+    def _of(self, rows: int) -> _ClassState:
+        return self._classes.setdefault(size_class(rows), _ClassState())
 
     def mode(self, rows: int) -> str:
         """``"draft"`` (the budget decides) or ``"plain"`` for the next step of ``rows`` rows."""
@@ -176,7 +180,7 @@ class SpeedGuard:
         verdict."""
         out = {}
         for key, c in sorted(self._classes.items()):
-            out[str(1 << (key - 1))] = {
+            out[str(class_rows(key))] = {
                 "verdict": c.verdict,
                 "draft": {"steps": c.draft.count, "tokens_per_s": round(c.shown.get("draft", 0.0), 2)},
                 "plain": {"steps": c.plain.count, "tokens_per_s": round(c.shown.get("plain", 0.0), 2)}}

@@ -45,6 +45,16 @@ class _Mean:
         return self.total / self.weight
 
 
+def size_class(rows: int) -> int:
+    """The batch-size class of a step of ``rows`` rows: 1 | 2-3 | 4-7 | 8-15 | ... (its key)."""
+    return int(rows).bit_length()
+
+
+def class_rows(key: int) -> int:
+    """The smallest row count of batch-size class ``key``."""
+    return 1 << (key - 1)
+
+
 class Realised:
     """Corrections for the budget's token and cost estimates from the steps so far, per batch-size
     class (see the module): ``of(rows)`` gives the class's :class:`Corrections`."""
@@ -59,7 +69,7 @@ class Realised:
         learning nothing, below ``MIN_ROWS``)."""
         if rows < MIN_ROWS:
             return self._none
-        key = int(rows).bit_length()  # 2-3 | 4-7 | 8-15 | ...
+        key = size_class(rows)
         if key not in self._classes:
             self._classes[key] = Corrections(self.prior, self.decay)
         return self._classes[key]
@@ -68,7 +78,7 @@ class Realised:
         """Each class's corrections, keyed by its smallest row count."""
         out = {}
         for key, c in sorted(self._classes.items()):
-            rows = 1 << (key - 1)
+            rows = class_rows(key)
             out[f"budget_token_scale@{rows}"], out[f"budget_cost_scale@{rows}"] = c.tokens, c.cost
         return out
 
