@@ -305,6 +305,11 @@ def test_end_to_end_on_a_tiny_model_with_token_id_prompts(tmp_path, one_thread):
     assert curve["tokens"][0] == 1 and min(curve["seconds"]) > 0
     assert "cost_curve" in summary["method_configs"]["pld"]  # every drafting method is budgeted
     assert "cost_curve" not in summary["method_configs"]["ar"]
+    # ... with what it decided from: the first nodes it verified and the guard's steps of each mode
+    evidence = summary["method_configs"]["logitspec"]["budget_evidence"]
+    assert sum(k["tested"] for k in evidence["first_nodes"].values()) > 0
+    assert sum(c["draft"]["steps"] + c["plain"]["steps"] for c in evidence["speed"].values()) > 0
+    assert "budget_evidence" not in summary["method_configs"]["ar"]
     assert "## Forward cost curves used by the auto draft budget" in md
     assert "| `pld` | auto |" in md and "| `ar` | - |" in md and "| `hf` | - |" in md  # each one's budget
     # re-rendering from the records gives the same numbers; a cut-short file renders as partial

@@ -23,7 +23,7 @@ class Row:
     guesses: list[int] = field(default_factory=list)
     streak: int = 0
     remaining: int = 100
-    recent_rate: float = 1.0
+    drafted_rate: float = 1.0
 
     def __post_init__(self):
         self.sources = [SequenceIndex(self.tokens, 3, 1)]

@@ -5,7 +5,9 @@ from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.engine.request import Request
+from logitspec.engine.sequence import RATE_STEPS, DecodingSequence
 from logitspec.engine.session import sample_seed
+from logitspec.sample.params import SamplingParams
 from logitspec.worker.prefix_cache import PrefixCache
 
 N_NEW = 16
@@ -301,3 +303,17 @@ def test_short_prompts_whole_in_the_prefix_cache_are_admitted_without_a_forward(
     run = second.run(prompts + prompts[:1], max_new_tokens=N_NEW)
     assert [r.token_ids for r in run.results] == refs + refs[:1]
     assert log and all(kind == "D" for kind, _ in log)  # every prompt came whole from the cache
+
+
+def test_a_rows_drafted_rate_counts_only_its_steps_that_verified_drafts():
+    """The drain rule's estimate of a row's steps left: tokens per step when it drafts, so a row the
+    budget stopped drafting for does not look slower than it is (its plain steps left out)."""
+    seq = DecodingSequence.start((0, 0), [1, 2, 3], 64, SamplingParams(), 0, [], [], 4, 1)
+    assert seq.drafted_rate == 1.0  # nothing drafted yet
+    seq.stats.add_step(1, retrieved=False)  # the prefill's token
+    for emitted, size in [(4, 6), (1, 0), (1, 0), (3, 5), (1, 0)]:
+        seq.stats.add_step(emitted, retrieved=size > 0, tree_size=size)
+    assert seq.drafted_rate == 3.5
+    for _ in range(RATE_STEPS):
+        seq.stats.add_step(2, retrieved=True, tree_size=1)
+    assert seq.drafted_rate == 2.0  # the last RATE_STEPS drafting steps only

@@ -252,4 +252,7 @@ def describe(runner) -> dict:
     curve = eng.policy.cost_curve
     if curve is not None:
         out["cost_curve"] = curve.to_dict()
+    if eng.policy.auto_budget:
+        out["budget_evidence"] = eng.policy.evidence_summary(eng.config.max_batch_size)
+        out["budget_corrections"] = eng.policy.stats()
     return out

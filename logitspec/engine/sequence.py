@@ -18,7 +18,7 @@ from logitspec.engine.stops import stop_cut
 from logitspec.sample.params import SamplingParams
 from logitspec.spec_decode.ngram_index import NgramSource, SequenceIndex, SiblingSource
 
-RATE_STEPS = 8  # a row's recent tokens per step: the mean over this many steps
+RATE_STEPS = 8  # a row's tokens per drafting step: the mean over this many of its last ones
 
 
 @dataclass
@@ -90,9 +90,16 @@ class DecodingSequence:
         return self.max_new - len(self.out)
 
     @property
-    def recent_rate(self) -> float:
-        """Tokens per step over its last ``RATE_STEPS`` steps (1 before any)."""
-        return float(np.mean(self.stats.accepted_lengths[-RATE_STEPS:] or [1]))
+    def drafted_rate(self) -> float:
+        """Tokens per step over its last ``RATE_STEPS`` steps that verified draft nodes (1 before
+        any): what a step gives it when it drafts, whatever the budget gave it since."""
+        st, drafted = self.stats, []
+        for i in range(len(st.tree_sizes) - 1, 0, -1):  # newest first; step 0 is the prefill's
+            if st.tree_sizes[i] > 0:
+                drafted.append(st.accepted_lengths[i])
+                if len(drafted) == RATE_STEPS:
+                    break
+        return float(np.mean(drafted or [1]))
 
     # ------------------------------------------------------------------ emitting
     def emit(self, tokens: list[int], eos_ids: set[int], tokenizer) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -266,26 +266,30 @@ def padded_decoder(cost: CostCurve, rows: int, width: int, columns: float | None
     return cost.step(rows, width + 1, columns) - float(cost.head_time(rows * (width + 1)))
 
 
-def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float, end: float = 1.0,
-                  near: float = 0.9) -> np.ndarray:
+def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float,
+                  end: float | Callable[[int], float] = 1.0, near: float = 0.9) -> np.ndarray:
     """What a drafted token of each row is worth, in plain steps, for a batch that is only draining
     (no prompt waits for a slot), float64 [B]; a plain step is worth 1 (``choose_sizes``' ``base``):
     it moves the batch's end one step.
 
-    The batch ends with its slowest row. A row that alone sets the end (its estimated steps left,
-    ``remaining`` tokens over its recent ``rates`` of tokens per step, the only ones within ``near``
-    of the most) moves the end with each token it gains: worth ``end``, the cost of the batch's last
-    steps over a step's. Any other row's token only makes the row finish sooner, saving its own part
-    of each later step: worth ``share``, a row's marginal cost over the step's. So is a token of a
-    row that ties with others for the end, since the end moves only if all of them gain (in a
-    static batch of equally long answers every row ties at first). A heuristic: a row's end of
-    sequence is not known in advance; a row without a recent rate counts one token a step."""
+    The batch ends with its slowest rows: those whose estimated steps left (``remaining`` tokens over
+    their recent ``rates`` of tokens per step) are within ``near`` of the most. The end moves when all
+    k of them gain, so each of their tokens is worth ``end(k) / k``, where ``end(k)`` is the cost of
+    the batch's last steps (k rows) over a step's (a float: the same for every k): k tied rows that
+    each gain g tokens move the end g steps, what throughput would count. (Valuing tied rows at a
+    row's share, as an earlier rule did, left a static batch of equally long answers decoding
+    plainly where verifying 8 nodes a row was 1.5x faster a step.) Any other row's token only makes
+    the row finish sooner, saving its own part of each later step: worth ``share``, a row's
+    marginal cost over the step's. A heuristic: a row's end of sequence is not known in advance,
+    and the mean gain of tied rows stands for the smallest; a row without a recent rate counts one
+    token a step."""
     rates = np.nan_to_num(np.asarray(rates, dtype=float), nan=1.0)
     est = np.asarray(remaining, dtype=float) / np.maximum(rates, 1e-9)  # [B]
     critical = est >= near * est.max()
+    k = int(critical.sum())
     weights = np.full(len(est), float(np.clip(share, 0.0, 1.0)))
-    if critical.sum() == 1:
-        weights[critical] = max(float(end), 0.0)
+    cost = end(k) if callable(end) else end
+    weights[critical] = max(float(cost), 0.0) / k
     return weights
 
 

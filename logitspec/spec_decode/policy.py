@@ -84,7 +84,7 @@ class DraftRow(Protocol):
     def remaining(self) -> int: ...  # tokens it may still emit
 
     @property
-    def recent_rate(self) -> float: ...  # recent tokens per step
+    def drafted_rate(self) -> float: ...  # tokens per step over its recent steps that drafted
 
 
 class SpeculationPolicy:
@@ -246,8 +246,9 @@ class SpeculationPolicy:
         weights, base = None, None
         if draining and B > 1:  # tokens worth what they save of the batch's time (budget.drain_weights)
             step = curve.step(B, 1)
-            weights = drain_weights([r.remaining for r in rows], [r.recent_rate for r in rows],
-                                    share=(step - curve.step(B - 1, 1)) / step, end=curve.step(1, 1) / step)
+            weights = drain_weights([r.remaining for r in rows], [r.drafted_rate for r in rows],
+                                    share=(step - curve.step(B - 1, 1)) / step,
+                                    end=lambda k: curve.step(k, 1) / step)
             base = 1.0
         probs = [self.acceptance.node_probs(t, r.streak) for t, r in zip(trees, rows)]
         most = max(len(t) - 1 for t in trees)
