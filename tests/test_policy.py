@@ -130,3 +130,20 @@ def test_every_drafting_method_is_cut_by_the_auto_budget_alike(method):
     fixed = _policy(STEEP, method=method, budget="fixed").draft(rows)
     assert len(free[0]) > 1 and [len(t) for t in free] == [len(t) for t in fixed]
     assert _policy(FREE, method=method).auto_budget and not _policy(FREE, method="lookahead").auto_budget
+
+
+@pytest.mark.parametrize("budget", ["auto", "fixed"])
+def test_a_step_agrees_on_its_timings_once_and_a_fixed_budget_never(budget):
+    """In a tensor-parallel group each ``agree_on`` is a collective: a step of the auto budget agrees
+    on its time once (and on drafting's share once where it drafted), a fixed budget on nothing."""
+    calls = []
+    cfg = SpecConfig(method="logitspec", budget=budget)
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=FREE,
+                               agree_on=lambda x: calls.append(x) or x)
+    rows = _rows(2)
+    for _ in range(12):  # the guard's plain and drafting steps
+        n = len(calls)
+        trees = policy.draft(rows)
+        drafted = policy.drafted
+        policy.observe(rows, trees, [[0]] * 2, TIMES)
+        assert len(calls) - n == (0 if budget == "fixed" else 1 + drafted)

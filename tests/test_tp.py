@@ -170,6 +170,45 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
     print(f"TP=2 group (spawn, load, {len(CASES)} cases x 2 models): {tp_s:.1f} s")
 
 
+def _consensus_rank(rank: int, world: int, port: int, results_q) -> None:
+    """One rank of a plain gloo group running forwards of the same tiny model under LogitsConsensus;
+    rank 1 feeds other tokens to the 4th forward."""
+    try:
+        import torch.distributed as dist
+
+        from logitspec.engine.tensor_parallel import LogitsConsensus, RanksDiverged
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        model = tiny_model("llama", attn="sdpa")
+        consensus = LogitsConsensus(model)
+        seen = []  # per forward: (forwards compared after it, error)
+        with torch.no_grad():
+            for f in range(6):
+                ids = torch.tensor([[1 + f + (rank if f == 3 else 0)]])
+                try:
+                    model(input_ids=ids, position_ids=torch.tensor([[f]]))
+                    seen.append((consensus.checked, None))
+                except RanksDiverged as e:
+                    seen.append((consensus.checked, str(e)))
+                    break
+        results_q.put((rank, seen, None))
+    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
+        results_q.put((rank, None, traceback.format_exc()))
+
+
+def test_consensus_checks_a_forward_one_forward_later_and_every_rank_stops_alike():
+    """The ranks' checksums of a forward are compared at the next forward (no wait for the current
+    forward's collective on the hot path); a rank fed other inputs makes every rank raise at the same
+    forward, naming the forward that diverged."""
+    ranks = run_group(TP, _consensus_rank, timeout=120)
+    assert ranks[0] == ranks[1]
+    seen = ranks[0]
+    assert [checked for checked, _ in seen] == [0, 1, 2, 3, 4]  # forward f compares forward f - 1
+    assert [err is None for _, err in seen] == [True] * 4 + [False]
+    assert "forward 4" in seen[-1][1]
+
+
 def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompts, results_q) -> None:
     """One rank whose own step timings say "skip drafting" on rank 0 and "draft" on rank 1: with the
     group's agreement (rank 0's share) the ranks decode alike; each rank on its own timings diverges."""

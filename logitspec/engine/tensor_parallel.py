@@ -33,6 +33,7 @@ log = logging.getLogger("logitspec.engine.tensor_parallel")
 
 DEFAULT_TIMEOUT_S = 1800.0  # one collective may wait this long (a long prefill on a slow peer is fine)
 _SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's shm all-reduce segment names (ops/csrc/cpu/comm)
+_HOST_GROUP = None  # init_rank's gloo group for host values beside an NCCL group (host_group)
 
 
 class RanksDiverged(RuntimeError):
@@ -96,6 +97,8 @@ def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cp
     backend = backend or default_backend(device)
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False,
                                rank=rank, world_size=world_size)
+    global _HOST_GROUP
+    _HOST_GROUP = torch.distributed.new_group(backend="gloo") if backend != "gloo" else None
     if backend == "gloo":
         # Every rank has mapped every peer's shm segment once all are past init: unlink ours now, so a
         # rank that is killed later leaves no 66 MB segment behind in /dev/shm (the mappings live on).
@@ -166,15 +169,18 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
                   agree_on=agree_on or float)
 
 
+def host_group():
+    """The process group for host values (timings, digests): a gloo group beside an NCCL one, so
+    agreeing on a host value never waits for the device's queue; None (the default group) on gloo."""
+    return _HOST_GROUP
+
+
 def rank0_value(x: float) -> float:
-    """Rank 0's ``x`` on every rank (one tiny broadcast): decisions the engine takes from host
-    timings (whether to skip drafting) must be the same on all ranks, or their forwards diverge
-    (seen in CI: a replacement group failed mid-batch)."""
-    dist = torch.distributed
+    """Rank 0's ``x`` on every rank (one tiny broadcast of a host tensor on :func:`host_group`):
+    decisions the engine takes from host timings (whether to skip drafting) must be the same on all
+    ranks, or their forwards diverge (seen in CI: a replacement group failed mid-batch)."""
     t = torch.tensor([x], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.broadcast(t, src=0)
+    torch.distributed.broadcast(t, src=0, group=host_group())
     return float(t)
 
 
@@ -235,57 +241,79 @@ def check_agreement(digest: str) -> list[str]:
     """All-gather every rank's digest; raise :class:`RanksDiverged` (on every rank alike) if they differ."""
     world = torch.distributed.get_world_size()
     got: list = [None] * world
-    torch.distributed.all_gather_object(got, digest)
+    torch.distributed.all_gather_object(got, digest, group=host_group())
     if len(set(got)) != 1:
         raise RanksDiverged(f"tensor-parallel ranks disagree on their outputs (digests {got})")
     return got
 
 
 class LogitsConsensus:
-    """A forward hook that keeps the ranks' logits bitwise identical and checks they decode in lockstep.
+    """A forward hook that checks the ranks decode in lockstep, off the hot path.
 
-    After every forward the ranks all-gather a checksum of their inputs (token ids, positions) and of
-    their logits (one tiny collective). Different inputs mean the ranks' decisions already diverged:
-    every rank raises :class:`RanksDiverged` at the same forward (no collective is left unmatched).
-    Different logits are repaired: rank 0's replace the others'. The engine's decisions depend only on
-    tokens and logits, so this makes every rank decide alike; ``repairs`` / ``last_diff`` say how
-    often (and by how much) the all-reduced logits differed, which with DeepSpeed's deterministic
-    all-reduce should be never.
+    After every forward each rank all-gathers a checksum of its inputs (token ids, positions) and of
+    its logits (one tiny collective, queued on the device like the forward's own all-reduces) and
+    copies the gathered checksums to host memory without waiting; the hook reads them one forward
+    later, when the engine's own wait for that forward's tokens has long passed, so the check adds no
+    host wait to a step. Different inputs mean the ranks' decisions already diverged: every rank raises
+    :class:`RanksDiverged` at the same forward (they read the same gathered checksums). Different
+    logits are counted (``logit_mismatches``) and logged: AutoTP all-reduces the lm_head's partial
+    sums, so every rank receives the same logits (never seen otherwise); were they to differ, the
+    decisions they led to would differ and show as different inputs at a later forward, and the
+    batch's output digest (:func:`check_agreement`) is compared after every batch. :meth:`flush`
+    checks the last forward (:meth:`stats` does).
     """
 
     def __init__(self, model):
         self.forwards = 0
-        self.repairs = 0
-        self.last_diff = 0.0
+        self.checked = 0  # forwards whose checksums were compared
+        self.logit_mismatches = 0
+        self._pending = None  # (forward number, host copy [world, k], event or None): not yet compared
+        self._host = None  # on CUDA, two pinned [world, k] buffers
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
         logits = output.logits if hasattr(output, "logits") else output[0]
         dist = torch.distributed
-        world = dist.get_world_size()
         dev = logits.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
         ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
-        mine = torch.cat([_checksum(t).to(dev) for t in [logits] + ins if t is not None])
-        got = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(got, mine)
+        mine = torch.cat([_checksum(t).to(dev) for t in [logits] + ins if t is not None])  # int64 [k]
+        got = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype, device=dev)  # [world, k]
+        dist.all_gather(list(got.unbind(0)), mine)  # rows of one tensor: one copy to the host
         self.forwards += 1
-        if any(not torch.equal(got[0][2:], g[2:]) for g in got[1:]):
-            raise RanksDiverged(f"tensor-parallel ranks fed different inputs to forward {self.forwards}: "
-                                "their decoding decisions diverged")
-        if all(torch.equal(got[0][:2], g[:2]) for g in got[1:]):
-            return None
-        full = logits.contiguous().to(dev)
-        every = [torch.empty_like(full) for _ in range(world)]
-        dist.all_gather(every, full)
-        self.repairs += 1
-        self.last_diff = max(float((e.float() - every[0].float()).abs().max()) for e in every[1:])
-        log.warning("tensor-parallel ranks computed different logits (max diff %.3g, forward %d); using "
-                    "rank 0's", self.last_diff, self.forwards)
-        logits.copy_(every[0])
+        self.flush()  # the previous forward's: ready long ago
+        if dev.type == "cuda":  # two pinned buffers in turn: the one being read is never the one written
+            if self._host is None or self._host[0].shape != got.shape:
+                self._host = [torch.empty(got.shape, dtype=got.dtype, pin_memory=True) for _ in range(2)]
+            host = self._host[self.forwards % 2]
+            host.copy_(got, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (self.forwards, host, event)
+        else:
+            self._pending = (self.forwards, got, None)
         return None
 
+    def flush(self) -> None:
+        """Compare the checksums of the last forward not yet compared (raise :class:`RanksDiverged` on
+        every rank alike if its inputs differed)."""
+        if self._pending is None:
+            return
+        forward, got, event = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        self.checked += 1
+        if not bool((got[1:, 2:] == got[0, 2:]).all()):
+            raise RanksDiverged(f"tensor-parallel ranks fed different inputs to forward {forward}: "
+                                "their decoding decisions diverged")
+        if not bool((got[1:, :2] == got[0, :2]).all()):
+            self.logit_mismatches += 1
+            log.warning("tensor-parallel ranks computed different logits at forward %d (%d so far)", forward,
+                        self.logit_mismatches)
+
     def stats(self) -> dict:
-        return {"forwards": self.forwards, "logit_repairs": self.repairs, "last_logit_diff": self.last_diff}
+        self.flush()
+        return {"forwards": self.forwards, "checked": self.checked, "logit_mismatches": self.logit_mismatches}
 
     def remove(self) -> None:
         self.handle.remove()

@@ -196,10 +196,12 @@ class SpeculationPolicy:
             self.acceptance.update(tree, path, row.streak)
             if self.auto_budget:
                 self.evidence.update(tree, path, row.streak)
-        if self.auto_budget and self.cost_curve is not None:
+        seconds = None  # the step's time, the same on every TP rank: taken once, only where it is used
+        if self.auto_budget and self.cost_curve is not None:  # (a step with expectations has a curve)
+            seconds = self.agree_on(sum(times.values()))
             B = len(trees)
-            self.guard.record(B, self.mode, sum(len(p) for p in paths), self.agree_on(sum(times.values())),
-                              plain_s=self.cost_curve.step(B, 1))  # every TP rank the same
+            self.guard.record(B, self.mode, sum(len(p) for p in paths), seconds,
+                              plain_s=self.cost_curve.step(B, 1))
         if outputs is not None:
             for row, tree, path, out in zip(rows, trees, paths, outputs):
                 self.drafter.observe(row.draft_state, tree, path, out)
@@ -207,10 +209,9 @@ class SpeculationPolicy:
             self.step_observer(rows, trees, paths)
         if self.expected is not None:
             expected, curve_s = self.expected
-            self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s,
-                                                self.agree_on(sum(times.values())))  # every TP rank the same
+            self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s, seconds)
             self.expected = None
-        if self.drafted:
+        if self.drafted and self.auto_budget:  # (only the auto budget's skips read it)
             self.draft_share = self.agree_on(host_share(times))
         return [streak_state(len(p) - 1) for p in paths]
 
