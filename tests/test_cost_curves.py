@@ -123,6 +123,9 @@ def test_an_edited_kernel_source_keys_a_new_curve(tmp_path, monkeypatch):
 
 def test_store_is_keyed_by_device_and_covers_the_batch(tmp_path, monkeypatch):
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
+    # this test counts what is stored: a 1-rep curve of a tiny model's sub-millisecond forwards may
+    # fail the speed control by jitter alone (the control has a test of its own)
+    monkeypatch.setattr(calibrate, "SETTLED", float("inf"))
     model = tiny_model("qwen2")
     model.config._name_or_path = "tiny-curve-test"
     target = EagerRunner(model)
@@ -232,3 +235,39 @@ def test_one_row_is_measured_on_the_models_own_continuation():
             assert chains[row][1:] == want
     with pytest.raises(ValueError, match="cannot truncate"):
         kv.truncate([21, 14])
+
+
+def test_a_grid_measured_while_the_machine_was_slow_is_measured_again_and_not_stored(tmp_path, monkeypatch):
+    """The control forward after a grid catches a machine whose speed changed during the measurement
+    (another job's burst made one stored curve 15x slow): the grid is measured again, each point's
+    fastest kept; a curve that never settles is used but not stored."""
+    model = tiny_model("llama")
+    model.config._name_or_path = "tiny-settle-test"
+    target = EagerRunner(model)
+    real_rows, grids = calibrate.measure_rows, []
+    slow_grids = [0]  # how many grids run slow (their controls never do)
+
+    def rows(target, n, tokens, *a, **k):
+        c = real_rows(target, n, tokens, *a, **k)
+        if tuple(tokens) == (1,) and grids:  # the grid measures (1, 4): this is the control
+            return c
+        grids.append(1)
+        slow = len(grids) <= slow_grids[0]
+        return CostCurve(c.tokens, [t + (5.0 if slow else 0.0) for t in c.seconds])
+
+    monkeypatch.setattr(calibrate, "measure_rows", rows)
+    monkeypatch.setattr(calibrate, "measure_columns", lambda *a, **k: None)
+    kw = dict(tokens=(1, 4), context=12, reps=1, warmup=0, batch_rows=(), batch_tokens=())
+    assert calibrate.measure(target, **kw).settled
+    grids.clear()
+    slow_grids[0] = 1  # the first grid slow
+    c = calibrate.measure(target, **kw)
+    assert c.settled and len(grids) == 2 and max(c.seconds) < 1.0  # measured again: the fast points kept
+    grids.clear()
+    slow_grids[0] = 10 ** 6  # every grid slow, every control fast
+    unsettled = calibrate.measure(target, **kw)
+    assert not unsettled.settled and len(grids) == calibrate.ATTEMPTS
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: unsettled)
+    monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))  # (after the forwards: the kernels stay built)
+    assert calibrate.load_or_measure(target, 1) is unsettled
+    assert not calibrate.curve_path(model, head=target.head).exists()  # used, not stored

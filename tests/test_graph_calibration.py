@@ -62,6 +62,9 @@ def test_rows_beyond_the_runners_slots_are_measured_at_its_slots():
 
 def test_load_or_measure_stores_the_graph_curve_apart(tmp_path, monkeypatch, small_grid):
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))
+    # this test counts what is stored: a 1-rep curve of a tiny model's sub-millisecond forwards may
+    # fail the speed control by jitter alone (the control has a test of its own)
+    monkeypatch.setattr(calibrate, "SETTLED", float("inf"))
     model = _named("qwen2")
     runner = GraphRunner(model, max_rows=3, max_len=384, key_block=64)
     measured = []

@@ -147,3 +147,36 @@ def test_a_step_agrees_on_its_timings_once_and_a_fixed_budget_never(budget):
         drafted = policy.drafted
         policy.observe(rows, trees, [[0]] * 2, TIMES)
         assert len(calls) - n == (0 if budget == "fixed" else 1 + drafted)
+
+
+def test_a_stale_curve_is_measured_again_and_what_was_learned_against_it_restarts(caplog):
+    """A curve measured while the machine ran 15x slower (seen here) prices every node wrongly: once
+    this run's plain steps take a far different time (median of STALE_STEPS), the policy measures the
+    curve again, once per such finding and at most MAX_REMEASURES times."""
+    slow = CostCurve([1, 64], [15.0, 15.0 * 630])  # 15x what the steps below take
+    fresh = CostCurve([1, 64], [1.0, 630.0])
+    made = []
+    cfg = SpecConfig(method="logitspec", budget="auto")
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=slow,
+                               remeasure_curve=lambda: made.append(1) or fresh)
+    rows = _rows(1)
+    plain = {"draft_s": 0.0, "forward_s": 1.0, "verify_s": 0.0, "commit_s": 0.0}
+    for step in range(3 * policy_module.STALE_STEPS):
+        trees = policy.draft(rows)
+        policy.observe(rows, trees, [[0]], plain)
+        if step == policy_module.STALE_STEPS - 2:
+            assert not made  # not before STALE_STEPS plain steps
+    assert made == [1] and policy.cost_curve is fresh  # the fresh curve agrees: not measured again
+    assert "the forward cost curve is stale" in caplog.text
+    # a machine that stays at another speed: measured again at most MAX_REMEASURES times
+    made.clear()
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=slow,
+                               remeasure_curve=lambda: made.append(1) or slow)
+    for _ in range(5 * policy_module.STALE_STEPS):
+        policy.observe(rows, policy.draft(rows), [[0]], plain)
+    assert len(made) == policy_module.MAX_REMEASURES
+    # without a way to measure (a tensor-parallel group's curve), nothing changes
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=slow)
+    for _ in range(2 * policy_module.STALE_STEPS):
+        policy.observe(rows, policy.draft(rows), [[0]], plain)
+    assert policy.cost_curve is slow

@@ -92,7 +92,9 @@ class Engine:
                                         read_columns=self.runner.read_columns, cost_curve=cost_curve,
                                         measure_curve=self._measure_curve, agree_on=agree_on,
                                         drafter=drafter, accept_override=accept_override,
-                                        step_observer=step_observer)
+                                        step_observer=step_observer,
+                                        remeasure_curve=None if cost_curve is not None or getattr(
+                                            self.runner, "static_storage", False) else self._remeasure_curve)
         if hasattr(self.runner, "capture_all") and not self.runner.started:
             # every step shape this configuration can take, before any request (the graph runner)
             self.runner.capture_all(self.config.max_batch_size, self.policy.drafter.base_budget() + 1)
@@ -109,6 +111,10 @@ class Engine:
         """The cost curve on first need: the stored one, or measured now
         (:mod:`~logitspec.worker.calibrate`)."""
         return calibrate.load_or_measure(self.runner, self.config.max_batch_size)
+
+    def _remeasure_curve(self) -> CostCurve:
+        """The cost curve measured afresh (the stored one replaced): the policy found it stale."""
+        return calibrate.load_or_measure(self.runner, self.config.max_batch_size, fresh=True)
 
     @property
     def history(self) -> Any:

@@ -90,6 +90,8 @@ class CostCurve:
     budget must not underestimate it.
     """
 
+    settled = True  # its measurement's control forward agreed with it (logitspec.worker.calibrate.measure)
+
     def __init__(self, tokens: Sequence[int], seconds: Sequence[float], batches: dict | None = None,
                  head: dict | None = None, context: dict | None = None):
         """``head``: optional ``{"tokens": [N], "seconds": [s]}``, the output layer alone over N nodes

@@ -22,6 +22,8 @@ turns drafting off only when the measured tokens per second say plain decoding i
 """
 from __future__ import annotations
 
+import collections
+import logging
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -45,6 +47,8 @@ from logitspec.spec_decode.interface import KINDS, LOOKUP_KINDS, N_KINDS, Drafte
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.tree import DraftTree
 
+log = logging.getLogger("logitspec.spec_decode.policy")
+
 # while the auto budget chooses no draft nodes, drafts are built (and the choice re-made) only on
 # every RECHECK_EVERY-th step: the choice rests on acceptance rates and streaks that do not change
 # without verified drafts, so the steps between would almost surely choose none again
@@ -53,6 +57,12 @@ MAX_RECHECK_EVERY = 16
 SKIP_DRAFT_SHARE = 0.03  # ... when drafting and verifying took at least this share of a drafting step's time
 DRAFT_MARGIN = 0.1  # at batch, drafting must promise this much more than plain decoding (estimates err)
 BUDGETED = ("pld", "rest", "logitspec")  # the methods the auto budget cuts
+# a cost curve whose plain step is this far (either way) from the median forward time of this run's
+# last STALE_STEPS plain steps is stale (measured while the machine ran at another speed, 15x seen):
+# measured again, at most MAX_REMEASURES times in an engine's life
+STALE_FACTOR = 2.0
+STALE_STEPS = 16
+MAX_REMEASURES = 2
 
 
 def uses_auto_budget(config: SpecConfig) -> bool:
@@ -93,7 +103,8 @@ class SpeculationPolicy:
     def __init__(self, config: SpecConfig, *, max_context: int, read_columns: Callable[[float], float],
                  cost_curve: CostCurve | None = None, measure_curve: Callable[[], CostCurve] | None = None,
                  agree_on: Callable[[float], float] = float, drafter: Drafter | None = None,
-                 accept_override: AcceptOverride | None = None, step_observer: StepObserver | None = None):
+                 accept_override: AcceptOverride | None = None, step_observer: StepObserver | None = None,
+                 remeasure_curve: Callable[[], CostCurve] | None = None):
         """``max_context``: the model's context (no tree grows past it). ``read_columns``: cached
         columns a node's attention reads with n in its row (the model runner's). ``cost_curve``:
         forward seconds per new-token count for ``budget="auto"``; without one, ``measure_curve()``
@@ -103,7 +114,9 @@ class SpeculationPolicy:
         not differ between ranks. ``drafter``: the drafter (default the method's, :func:`make_drafter`).
         ``accept_override``: per row of a step, the node to accept instead of the rule's (greedy rows
         only). ``step_observer``: called after each step with (rows, trees, accepted paths). The
-        benchmark tools replay and record acceptance traces through these three."""
+        benchmark tools replay and record acceptance traces through these three.
+        ``remeasure_curve``: a fresh measurement of the curve, taken when this run's plain steps show
+        the curve stale (``STALE_FACTOR``; None: never, e.g. a tensor-parallel group's curve)."""
         self.config = config
         self.drafter = make_drafter(config) if drafter is None else drafter
         self._accept_override, self.step_observer = accept_override, step_observer
@@ -131,6 +144,9 @@ class SpeculationPolicy:
         self.draft_share = 1.0  # drafting's share of the last drafting step's time
         self.drafted = True  # whether the current step drafted
         self.expected: tuple[float, float] | None = None  # this step's (drafted tokens, curve seconds)
+        self.remeasure_curve = remeasure_curve
+        self.remeasures = 0
+        self._plain_ratios: collections.deque = collections.deque(maxlen=STALE_STEPS)  # forward / curve
 
     # ------------------------------------------------------------------ per step
     def draft(self, rows: Sequence[DraftRow], draining: bool = False) -> list[DraftTree]:
@@ -213,7 +229,27 @@ class SpeculationPolicy:
             self.expected = None
         if self.drafted and self.auto_budget:  # (only the auto budget's skips read it)
             self.draft_share = self.agree_on(host_share(times))
+        plain = all(len(t) == 1 for t in trees)
+        if plain and self.remeasure_curve is not None and self.cost_curve is not None:
+            self._check_curve(len(trees), times["forward_s"], self._columns(rows))
         return [streak_state(len(p) - 1) for p in paths]
+
+    def _check_curve(self, rows: int, forward_s: float, columns: float) -> None:
+        """A plain step's forward time against the curve's; a stale curve (see ``STALE_FACTOR``) is
+        measured again, and what was learned relative to it (corrections, the speed guard) restarts."""
+        self._plain_ratios.append(forward_s / max(self.cost_curve.step(rows, 1, columns), 1e-12))
+        if len(self._plain_ratios) < STALE_STEPS or self.remeasures >= MAX_REMEASURES:
+            return
+        ratio = float(np.median(self._plain_ratios))
+        if 1 / STALE_FACTOR <= ratio <= STALE_FACTOR:
+            return
+        self.remeasures += 1
+        log.warning("the forward cost curve is stale: this run's plain steps took %.2fx its time (median of "
+                    "%d); measuring it again (%d of at most %d)", ratio, STALE_STEPS, self.remeasures,
+                    MAX_REMEASURES)
+        self.cost_curve = self.remeasure_curve()
+        self._plain_ratios.clear()
+        self.realised, self.guard = Realised(), SpeedGuard()
 
     def stats(self) -> dict[str, float]:
         """The budget's corrections so far (none unless the budget is auto)."""
