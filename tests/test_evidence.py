@@ -140,3 +140,23 @@ def test_the_guard_compares_steps_of_different_row_counts_per_row():
             guard.record(7, "plain", 7, 1.0, plain_s=1.0)
     assert guard.summary()["4"]["verdict"] == "draft"
     assert guard.summary()["4"]["plain"]["tokens_per_s"] > guard.summary()["4"]["draft"]["tokens_per_s"]
+
+
+def test_a_draining_batch_probes_only_rows_whose_tokens_save_time():
+    """In a batch that only drains, a row ahead of the others saves nothing of the batch's time with
+    its tokens (a step costs the same with fewer rows here), so it is never probed; the row that
+    alone sets the batch's end is. Not draining, every row is."""
+    flat_rows = CostCurve([1, 2, 64], [1.0, 1.2, 13.6],
+                          batches={4: {"tokens": [1, 2], "seconds": [1.0, 1.2]}})
+    for draining in (True, False):
+        policy = _policy(flat_rows)
+        rows = _rows(4)
+        for r, left in zip(rows, (40, 10, 10, 10)):
+            r.remaining = left
+        probed = np.zeros(4, dtype=int)
+        for _ in range(30):
+            trees = policy.draft(rows, draining=draining)
+            probed += [len(t) > 1 for t in trees]
+            policy.observe(rows, trees, [[0]] * 4, TIMES)
+        assert probed[0] > 0
+        assert (probed[1:] == 0).all() if draining else (probed[1:] > 0).all()

@@ -294,18 +294,22 @@ class SpeculationPolicy:
         fix = self.realised.of(B)
         sizes = choose_sizes(ranked, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
                              columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
-        sizes = self._probe(sizes, trees, rows, break_even(curve, B, fix.cost))
+        be = break_even(curve, B, fix.cost)
+        # a draining batch's row is worth its weight in a step (of B rows' tokens at weight 1 / B each):
+        # a row whose tokens save nothing of the batch's time is never probed
+        bes = [be] * B if weights is None else [be / max(B * w, 1e-12) for w in weights]
+        sizes = self._probe(sizes, trees, rows, bes)
         sizes = self._after_choice(sizes)
         self.expected = None if fresh else estimate(ranked, sizes, curve, columns)
         return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
 
     def _probe(self, sizes: list[int], trees: Sequence[DraftTree], rows: Sequence[DraftRow],
-               be: float) -> list[int]:
+               break_evens: Sequence[float]) -> list[int]:
         """One node for each row the budget gave none whose drafts are not soundly shown to fall
-        short of the break-even acceptance ``be`` (:meth:`FirstNodeEvidence.unsound`)."""
+        short of its break-even acceptance (:meth:`FirstNodeEvidence.unsound`)."""
         out = list(sizes)
-        for b, (n, tree, row) in enumerate(zip(sizes, trees, rows)):
-            if n == 0 and len(tree) > 1 and self.evidence.unsound(tree, row.streak, be):
+        for b, (n, tree, row, be) in enumerate(zip(sizes, trees, rows, break_evens)):
+            if n == 0 and len(tree) > 1 and be <= 1.0 and self.evidence.unsound(tree, row.streak, be):
                 out[b] = 1
                 self.probes += 1
         return out
