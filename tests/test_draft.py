@@ -108,3 +108,16 @@ def test_guess_order_context_puts_guesses_that_followed_the_root_first():
         guessed = [t for t in children if t in guesses]
         assert guessed[0] == first, (order, children)
     assert tree.child(tree.child(0, 42), 43) is not None  # the moved guess keeps its continuation
+
+
+def test_capacity_bounds_every_budgeted_methods_tree_alike():
+    """``capacity`` means the same for pld, rest and logitspec: a method verifies at most that many
+    nodes a step, whatever its own maximum (pld's chain of 10, rest's 64-node trie); under it, its own
+    maximum holds."""
+    from logitspec.spec_decode.drafters import RestDrafter
+
+    for method, own in (("pld", "pld_max_tokens"), ("rest", "rest_num_draft"), ("logitspec", "capacity")):
+        cls = {"pld": PromptLookupDrafter, "rest": RestDrafter, "logitspec": LogitSpecDrafter}[method]
+        assert cls(SpecConfig(method=method, capacity=8)).base_budget() == 8, method
+        big = SpecConfig(method=method, capacity=64)
+        assert cls(big).base_budget() == getattr(big, own), method

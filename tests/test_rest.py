@@ -113,7 +113,7 @@ def test_drafter_uses_the_datastore_among_the_sources():
     ds = Datastore.build([[1, 2, 3, 4, 6], [1, 2, 3, 4, 9]])
     ctx = [5, 1, 2, 3]
     d = make_drafter(SpecConfig(method="rest"))
-    assert isinstance(d, RestDrafter) and not d.wants_guesses and d.base_budget() == 64
+    assert isinstance(d, RestDrafter) and not d.wants_guesses and d.base_budget() == 32  # the capacity
     t = d.draft([SequenceIndex(ctx), ds], ctx, [], budget=10)
     assert t.tokens.tolist() == [3, 4, 6, 9] and t.parents.tolist() == [-1, 0, 1, 1] and t.retrieved
     assert t.origins.tolist() == [GUESS, 1, 1, 1] and t.offsets.tolist() == [0, 0, 1, 1]

@@ -18,7 +18,8 @@ class PromptLookupDrafter(Drafter):
     """Prompt lookup decoding: one chain continuing the longest matching suffix n-gram."""
 
     def base_budget(self) -> int:
-        return self.config.pld_max_tokens
+        """Its chain's longest, within the capacity every budgeted method shares."""
+        return min(self.config.pld_max_tokens, self.config.capacity)
 
     def draft(self, sources, context, guesses, budget, state=None):
         c = self.config
@@ -82,7 +83,8 @@ class RestDrafter(Drafter):
     without a corpus, as prompt lookup over suffixes of up to 16 tokens)."""
 
     def base_budget(self) -> int:
-        return self.config.rest_num_draft
+        """Its trie's size, within the capacity every budgeted method shares."""
+        return min(self.config.rest_num_draft, self.config.capacity)
 
     def draft(self, sources, context, guesses, budget, state=None):
         # here, not at the top: `python -m logitspec.spec_decode.rest` must find it not yet imported
