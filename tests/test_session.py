@@ -5,8 +5,9 @@ from tiny_models import hf_greedy, repetitive_prompts, tiny_model
 
 from logitspec import Engine, SpecConfig
 from logitspec.engine.request import Request
-from logitspec.engine.sequence import RATE_STEPS, DecodingSequence
+from logitspec.engine.sequence import DecodingSequence
 from logitspec.engine.session import sample_seed
+from logitspec.engine.stats import RATE_STEPS
 from logitspec.sample.params import SamplingParams
 from logitspec.worker.prefix_cache import PrefixCache
 

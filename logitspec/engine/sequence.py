@@ -10,15 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from logitspec.engine.stats import SequenceStats
 from logitspec.engine.stops import stop_cut
 from logitspec.sample.params import SamplingParams
 from logitspec.spec_decode.ngram_index import NgramSource, SequenceIndex, SiblingSource
-
-RATE_STEPS = 8  # a row's tokens per drafting step: the mean over this many of its last ones
 
 
 @dataclass
@@ -91,15 +88,10 @@ class DecodingSequence:
 
     @property
     def drafted_rate(self) -> float:
-        """Tokens per step over its last ``RATE_STEPS`` steps that verified draft nodes (1 before
+        """Tokens per step over its last ``stats.RATE_STEPS`` steps that verified draft nodes (1 before
         any): what a step gives it when it drafts, whatever the budget gave it since."""
-        st, drafted = self.stats, []
-        for i in range(len(st.tree_sizes) - 1, 0, -1):  # newest first; step 0 is the prefill's
-            if st.tree_sizes[i] > 0:
-                drafted.append(st.accepted_lengths[i])
-                if len(drafted) == RATE_STEPS:
-                    break
-        return float(np.mean(drafted or [1]))
+        recent = self.stats.drafted_recent
+        return sum(recent) / len(recent) if recent else 1.0
 
     # ------------------------------------------------------------------ emitting
     def emit(self, tokens: list[int], eos_ids: set[int], tokenizer) -> int:

@@ -1,9 +1,11 @@
 """Per-sequence decoding statistics."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 ORIGINS = ("context", "siblings", "reference", "history", "guess")  # where accepted draft tokens came from
+RATE_STEPS = 8  # a row's tokens per drafting step: the mean over this many of its last ones
 
 
 @dataclass
@@ -25,6 +27,8 @@ class SequenceStats:
     last_emit_t: float | None = field(default=None, repr=False)
     # accepted draft tokens by the source that supplied them (guess: a next-next guess from the logits)
     accepted_from: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ORIGINS, 0))
+    # tokens emitted by its last RATE_STEPS steps that verified draft nodes
+    drafted_recent: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS), repr=False)
 
     def count_origins(self, names: list[str]) -> None:
         """Count accepted draft tokens by their source (names from :data:`ORIGINS`)."""
@@ -42,6 +46,8 @@ class SequenceStats:
                  commit_s: float = 0.0) -> None:
         self.accepted_lengths.append(emitted)
         self.tree_sizes.append(tree_size)
+        if tree_size > 0:
+            self.drafted_recent.append(emitted)
         self.retrieved_steps += bool(retrieved)
         self.draft_s += draft_s
         self.pack_s += pack_s

@@ -170,7 +170,8 @@ def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: 
             # slower or faster than now (another job's burst: 15x seen here) would misprice every node
             control = measure_rows(target, 1, tokens[:1], context, max(reps, 3), 0, own_chains=True)
             drift = control.seconds[0] / curve.seconds[0]
-            if 1 / SETTLED <= drift <= SETTLED:
+            settled = 1 / SETTLED <= drift <= SETTLED
+            if settled:
                 break
             log.warning("the machine's speed changed while the cost curve was measured (a %d-token forward: "
                         "%.1f ms in the curve, %.1f ms after it; attempt %d of %d)%s", tokens[0],
@@ -178,17 +179,18 @@ def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: 
                         ": measuring again, keeping each point's fastest" if attempt < ATTEMPTS else
                         ": keeping each point's fastest, not stored")
     out = curve.monotone()
-    out.settled = 1 / SETTLED <= drift <= SETTLED
+    out.settled = settled
     return out
 
 
 def lowest(a: CostCurve, b: CostCurve) -> CostCurve:
     """Each point's faster time of two measurements of one grid (noise only adds time)."""
-    def low(x: CostCurve, y: CostCurve) -> dict:
-        return {"tokens": x.tokens, "seconds": [min(p, q) for p, q in zip(x.seconds, y.seconds)]}
+    def low(x: CostCurve, y: CostCurve) -> CostCurve:
+        return CostCurve(x.tokens, [min(p, q) for p, q in zip(x.seconds, y.seconds)])
 
-    head = low(a.head, b.head) if a.head is not None and b.head is not None else None
-    return CostCurve(a.tokens, low(a, b)["seconds"], {r: low(c, b.batches[r]) for r, c in a.batches.items()},
+    head = low(a.head, b.head).to_dict() if a.head is not None and b.head is not None else None
+    low_one = low(a, b)
+    return CostCurve(low_one.tokens, low_one.seconds, {r: low(c, b.batches[r]) for r, c in a.batches.items()},
                      head, a.context)
 
 
