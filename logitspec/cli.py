@@ -15,7 +15,7 @@ import sys
 from logitspec.engine.request import add_request_flags, request_from_args
 
 from . import allocator
-from .config import METHODS, RUNNERS, SpecConfig
+from .config import METHODS, RUNNER_HELP, RUNNERS, SpecConfig
 from .helpfmt import METHOD_HELP, DefaultsHelpFormatter
 
 
@@ -32,8 +32,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     p.add_argument("--max-batch-size", type=int, default=1, help="prompts decoded together")
     p.add_argument("--runner", default="auto", choices=RUNNERS,
-                   help="the model runner: auto (CUDA graphs on CUDA, eager elsewhere), eager, or graph "
-                        "(static slots; off CUDA without capture)")
+                   help=RUNNER_HELP)
     p.add_argument("--json", action="store_true", help="print token ids, text and stats as JSON")
     add_request_flags(p, max_new_tokens=64)
     p.set_defaults(func=_generate)

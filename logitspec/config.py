@@ -4,7 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 METHODS = ("ar", "pld", "logitspec", "rest", "lookahead")
-RUNNERS = ("auto", "eager", "graph")  # the model runner: auto = the graph runner on CUDA, eager elsewhere
+# the model runner: auto = the graph runner on CUDA, eager elsewhere; compiled = the graph runner with
+# its steps compiled by inductor
+RUNNERS = ("auto", "eager", "graph", "compiled")
+RUNNER_HELP = ("the model runner: auto (CUDA graphs on CUDA, eager elsewhere), eager, graph (static slots, a "
+               "CUDA graph per shape bucket; off CUDA without capture) or compiled (graph with each bucket's "
+               "step compiled by inductor first: one compile per bucket at start-up)")
 
 
 @dataclass(frozen=True)
@@ -17,7 +22,8 @@ class SpecConfig:
 
     method: str = "logitspec"
     # the model runner (logitspec.worker.gpu.runner_for): "auto" (CUDA graphs on CUDA, eager elsewhere),
-    # "eager", or "graph" (the static-slot runner; on CPU its static path without capture)
+    # "eager", "graph" (the static-slot runner; on CPU its static path without capture), or "compiled"
+    # (the graph runner, each step compiled by inductor before its capture: a compile per shape bucket)
     runner: str = "auto"
     # --- batching
     max_batch_size: int = 1

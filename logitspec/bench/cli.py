@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shlex
 
-from ..config import RUNNERS
+from ..config import RUNNER_HELP, RUNNERS
 from ..evaluation.longbench import read_directory
 from ..helpfmt import DefaultsHelpFormatter
 from .longbench_set import LONGBENCH_DIR
@@ -44,9 +44,8 @@ def add_bench_command(sub) -> None:
                                                                  "questions")
     p.add_argument("--capacity", type=int, default=None, help="SpecConfig.capacity for the engine methods")
     p.add_argument("--runner", default=None, choices=RUNNERS,
-                   help="SpecConfig.runner for the engine methods (a variant's @runner= wins): auto "
-                        "(CUDA graphs on CUDA, eager elsewhere), eager, or graph (static slots; off CUDA "
-                        "uncaptured)")
+                   help="SpecConfig.runner for the engine methods (a variant's @runner= wins); "
+                        + RUNNER_HELP)
     p.add_argument("--guesses", type=int, default=None,
                    help="SpecConfig.top_k for the engine methods: LogitSpec's next-next guesses per step")
     add_decoding_options(p)

@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 
-from logitspec.config import METHODS, RUNNERS
+from logitspec.config import METHODS, RUNNER_HELP, RUNNERS
 from logitspec.engine.request import Request, add_request_flags, request_from_args
 from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 
@@ -103,8 +103,7 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                           "or both ends (middle, as LongBench); the output's truncated column says which")
     gen.add_argument("--max-batch-size", type=int, default=4, help="sequences decoded together in one engine")
     gen.add_argument("--runner", default="auto", choices=RUNNERS,
-                     help="the model runner: auto (CUDA graphs on CUDA, eager elsewhere), eager, or graph "
-                          "(static slots; off CUDA without capture)")
+                     help=RUNNER_HELP)
     gen.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on GPU")
     gen.add_argument("--no-warmup", action="store_true", help="skip the replica's warm-up generation")
     gen.add_argument("--trust-remote-code", action="store_true",

@@ -25,6 +25,7 @@ import torch
 
 from logitspec.device import to_device
 from logitspec.worker.eager_runner import EagerRunner, ForwardResult
+from logitspec.worker.gpu.fused import StepCompiler, sdpa_context
 from logitspec.worker.gpu.slots import SlotKV
 from logitspec.worker.gpu.step import (
     NAME,
@@ -56,13 +57,20 @@ class GraphRunner:
     calibration's forwards)."""
 
     def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
-                 capture: bool | None = None, row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS,
-                 key_block: int = 256, flex_block: int = 128, warmup: int = 3):
+                 capture: bool | None = None, compile: bool = False, sdpa_backend: str | None = None,
+                 row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS, key_block: int = 256,
+                 flex_block: int = 128, warmup: int = 3):
         """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
         nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
-        mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA)."""
+        mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA). ``compile``:
+        each step's device work compiled by inductor (:mod:`.fused`) before it is captured.
+        ``sdpa_backend``: the one SDPA kernel the steps may use (:data:`.fused.SDPA_BACKENDS`; None:
+        torch's choice)."""
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.fuser = StepCompiler(sdpa_backend) if compile else None
+        self.sdpa_backend = sdpa_backend
+        self._sdpa = sdpa_context(sdpa_backend)
         self.eager = EagerRunner(model)
         if not self.eager.head.fast:
             raise ValueError("GraphRunner needs the model's decoder and output layer apart (Head.fast)")
@@ -91,7 +99,7 @@ class GraphRunner:
         self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
         self._pool = None
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
-                         "built_after_start": 0}
+                         "built_after_start": 0, "compiles": 0}
         self.started = False  # capture_all ran: a step built after it counts in built_after_start
         self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
         self._warned: set[str] = set()
@@ -106,7 +114,9 @@ class GraphRunner:
         """What its steps are (a stored cost curve's key:
         :func:`~logitspec.worker.calibrate.runner_fingerprint`)."""
         block = f"key_block={self.key_block}" if self.attention == "sdpa" else f"flex_block={self.flex_block}"
-        return f"graph:{self.attention}:{'cuda-graphs' if self.capture else 'uncaptured'}:{block}"
+        extra = (":compiled" if self.fuser else "") + (f":sdpa={self.sdpa_backend}" if self.sdpa_backend
+                                                         else "")
+        return f"graph:{self.attention}:{'cuda-graphs' if self.capture else 'uncaptured'}:{block}{extra}"
 
     def new_batch(self, max_rows: int = 0) -> SlotKV:
         """The runner's slot storage, emptied (one per runner: its graphs hold its addresses)."""
@@ -244,8 +254,9 @@ class GraphRunner:
             masks = {kind: sdpa_mask_for(buf, key_len, w, self.groups, self.dtype)
                      for kind, w in self.windows.items()}
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
-        out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask,
-                                cache=self.kv.hf, use_cache=True, graph_step=True)
+        with self._sdpa():
+            out = self.head.decoder(input_ids=buf.ids, position_ids=buf.pos, attention_mask=mask,
+                                    cache=self.kv.hf, use_cache=True, graph_step=True)
         buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
         self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
 
@@ -254,6 +265,8 @@ class GraphRunner:
         step = self._steps.get(key)
         if step is None:
             fn = lambda: self._forward(buf, key_len)  # noqa: E731
+            if self.fuser is not None and buf.T <= self.node_buckets[-1]:
+                fn = self._fused(fn, key)
             step = fn
             if self.capture and buf.T <= self.node_buckets[-1]:
                 try:
@@ -302,6 +315,24 @@ class GraphRunner:
                  "no step is built after this" if self.attention == "flex" else
                  "SDPA steps are keyed on the key length too and built on first use")
         return self.start_up
+
+    def _fused(self, fn, key: tuple):
+        """``fn`` compiled (:class:`.fused.StepCompiler`), once now: its compile is part of building the
+        step; off CUDA graphs, the compiled function with its recompiles counted; else ``fn``
+        (logged once) where the compile fails."""
+        try:
+            compiled = self.fuser.compile(fn)
+        except Exception as e:  # noqa: BLE001 - this shape runs unfused, never a crash
+            self._warn_once("compile", f"compiling the step {key} failed ({type(e).__name__}: {e}); steps "
+                                       f"that fail to compile run unfused")
+            return fn
+        self.counters["compiles"] += 1
+        if self.capture:
+            return compiled
+
+        def counted():
+            self.counters["compiles"] += self.fuser.run(compiled)
+        return counted
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
@@ -361,15 +392,17 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
 
 def runner_for(model, config, fast_head: bool = True):
     """The model runner ``config.runner`` names for an engine of ``config.max_batch_size`` rows:
-    ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`) or ``graph`` (a
-    :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA)."""
+    ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`), ``graph`` (a
+    :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA) or
+    ``compiled`` (the same, its steps compiled)."""
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
-    if config.runner == "graph" and next(model.parameters()).device.type != "cuda":
+    compiled = config.runner == "compiled"
+    if config.runner in ("graph", "compiled") and next(model.parameters()).device.type != "cuda":
         columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
         # SDPA: flex attention off CUDA is its unfused reference (every score materialized, per layer)
-        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns)
-    return default_runner(model, config.max_batch_size)
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns, compile=compiled)
+    return default_runner(model, config.max_batch_size, compile=compiled)
 
 
 def slot_columns(model) -> int:

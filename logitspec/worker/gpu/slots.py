@@ -31,6 +31,9 @@ class SlotLayer(DynamicLayer):
     def __init__(self, owner: "SlotKV", index: int):
         super().__init__()
         self.owner, self.index = owner, index
+        # initialized from the start: a step compiled before its first write would otherwise be
+        # compiled again after it (its guards read this flag)
+        self.device, self.is_initialized = owner.device, True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device

@@ -172,13 +172,11 @@ def flex(device: torch.device):
     if device.type == "cpu":
         return flex_attention
     if "compiled" not in _FLEX:
-        import torch._dynamo
+        from logitspec.worker.gpu.fused import raise_recompile_limit
 
         # one compile per (rows, nodes) bucket and kind: dozens, past dynamo's default of 8 per function
         # (past it, flex attention would fall back to its unfused eager form)
-        cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, name, max(getattr(cfg, name), 256))
+        raise_recompile_limit()
         _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["compiled"]
 

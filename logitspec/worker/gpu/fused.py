@@ -1,0 +1,83 @@
+"""The graph runner's step compiled by inductor, and the SDPA kernel its steps may use.
+
+A compiled step is the same device work as the uncompiled one (masks from the buffers, the decoder
+over the slots, the hidden states into the bucket's output), traced by dynamo as one graph
+(``fullgraph``: a break would leave Python between kernels, which a capture cannot hold) with the
+bucket's static shapes, and lowered by inductor: elementwise work (norms, rotary, activations,
+residual adds, the mask building) fused into a few kernels, the projections left to the vendor
+GEMMs. On CUDA the compiled function is what the runner captures in its graph (inductor's own
+CUDA graphs stay off: one capture, ours). Each bucket compiles once, when it is built; a compiled
+step called again with new inputs in its buffers runs without a recompile (counted:
+:meth:`StepCompiler.run`).
+
+Merging the query/key/value and gate/up projections into one GEMM each (inductor's frozen-weight
+patterns) is left off: it stores concatenated copies of those weights per compiled graph, about
+two thirds of a Llama layer's weights for every bucket.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# the SDPA kernels a step may be pinned to (torch.nn.attention.SDPBackend members, by name); flash
+# attention takes no mask, so a tree step cannot use it
+SDPA_BACKENDS = ("efficient", "cudnn", "math")
+_BACKEND_NAMES = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+# steps compiled per dynamo cache entry: each bucket's step is a closure of the same code
+RECOMPILE_LIMIT = 512
+
+
+def sdpa_context(backend: str | None):
+    """A function giving the context in which a step's SDPA calls run: only ``backend``'s kernel
+    (an error where it cannot run a call, never a silent fallback), or torch's choice (None)."""
+    if backend is None:
+        return contextlib.nullcontext
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(f"sdpa_backend must be one of {', '.join(SDPA_BACKENDS)} or None, got {backend!r}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    chosen = getattr(SDPBackend, _BACKEND_NAMES[backend])
+    return lambda: sdpa_kernel([chosen])
+
+
+def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
+    """Let dynamo keep ``limit`` compiled versions of one function (its default is 8; past it, a
+    function runs uncompiled)."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), limit))
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class StepCompiler:
+    """Compiles a graph runner's step functions (functions of no arguments reading static buffers)."""
+
+    def __init__(self, sdpa_backend: str | None = None, mode: str | None = None):
+        """``mode``: inductor's (None: its default; "max-autotune-no-cudagraphs" tunes GEMM kernels
+        at a longer compile)."""
+        self.sdpa_backend = sdpa_backend
+        self.mode = mode
+        raise_recompile_limit()
+
+    def compile(self, fn):
+        """``fn`` compiled, and run once (the compile happens on the first call; the call's writes
+        are the step's own, so running it again changes nothing)."""
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
+        self.run(compiled)
+        return compiled
+
+    @staticmethod
+    def run(compiled) -> int:
+        """Run ``compiled``; the graphs compiled while it ran (0 once its shape is compiled)."""
+        before = graphs_compiled()
+        compiled()
+        return graphs_compiled() - before

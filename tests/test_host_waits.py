@@ -1,0 +1,58 @@
+"""One host wait per steady decoding step on the device path: counted on CPU by treating the model's
+parameters as device memory (tests/device_reads.py), with the graph runner and acceptance on the
+device, as on a GPU (a float16 model: the CPU-only output-layer screens stay out)."""
+from collections import Counter
+
+import pytest
+import torch
+from device_reads import DeviceReads
+from tiny_models import repetitive_prompts, tiny_model
+
+from logitspec import Engine, SpecConfig
+from logitspec.engine.request import Request
+from logitspec.worker.gpu import GraphRunner
+
+ROWS = 3
+
+
+def steady_step_reads(method: str, budget: str, request: Request, sample_on_host: bool = False,
+                      ) -> tuple[int, Counter]:
+    """Steady steps (every row decoding, nothing waiting to start) of a session, and the host's
+    reads of device values in them, by code line."""
+    model = tiny_model("gemma3").to(torch.float16)
+    runner = GraphRunner(model, max_rows=ROWS, max_len=256)
+    cfg = SpecConfig(method=method, budget=budget, capacity=8, max_batch_size=ROWS)
+    engine = Engine(model, None, cfg, runner=runner, sample_on_host=sample_on_host)
+    session = engine.open()
+    for p in repetitive_prompts(ROWS, seed=11):
+        session.submit(p, request)
+    steps, reads = 0, Counter()
+    while session.busy:
+        steady = len(session.active) == ROWS and not (session.pending or session.ready or session.prefilling)
+        with DeviceReads(model.parameters()) as counted:
+            session.step()
+        if steady:
+            steps += 1
+            reads += counted.reads
+    return steps, reads
+
+
+@pytest.mark.parametrize("method,budget", [("ar", "fixed"), ("pld", "fixed"), ("logitspec", "fixed"),
+                                           ("logitspec", "auto"), ("lookahead", "fixed")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_steady_step_waits_for_the_device_once(method, budget, temperature):
+    """Drafting, packing, the forward, acceptance and the KV commit of a steady step read one device
+    value on the host: the decision's single transfer (the next step's drafts need it)."""
+    request = Request.make(max_new_tokens=20, temperature=temperature, seed=1)
+    steps, reads = steady_step_reads(method, budget, request)
+    assert steps >= 5
+    assert sum(reads.values()) == steps, reads
+    assert set(reads) == {next(iter(reads))} and next(iter(reads)).startswith("tolist acceptance.py")
+
+
+def test_the_count_sees_host_reads():
+    """The counter is not blind: sampled rows walked on the host (the CPU engine's way) read the
+    device's logits node by node, several times a step."""
+    request = Request.make(max_new_tokens=20, temperature=0.8, seed=1)
+    steps, reads = steady_step_reads("logitspec", "fixed", request, sample_on_host=True)
+    assert steps >= 5 and sum(reads.values()) > 2 * steps
