@@ -59,7 +59,8 @@ def test_a_pinned_sdpa_kernel_is_the_one_that_runs():
     q = torch.randn(1, 2, 4, 8)
     with sdpa_context("efficient")(), pytest.raises(RuntimeError):
         torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(1, 1, 4, 4))
+    pinned = one_bucket_runner(model, sdpa_backend="efficient")
     with pytest.raises(RuntimeError):
-        Engine(model, None, CFG, runner=one_bucket_runner(model, sdpa_backend="efficient")).run(prompts, GREEDY)
+        Engine(model, None, CFG, runner=pinned).run(prompts, GREEDY)
     with pytest.raises(ValueError, match="sdpa_backend"):
         one_bucket_runner(model, sdpa_backend="flash")
