@@ -305,6 +305,20 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
 # ------------------------------------------------------------------------------------------ graph runner
 # (rows, nodes per row) timed with flex attention on the 8B shape: each is a compile of its own there
 FLEX_POINTS = ((1, 1), (1, 16), (8, 16), (32, 1), (32, 8), (64, 1), (64, 4))
+# the compiled step's points, most wanted first (the ar goals, then the tree goals): a compile each
+COMPILED_POINTS = ((1, 1), (32, 1), (1, 16), (8, 1), (8, 16), (32, 8))
+# SDPA pinned to one kernel: a plain step and the tree goals' points
+PINNED_POINTS = ((1, 1), (1, 16), (8, 1), (8, 16), (32, 1), (32, 8))
+# graph_timing's variants, timed in this order: (label, GraphRunner keywords, points; None = every point
+# of the plan); on CPU SDPA alone (flex attention there is its unfused reference)
+TIMING_VARIANTS = (("sdpa", {"attention": "sdpa"}, None), ("flex", {"attention": "flex"}, FLEX_POINTS),
+                   ("sdpa_efficient", {"attention": "sdpa", "sdpa_backend": "efficient"}, PINNED_POINTS),
+                   ("sdpa_cudnn", {"attention": "sdpa", "sdpa_backend": "cudnn"}, PINNED_POINTS))
+CPU_TIMING_VARIANTS = (("sdpa", {"attention": "sdpa"}, None),
+                       ("sdpa_math", {"attention": "sdpa", "sdpa_backend": "math"}, ((1, 1), (1, 16))))
+# compiled_timing's: the engine's attention (flex) compiled; on CPU SDPA compiled at the ar goals' points
+COMPILED_VARIANTS = (("flex_compiled", {"attention": "flex", "compile": True}, COMPILED_POINTS),)
+CPU_COMPILED_VARIANTS = (("sdpa_compiled", {"attention": "sdpa", "compile": True}, ((1, 1), (32, 1))),)
 
 
 def graph_engine_run(model, prompts, plan: Plan, method: str, **runner_kw) -> tuple[list[list[int]], dict]:
@@ -377,80 +391,96 @@ def kernels_per_step(fn, device: torch.device) -> int | None:
     return n or None
 
 
-def graph_timings(plan: Plan, deadline: float) -> dict:
+def graph_timings(plan: Plan, deadline: float, compiled: bool = False) -> dict:
     """The graph runner's step on the Llama-3-8B shape (random bfloat16 weights; the tiny stand-in on
     CPU): ms per step (the forward, the output layer over the real nodes and the wait for it) at
-    ``plan.rows`` x nodes per row (1..32), row r holding context + 16 r tokens; SDPA at every point,
-    flex attention at ``FLEX_POINTS``. Every point is captured first, then timed (a deadline checked
-    before each); the kernels of the 1x1 step; then every point again: captures and allocations then."""
-    from logitspec.worker.gpu import GraphRunner
-
+    ``plan.rows`` x nodes per row (1..32), row r holding context + 16 r tokens, for each of
+    :data:`TIMING_VARIANTS` (``compiled``: :data:`COMPILED_VARIANTS`). Per variant every point is built
+    (captured; flex or compiled: compiled) first, then timed (the deadline checked before each); the
+    kernels of its 1x1 step; then every point again: captures and allocations then."""
     t0 = time.time()
     model, cfg = build_shape("llama3-8b", plan)
     device = torch.device(plan.device)
     nodes = [n for n in plan.nodes if n <= 32]
-    most = max(plan.rows)
-    lengths = [plan.context + 16 * r for r in range(most)]
+    lengths = [plan.context + 16 * r for r in range(max(plan.rows))]
     max_len = -(-(lengths[-1] + max(nodes)) // 128) * 128
     toks = [(7 * i + 3) % cfg.vocab_size for i in range(lengths[-1] + max(nodes))]
     doc = {"shape": "llama3-8b" if not plan.tiny else "tiny", "dtype": "bfloat16", "context": plan.context,
            "max_len": max_len, "build_s": round(time.time() - t0, 1), "attention": {}}
     cuda = device.type == "cuda"
-    for attention in ("sdpa", "flex") if cuda else ("sdpa",):
-        points = [(b, n) for b in plan.rows for n in nodes] if attention == "sdpa" else list(FLEX_POINTS)
-        runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention,
-                             row_buckets=plan.rows, node_buckets=tuple(nodes))
-        kv = runner.new_batch()
-        runner.prefill_slot(toks[:lengths[-1]], chunk=2048)  # slot 0; the others copy it (their own lengths)
-        kv.K[:, 1:most] = kv.K[:, :1]
-        kv.V[:, 1:most] = kv.V[:, :1]
-        res, first_s, skipped, ready = {}, {}, [], []
-        step = functools.partial(_graph_step, runner, kv, lengths, toks)
-        for b, n in points:  # every bucket captured (flex: compiled) before anything is timed
-            if time.time() > deadline:
-                skipped.append([b, n])
-                continue
-            t1 = time.time()
-            step(b, n)()
-            first_s[f"{b}x{n}"] = round(time.time() - t1, 2)
-            ready.append((b, n))
-        captured = dict(runner.counters)
-        for b, n in ready:
-            if time.time() > deadline:
-                skipped.append([b, n])
-                continue
-            res[(b, n)] = fastest(step(b, n), device, reps=max(3, plan.reps))
-        kernels = kernels_per_step(step(1, 1), device) if (1, 1) in res else None
-        before = dict(runner.counters)
-        alloc0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
-        for b, n in res:  # every shape again: nothing may be captured or allocated for the graphs
-            step(b, n)()
-        after = dict(runner.counters)
-        alloc1 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
-        one = {b: res[(b, 1)] for b in plan.rows if (b, 1) in res}
-        doc["attention"][attention] = {
-            "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
-            "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
-            "first_call_s": first_s, "skipped": skipped, "counters": after,
-            "kernels_per_step": kernels,
-            "timed": {k: after[k] - captured[k] for k in ("graphs", "captures", "allocations")},
-            "repeat": {**{k: after[k] - before[k] for k in ("graphs", "captures", "allocations")},
-                       "cuda_allocations_per_step": round((alloc1 - alloc0) / max(1, len(res)), 1)
-                       if cuda else None},
-            "kv_gib": round(kv.bytes / 2 ** 30, 2)}
-        del runner, kv
+    variants = (COMPILED_VARIANTS if cuda else CPU_COMPILED_VARIANTS) if compiled else (
+        TIMING_VARIANTS if cuda else CPU_TIMING_VARIANTS)
+    for label, kw, points in variants:
+        if time.time() > deadline:
+            doc["attention"][label] = {"skipped": "out of time before it started"}
+            continue
+        points = [(b, n) for b in plan.rows for n in nodes] if points is None else list(points)
+        try:
+            doc["attention"][label] = time_variant(model, plan, kw, points, lengths, toks, max_len, deadline)
+        except Exception as e:  # noqa: BLE001 - a kernel this device lacks: recorded, the next variant runs
+            doc["attention"][label] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    for attention, got in doc["attention"].items():  # the summary's keys (None: not measured)
-        ms, x = got["ms"], got["x_plain"]
-        doc["goals" if attention == "sdpa" else f"goals_{attention}"] = {
+    for label, got in doc["attention"].items():  # the summary's keys (None: not measured)
+        ms, x = got.get("ms", {}), got.get("x_plain", {})
+        doc["goals" if label == "sdpa" else f"goals_{label}"] = {
             "step_ms_1x1": ms.get("1x1"), "step_ms_32x1": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
             "tree16_x_b8": x.get("8x16"), "tree8_x_b32": x.get("32x8"), "tree4_x_b64": x.get("64x4")}
     if cuda:
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
     doc["wall_s"] = round(time.time() - t0, 1)
     return doc
+
+
+def time_variant(model, plan: Plan, kw: dict, points: list, lengths: list[int], toks: list[int],
+                 max_len: int, deadline: float) -> dict:
+    """One graph runner (``kw``) at ``points`` (rows, nodes): built first, then timed; see
+    :func:`graph_timings`."""
+    from logitspec.worker.gpu import GraphRunner
+
+    device = torch.device(plan.device)
+    cuda = device.type == "cuda"
+    most = max(b for b, _ in points)
+    runner = GraphRunner(model, max_rows=most, max_len=max_len, row_buckets=tuple(plan.rows),
+                         node_buckets=tuple(n for n in plan.nodes if n <= 32), **kw)
+    kv = runner.new_batch()
+    runner.prefill_slot(toks[:lengths[most - 1]], chunk=2048)  # slot 0; the others copy it (own lengths)
+    kv.K[:, 1:most] = kv.K[:, :1]
+    kv.V[:, 1:most] = kv.V[:, :1]
+    res, first_s, skipped, ready = {}, {}, [], []
+    step = functools.partial(_graph_step, runner, kv, lengths, toks)
+    for b, n in points:  # every bucket captured (flex, compiled: compiled) before anything is timed
+        if time.time() > deadline:
+            skipped.append([b, n])
+            continue
+        t1 = time.time()
+        step(b, n)()
+        first_s[f"{b}x{n}"] = round(time.time() - t1, 2)
+        ready.append((b, n))
+    captured = dict(runner.counters)
+    for b, n in ready:
+        if time.time() > deadline:
+            skipped.append([b, n])
+            continue
+        res[(b, n)] = fastest(step(b, n), device, reps=max(3, plan.reps))
+    kernels = kernels_per_step(step(1, 1), device) if (1, 1) in res else None
+    before = dict(runner.counters)
+    alloc0 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
+    for b, n in res:  # every shape again: nothing may be captured or allocated for the graphs
+        step(b, n)()
+    after = dict(runner.counters)
+    alloc1 = torch.cuda.memory_stats(device).get("allocation.all.allocated", 0) if cuda else 0
+    per_step = round((alloc1 - alloc0) / max(1, len(res)), 1) if cuda else None
+    one = {b: res[(b, 1)] for b, _ in res if (b, 1) in res}
+    counted = ("graphs", "captures", "allocations", "compiles")
+    return {
+        "runner": runner.kind, "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
+        "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
+        "first_call_s": first_s, "skipped": skipped, "counters": after, "kernels_per_step": kernels,
+        "timed": {k: after[k] - captured[k] for k in counted},
+        "repeat": {**{k: after[k] - before[k] for k in counted}, "cuda_allocations_per_step": per_step},
+        "kv_gib": round(kv.bytes / 2 ** 30, 2)}
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -469,12 +499,13 @@ def environment(plan: Plan) -> dict:
 # the graph runner's check, in this order (the default): graph-mode lossless, the tree curve (the goals the
 # check exists for, before anything that could starve it), then the 8B shape's steps, the recorded
 # methods' acceptance replayed on it
-GRAPH_PARTS = ("graph_lossless", "graph_timing", "hf_graph", "ar_steps", "prefill_8k", "replay")
+GRAPH_PARTS = ("graph_lossless", "graph_timing", "compiled_timing", "hf_graph", "ar_steps", "prefill_8k",
+               "replay")
 EAGER_PARTS = ("lossless", "device_paths")  # the eager engine's check (passed on the H200), with the curves
 # a part's share of the time left when it starts (the rest: the parts after it); every part skips what
-# it cannot start by its share's end (graph_timing: flex attention's points last)
-SHARE = {"graph_lossless": 0.2, "graph_timing": 0.35, "hf_graph": 0.15, "ar_steps": 0.4, "prefill_8k": 0.3,
-         "replay": 1.0}
+# it cannot start by its share's end (graph_timing: its variants in order, each's points in order)
+SHARE = {"graph_lossless": 0.2, "graph_timing": 0.3, "compiled_timing": 0.25, "hf_graph": 0.15,
+         "ar_steps": 0.4, "prefill_8k": 0.3, "replay": 1.0}
 
 
 def part_names(plan: Plan, asked: str | None = None) -> list[str]:
@@ -494,8 +525,8 @@ def run_part(name: str, plan: Plan, deadline: float) -> dict:
     if name == "graph_lossless":
         cases = graph_lossless(plan, deadline)
         return {"ok": all(c["ok"] for c in cases), "cases": cases}
-    if name == "graph_timing":
-        return graph_timings(plan, deadline)
+    if name in ("graph_timing", "compiled_timing"):
+        return graph_timings(plan, deadline, compiled=name == "compiled_timing")
     if name == "replay":
         return replayed(plan, deadline)
     if name in ("hf_graph", "ar_steps", "prefill_8k"):

@@ -9,7 +9,7 @@ import time
 
 # every part whose file the summary reads
 READS = ("lossless", "device_paths", "graph_lossless", "hf_graph", "ar_steps", "prefill_8k", "graph_timing",
-         "replay")
+         "compiled_timing", "replay")
 # the summary's figures, always present (None: not measured in this run)
 SUMMARY_KEYS = ("ar_ms_b1", "ar_ms_b32", "hf_graph_ms_b1", "tree16_x_b1", "tree16_x_b8", "tree8_x_b32",
                 "tree4_x_b64", "prefill_8k_s", "sampled_x_greedy_b1", "sampled_x_greedy_b32",
@@ -17,6 +17,7 @@ SUMMARY_KEYS = ("ar_ms_b1", "ar_ms_b32", "hf_graph_ms_b1", "tree16_x_b1", "tree1
 # the replayed-acceptance part writes replay.json with a "replay" entry (per trace set and method@rows: ms
 # per token, speed-up over ar, MAT); a run without it says why
 REPLAY_PENDING = "the replay part did not run or wrote nothing (see parts.replay)"
+CUDA_ONLY = ("kernels_per_step", "graph_host_waits_per_step", "kernels_per_step_compiled")  # the profiler's
 
 
 def read_parts(out: pathlib.Path) -> dict:
@@ -53,7 +54,8 @@ def step_figures(read: dict) -> dict:
             "replay": (read["replay"] or {}).get("replay"),
             "replay_note": None if read["replay"] else REPLAY_PENDING}
     timed = [c for mode in ("greedy", "sampled") for c in ((ar or {}).get(mode) or {}).values()]
-    attentions = (timing or {}).get("attention") or {}
+    attentions = {**((timing or {}).get("attention") or {}),
+                  **((read["compiled_timing"] or {}).get("attention") or {})}
     repeats = [a[k]["captures"] for a in attentions.values() for k in ("repeat", "timed") if k in a]
     counted = [c["timed_run"]["captures"] for c in timed] + repeats
     keys["captures_after_start"] = sum(counted) if counted else None
@@ -62,6 +64,10 @@ def step_figures(read: dict) -> dict:
     kernels = {a: got.get("kernels_per_step") for a, got in attentions.items()}
     keys["kernels_per_step"] = kernels.get("flex") or kernels.get("sdpa")
     keys["attention"] = "flex" if kernels.get("flex") else ("sdpa" if attentions else None)
+    compiled = next((a for label, a in attentions.items() if label.endswith("_compiled")), {})
+    keys["kernels_per_step_compiled"] = compiled.get("kernels_per_step")
+    keys["compiled_ms_b1"] = (compiled.get("ms") or {}).get("1x1")
+    keys["compiled_ms_b32"] = (compiled.get("ms") or {}).get("32x1")
     return keys
 
 
@@ -73,8 +79,11 @@ def null_reasons(summary: dict) -> dict:
                "sampled_x_greedy_b32": "ar_steps", "lossless_equal": "graph_lossless",
                "lossless_total": "graph_lossless", "replay": "replay", "captures_after_start": "graph_timing",
                "kernels_per_step": "graph_timing", "graph_host_waits_per_step": "ar_steps",
+               **{k: "compiled_timing" for k in ("kernels_per_step_compiled", "compiled_ms_b1",
+                                                 "compiled_ms_b32")},
                **{k: "graph_timing" for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64")}}
     parts, out = summary.get("parts", {}), {}
+    cuda = str((summary.get("environment") or {}).get("device", "")).startswith("cuda")
     for key, part in made_by.items():
         if summary.get(key) is not None:
             continue
@@ -83,8 +92,7 @@ def null_reasons(summary: dict) -> dict:
             out[key] = f"the {part} part did not run (--parts)"
         elif got.get("error"):
             out[key] = f"the {part} part failed: {str(got['error'])[:200]}"
-        elif key in ("kernels_per_step", "graph_host_waits_per_step") and not str(
-                (summary.get("environment") or {}).get("device", "")).startswith("cuda"):
+        elif key in CUDA_ONLY and not cuda:
             out[key] = "counted on CUDA only"
         else:
             out[key] = f"the {part} part ran out of time or skipped it (its JSON lists what it skipped)"
@@ -102,8 +110,10 @@ def write(summary: dict, out: pathlib.Path, start: float) -> dict:
         graph.update(lossless_ok=read["graph_lossless"]["ok"], lossless_equal=sum(c["equal"] for c in cases),
                      lossless_total=sum(c["of"] for c in cases),
                      lossless_skipped=sum(bool(c.get("skipped")) for c in cases))
-    if read["graph_timing"] is not None:
-        graph.update(read["graph_timing"]["goals"], flex=read["graph_timing"].get("goals_flex"))
+    for part in ("graph_timing", "compiled_timing"):  # SDPA's goals, then each variant's by its label
+        doc = read[part] or {}
+        graph.update(doc.get("goals") or {})
+        graph.update({k.removeprefix("goals_"): v for k, v in doc.items() if k.startswith("goals_")})
     summary["graph"] = graph or None
     summary.update(step_figures(read))
     cases = lossless["cases"] if lossless else []
@@ -126,7 +136,7 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     summary = write(summary, out, start)
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s",
             *SUMMARY_KEYS[:-1], "captures_after_start", "graph_host_waits_per_step", "kernels_per_step",
-            "attention", "nulls")
+            "attention", "compiled_ms_b1", "compiled_ms_b32", "kernels_per_step_compiled", "nulls")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
     graph_ok = (summary["graph"] or {}).get("lossless_ok", "graph_lossless" not in summary["parts"])
     passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))

@@ -8,7 +8,7 @@ from tiny_models import FAMILIES, repetitive_prompts, tiny_model
 from logitspec import Engine, SpecConfig
 from logitspec.engine.request import Request
 from logitspec.worker.gpu import GraphRunner
-from logitspec.worker.gpu.fused import sdpa_context
+from logitspec.worker.gpu.fused import StepCompiler, sdpa_context
 
 CFG = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=2)
 GREEDY = Request.make(max_new_tokens=12)
@@ -24,8 +24,8 @@ def one_bucket_runner(model, **kw) -> GraphRunner:
 def test_the_compiled_step_gives_the_tokens_of_the_uncompiled_one(family, caplog):
     """Greedy: the engine's tokens through compiled steps equal the eager runner's; sampled: equal to
     the uncompiled graph runner's (the same draws on the device). The whole step compiles as one
-    graph (a graph break fails ``fullgraph`` and would leave the step unfused, with a warning), once:
-    rows refilled, a second run and a second sampling setting reuse it."""
+    graph (a graph break fails ``fullgraph`` and would leave the step uncompiled, with a warning)
+    when first used; rows refilled, a second run and a second sampling setting compile nothing more."""
     model = tiny_model(family)
     prompts = repetitive_prompts(3, seed=4)
     eager = Engine(model, None, CFG).run(prompts, GREEDY).results
@@ -33,13 +33,37 @@ def test_the_compiled_step_gives_the_tokens_of_the_uncompiled_one(family, caplog
     runner = one_bucket_runner(model, compile=True)
     engine = Engine(model, None, CFG, runner=runner)
     greedy = engine.run(prompts, GREEDY).results
+    compiled = runner.counters["compiles"]
     sampled = engine.run(prompts, SAMPLED).results
     assert [r.token_ids for r in greedy] == [r.token_ids for r in eager]
     assert [r.token_ids for r in sampled] == [r.token_ids for r in uncompiled]
     assert max(r.stats["mean_accepted"] for r in greedy) > 1.1  # trees of several nodes were verified
-    assert runner.counters["compiles"] == runner.counters["graphs"] == 1
-    assert runner.counters["replays"] > 20
-    assert "failed" not in caplog.text and "compiled" in runner.kind
+    assert runner.counters["graphs"] == 1 and compiled >= 1 and runner.counters["compiles"] == compiled
+    assert runner.counters["uncompiled"] == 0 and runner.counters["replays"] > 20
+    assert "not used" not in caplog.text and "compiled" in runner.kind
+
+
+def test_a_compiled_step_whose_output_differs_is_not_used(caplog):
+    """A compiler that gets the step wrong (here a backend that shifts the hidden states) costs the
+    speed of that bucket, never tokens: its first real step is checked against the uncompiled step,
+    which replaces it, with a warning."""
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(2, seed=7)
+    runner = None
+
+    def wrong(gm, example_inputs):
+        def run(*args):
+            out = gm(*args)
+            for buf in runner._buffers.values():
+                buf.hidden.add_(1.0)
+            return out
+        return run
+
+    runner = one_bucket_runner(model, compile=StepCompiler(backend=wrong))
+    got = Engine(model, None, CFG, runner=runner).run(prompts, GREEDY).results
+    want = Engine(model, None, CFG).run(prompts, GREEDY).results
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert runner.counters["uncompiled"] == 1 and "differs from the uncompiled step" in caplog.text
 
 
 def test_the_compiled_runner_is_a_config_choice():

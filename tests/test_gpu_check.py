@@ -58,7 +58,14 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     points = set(sdpa["ms"]) | {f"{b}x{n}" for b, n in sdpa["skipped"]}
     assert points == {f"{b}x{n}" for b in ROWS for n in NODES}
     _check_graph_parts(tmp_path, summary, sdpa["skipped"])
-    assert sdpa["repeat"] == {"graphs": 0, "captures": 0, "allocations": 0, "cuda_allocations_per_step": None}
+    assert sdpa["repeat"] == {"graphs": 0, "captures": 0, "allocations": 0, "compiles": 0,
+                              "cuda_allocations_per_step": None}
+    timing = json.loads((tmp_path / "graph_timing.json").read_text())["attention"]
+    assert set(timing) == {"sdpa", "sdpa_math"} and "sdpa=math" in timing["sdpa_math"]["runner"]
+    compiled = json.loads((tmp_path / "compiled_timing.json").read_text())["attention"]["sdpa_compiled"]
+    if compiled["ms"]:  # one bucket compiled once, then replayed: no compile on the repeat
+        assert compiled["timed"]["compiles"] == compiled["repeat"]["compiles"] == 0
+        assert compiled["counters"]["compiles"] == 1 and summary["compiled_ms_b1"] > 0
 
     paths = json.loads((tmp_path / "device_paths.json").read_text())
     assert paths["sampling"]["ok"] and paths["host_waits"]["measured"] is False  # CUDA only
@@ -118,7 +125,8 @@ def _check_graph_parts(out, summary, timing_skipped):
     assert summary["captures_after_start"] == 0
     assert summary["graph_host_waits_per_step"] is None  # counted on CUDA only
     assert summary["nulls"]["kernels_per_step"] == "counted on CUDA only"
-    assert set(summary["nulls"]) <= {"kernels_per_step", "graph_host_waits_per_step", "replay"}
+    assert set(summary["nulls"]) <= {"kernels_per_step", "graph_host_waits_per_step", "replay",
+                                     "kernels_per_step_compiled", "compiled_ms_b32"}
     if not ar["skipped"]:
         assert all(summary[k] > 0 for k in ("ar_ms_b1", "ar_ms_b32", "sampled_x_greedy_b1",
                                             "sampled_x_greedy_b32"))
@@ -130,8 +138,8 @@ def test_the_default_parts_are_the_graph_runners_tree_timing_first_and_all_adds_
     import gpu_check
 
     plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))
-    assert gpu_check.part_names(plan) == ["graph_lossless", "graph_timing", "hf_graph", "ar_steps",
-                                          "prefill_8k", "replay"]
+    assert gpu_check.part_names(plan) == ["graph_lossless", "graph_timing", "compiled_timing", "hf_graph",
+                                          "ar_steps", "prefill_8k", "replay"]
     assert gpu_check.part_names(plan, "lossless,ar_steps") == ["lossless", "ar_steps"]
     assert {"lossless", "device_paths", "curve_llama3-8b", "curve_qwen2.5-7b", "ar_steps"} <= set(
         gpu_check.part_names(plan, "all"))

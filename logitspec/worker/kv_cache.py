@@ -120,12 +120,18 @@ class GrowingLayer(DynamicLayer):
             super().crop(tokens_to_remove)
 
 
-def kv_bytes_per_token(model) -> int:
-    """Bytes of KV cache one token takes in ``model``: keys and values of every layer, in its dtype."""
+def kv_shape(model) -> tuple[int, int, int]:
+    """``model``'s layers, key/value heads and head dimension (what one token's keys take per layer)."""
     cfg = model.config.get_text_config(decoder=True)
     heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    return 2 * int(cfg.num_hidden_layers) * heads * head_dim * next(model.parameters()).element_size()
+    return int(cfg.num_hidden_layers), heads, head_dim
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of KV cache one token takes in ``model``: keys and values of every layer, in its dtype."""
+    layers, heads, head_dim = kv_shape(model)
+    return 2 * layers * heads * head_dim * next(model.parameters()).element_size()
 
 
 def new_cache(reserve: int = 0) -> Cache:

@@ -8,7 +8,10 @@ residual adds, the mask building) fused into a few kernels, the projections left
 GEMMs. On CUDA the compiled function is what the runner captures in its graph (inductor's own
 CUDA graphs stay off: one capture, ours). Each bucket compiles once, when it is built; a compiled
 step called again with new inputs in its buffers runs without a recompile (counted:
-:meth:`StepCompiler.run`).
+:meth:`StepCompiler.run`). A compiled step is used only where its output matched the uncompiled
+step's on the same buffers at its first real step (:data:`TOLERANCE`): inductor's CPU lowering of flex
+attention inside the whole step, for one, gave other hidden states than the same graph run by dynamo
+without inductor (torch 2.13), so a compiler's mistake costs speed, never tokens.
 
 Merging the query/key/value and gate/up projections into one GEMM each (inductor's frozen-weight
 patterns) is left off: it stores concatenated copies of those weights per compiled graph, about
@@ -26,6 +29,13 @@ SDPA_BACKENDS = ("efficient", "cudnn", "math")
 _BACKEND_NAMES = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 # steps compiled per dynamo cache entry: each bucket's step is a closure of the same code
 RECOMPILE_LIMIT = 512
+# the largest difference from the uncompiled step's output a compiled step may show, relative to the
+# output's largest magnitude (fused reductions round differently; a wrong kernel differs by O(1))
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class CompiledStepMismatch(RuntimeError):
+    """A compiled step's output differs from the uncompiled step's."""
 
 
 def sdpa_context(backend: str | None):
@@ -61,19 +71,38 @@ def graphs_compiled() -> int:
 class StepCompiler:
     """Compiles a graph runner's step functions (functions of no arguments reading static buffers)."""
 
-    def __init__(self, sdpa_backend: str | None = None, mode: str | None = None):
+    def __init__(self, mode: str | None = None, backend="inductor"):
         """``mode``: inductor's (None: its default; "max-autotune-no-cudagraphs" tunes GEMM kernels
-        at a longer compile)."""
-        self.sdpa_backend = sdpa_backend
-        self.mode = mode
+        at a longer compile). ``backend``: dynamo's (tests)."""
+        self.mode, self.backend = mode, backend
         raise_recompile_limit()
 
-    def compile(self, fn):
-        """``fn`` compiled, and run once (the compile happens on the first call; the call's writes
-        are the step's own, so running it again changes nothing)."""
-        compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=self.mode)
-        self.run(compiled)
-        return compiled
+    def compile(self, fn) -> tuple[object, int]:
+        """``fn`` compiled, and the graphs compiled for it: it runs until a call compiles nothing (the
+        compile happens on the first call; a library's state that the first call changes can make the
+        second compile again; a step's writes are its own, so running it again changes nothing)."""
+        kw = {"mode": self.mode} if self.backend == "inductor" else {}
+        compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend, **kw)
+        total = 0
+        for _ in range(3):
+            made = self.run(compiled)
+            total += made
+            if not made and total:
+                break
+        return compiled, total
+
+    @staticmethod
+    def check(fn, step, output: torch.Tensor) -> None:
+        """Run the uncompiled ``fn``, then ``step`` (the compiled step, or its graph's replay), on the
+        same buffers: :class:`CompiledStepMismatch` unless ``output`` agrees within :data:`TOLERANCE`."""
+        fn()
+        want = output.float().clone()
+        step()
+        got = output.float()
+        err = float((got - want).abs().max()) / float(want.abs().max().clamp(min=1e-6))
+        if not err <= TOLERANCE.get(output.dtype, 5e-2):
+            raise CompiledStepMismatch(f"its output differs from the uncompiled step's by {err:.3g} of the "
+                                       f"output's scale")
 
     @staticmethod
     def run(compiled) -> int:

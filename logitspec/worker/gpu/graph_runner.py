@@ -37,7 +37,7 @@ from logitspec.worker.gpu.step import (
     sdpa_mask_for,
 )
 from logitspec.worker.head import NodeLogits, OutputMode
-from logitspec.worker.kv_cache import kv_bytes_per_token
+from logitspec.worker.kv_cache import kv_bytes_per_token, kv_shape
 from logitspec.worker.masks import PackedStep, StepRow, pack
 
 log = logging.getLogger("logitspec.worker.gpu")
@@ -57,18 +57,19 @@ class GraphRunner:
     calibration's forwards)."""
 
     def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
-                 capture: bool | None = None, compile: bool = False, sdpa_backend: str | None = None,
+                 capture: bool | None = None, compile=False, sdpa_backend: str | None = None,
                  row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS, key_block: int = 256,
                  flex_block: int = 128, warmup: int = 3):
         """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
         nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
         mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA). ``compile``:
-        each step's device work compiled by inductor (:mod:`.fused`) before it is captured.
+        each step's device work compiled by inductor (:mod:`.fused`) before it is captured (True, or
+        the :class:`~.fused.StepCompiler` to use).
         ``sdpa_backend``: the one SDPA kernel the steps may use (:data:`.fused.SDPA_BACKENDS`; None:
         torch's choice)."""
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        self.fuser = StepCompiler(sdpa_backend) if compile else None
+        self.fuser = compile if isinstance(compile, StepCompiler) else (StepCompiler() if compile else None)
         self.sdpa_backend = sdpa_backend
         self._sdpa = sdpa_context(sdpa_backend)
         self.eager = EagerRunner(model)
@@ -93,13 +94,18 @@ class GraphRunner:
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
-        self.kv = SlotKV(int(cfg.num_hidden_layers), max_rows, max_len, self.device)
+        layers, kv_heads, head_dim = kv_shape(model)
+        self.kv = SlotKV(layers, max_rows, max_len, self.device)
+        # now, not at the first write: a step built (captured, compiled) before any prompt must not
+        # hold the storage's allocation
+        self.kv.allocate(kv_heads, head_dim, self.dtype)
         self._buffers: dict[tuple[int, int], StepBuffers] = {}
         self._flex: dict[tuple[int, int], FlexMasks] = {}
         self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
         self._pool = None
+        self._unchecked: set[tuple] = set()  # compiled steps not yet checked on real inputs
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
-                         "built_after_start": 0, "compiles": 0}
+                         "built_after_start": 0, "compiles": 0, "uncompiled": 0}
         self.started = False  # capture_all ran: a step built after it counts in built_after_start
         self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
         self._warned: set[str] = set()
@@ -171,7 +177,11 @@ class GraphRunner:
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)
         select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        self._step_for(buf, key_len)()
+        step = self._step_for(buf, key_len)
+        if self._unchecked:
+            key = (buf.R, buf.T, key_len)
+            step = self._checked(key, buf, key_len, step) if key in self._unchecked else step
+        step()
         self.counters["replays"] += 1
         nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
         B = len(rows)
@@ -292,17 +302,9 @@ class GraphRunner:
         t0 = time.perf_counter()
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        built = 0
-        if self.attention == "flex":
-            R_max = bucket(min(rows, self.max_rows), self.row_buckets)
-            T_max = bucket(min(nodes, self.node_buckets[-1]), self.node_buckets)
-            for R in (r for r in self.row_buckets if r <= R_max):
-                for T in (t for t in self.node_buckets if t <= T_max):
-                    n = self.counters["graphs"]
-                    self._step_for(self._buffers_for(R, T), self.kv.max_len)
-                    built += self.counters["graphs"] - n
-            if cuda:
-                torch.cuda.synchronize(self.device)
+        # as the steps run (the session's): no autograd state recorded in a capture or a compile
+        with torch.inference_mode():
+            built = self._build_all(rows, nodes)
         self.kv.reset()  # the captures' warm-up calls wrote pad nodes into the slots
         self.started = True
         self.start_up = {"graphs": built, "seconds": round(time.perf_counter() - t0, 3),
@@ -316,23 +318,64 @@ class GraphRunner:
                  "SDPA steps are keyed on the key length too and built on first use")
         return self.start_up
 
+    def _build_all(self, rows: int, nodes: int) -> int:
+        """Build every (row bucket, node bucket) step for up to ``rows`` x ``nodes`` (flex attention
+        only: SDPA's are keyed on the key length too); how many were new."""
+        built = 0
+        if self.attention == "flex":
+            R_max = bucket(min(rows, self.max_rows), self.row_buckets)
+            T_max = bucket(min(nodes, self.node_buckets[-1]), self.node_buckets)
+            for R in (r for r in self.row_buckets if r <= R_max):
+                for T in (t for t in self.node_buckets if t <= T_max):
+                    n = self.counters["graphs"]
+                    self._step_for(self._buffers_for(R, T), self.kv.max_len)
+                    built += self.counters["graphs"] - n
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        return built
+
     def _fused(self, fn, key: tuple):
-        """``fn`` compiled (:class:`.fused.StepCompiler`), once now: its compile is part of building the
-        step; off CUDA graphs, the compiled function with its recompiles counted; else ``fn``
-        (logged once) where the compile fails."""
+        """``fn`` compiled (:class:`.fused.StepCompiler`), now: its compile is part of building the
+        step, and its first real step is checked against ``fn`` (:meth:`_checked`); off CUDA graphs,
+        the compiled function with its recompiles counted; ``fn`` itself (logged once) where the
+        compile fails."""
         try:
-            compiled = self.fuser.compile(fn)
-        except Exception as e:  # noqa: BLE001 - this shape runs unfused, never a crash
-            self._warn_once("compile", f"compiling the step {key} failed ({type(e).__name__}: {e}); steps "
-                                       f"that fail to compile run unfused")
+            compiled, made = self.fuser.compile(fn)
+        except Exception as e:  # noqa: BLE001 - this shape runs uncompiled, never a crash
+            self._uncompiled(key, f"compiling it failed ({type(e).__name__}: {e})")
             return fn
-        self.counters["compiles"] += 1
+        self.counters["compiles"] += made
+        self._unchecked.add(key)
         if self.capture:
             return compiled
 
         def counted():
             self.counters["compiles"] += self.fuser.run(compiled)
         return counted
+
+    def _checked(self, key: tuple, buf: StepBuffers, key_len: int, step):
+        """The step to run for ``key``'s first real inputs: ``step`` if its output equals the
+        uncompiled step's on them (:meth:`.fused.StepCompiler.check`), else the uncompiled step (its
+        graph captured now on CUDA), logged once."""
+        self._unchecked.discard(key)
+        fn = lambda: self._forward(buf, key_len)  # noqa: E731
+        try:
+            self.fuser.check(fn, step, buf.hidden)
+            return step
+        except Exception as e:  # noqa: BLE001 - a compiler's mistake costs speed, never tokens
+            self._uncompiled(key, f"{type(e).__name__}: {e}")
+        step = fn
+        if self.capture:
+            try:
+                step = self._capture(fn)
+            except Exception:  # noqa: BLE001 - as _step_for: runs without a graph
+                self.counters["uncaptured"] += 1
+        self._steps[key] = step
+        return step
+
+    def _uncompiled(self, key: tuple, why: str) -> None:
+        self.counters["uncompiled"] += 1
+        self._warn_once("compile", f"the compiled step {key} is not used: {why}; such steps run uncompiled")
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
