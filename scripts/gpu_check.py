@@ -10,20 +10,23 @@ The graph runner's parts, in order (each with a share of the time left: :data:`S
 1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.worker.gpu``: static KV
    slots, one CUDA graph per (rows, nodes) bucket), ``ar`` and ``logitspec`` on tiny Llama, Qwen2
    and Gemma 3: float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex attention
-   on head-dim-32 copies.
-2. ``hf_graph.json``: the reference step, HF's forward over a ``StaticCache`` captured once in a CUDA
+   on head-dim-32 copies, uncompiled and compiled steps (``counters.uncompiled``: compiled steps the
+   runner's check rejected).
+2. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA,
+   then flex attention and SDPA pinned to each kernel at a few points: the tree curve; captures and
+   allocations on repeated shapes.
+3. ``compiled_timing.json``: the same for the compiled step (flex attention; a compile per point).
+4. ``hf_graph.json``: the reference step, HF's forward over a ``StaticCache`` captured once in a CUDA
    graph and replayed (1 and 32 rows, 512-token prompts), on the Llama-3-8B shape (random bfloat16
    weights, as every part below).
-3. ``ar_steps.json``: our engine's ``ar`` step through the graph runner at 1, 8, 32, 64 rows, greedy
+5. ``ar_steps.json``: our engine's ``ar`` step through the graph runner at 1, 8, 32, 64 rows, greedy
    and sampled (T 0.8, top-p 0.95): a warm-up run, then the same run timed (ms per steady step, its
    captures, its host waits by code location).
-4. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
-5. ``replay.json``: replayed acceptance (docs/gpu.md): the traces in ``docs/results/traces`` (trees and
+6. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
+7. ``replay.json``: replayed acceptance (docs/gpu.md): the traces in ``docs/results/traces`` (trees and
    accepted lengths recorded by a real model on CPU) through the whole engine on the 8B shape at 1, 8
    and 32 rows, a row per recorded method and ``ar``: ms per token and the speed-up over ``ar``.
-6. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA
-   (and flex attention at a few points): the tree curve; captures and allocations on repeated shapes.
-7. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
+8. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
    per-part time and errors, every promised key. Exit 1 if a lossless case failed or a part raised (its
    error is recorded; the other parts still run).
 
@@ -344,10 +347,12 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
     cpu = plan.device.startswith("cpu")
     prompts = repetitive_prompts(plan.prompts, seed=1)
     cases = []
-    kinds = [(torch.float32, "sdpa")] + ([] if cpu else [(torch.bfloat16, "sdpa"), (torch.float32, "flex")])
-    for dtype, attention in kinds:  # the cheapest first: the time budget cuts from the end
+    kinds = [(torch.float32, "sdpa", False)] + ([] if cpu else [
+        (torch.bfloat16, "sdpa", False), (torch.float32, "flex", False), (torch.float32, "flex", True)])
+    for dtype, attention, compiled in kinds:  # the cheapest first: the time budget cuts from the end
         for family in FAMILIES:
-            name = {"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention}
+            name = {"family": family, "dtype": str(dtype).split(".")[-1], "attention": attention,
+                    "compiled": compiled}
             if time.time() > deadline:
                 cases.append({**name, "skipped": True, "equal": 0, "of": 0, "ok": True})
                 continue
@@ -355,7 +360,8 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
             ref_model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
             ref = ([hf_generate(ref_model, p, plan.new_tokens) for p in prompts] if dtype == torch.float32
                    else run_engine(ref_model, prompts, plan, "ar", 1)[0])
-            kw = {} if attention == "sdpa" else {"node_buckets": (64,), "row_buckets": (plan.batch,)}
+            kw = {} if attention == "sdpa" else {"node_buckets": (64,), "row_buckets": (plan.batch,),
+                                                 "compile": compiled}
             for method in ("ar", "logitspec"):
                 model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
                 outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
