@@ -9,7 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from logitspec.config import SpecConfig
 from logitspec.engine.engine import Engine
 from logitspec.kernels import gemm_attention, onednn
-from logitspec.worker.attention import NAME, PREFILL_BLOCK, attention
+from logitspec.worker.attention import NAME, PREFILL_BLOCK, attention, causal_chunk
 
 
 def _qkv(B, H, KV, T, S, D=8, seed=0):
@@ -120,3 +120,67 @@ def test_float32_prefill_attention_runs_the_gemm_kernel():
     # a shard: 1 query head, 2 key heads
     assert not gemm_attention.applies(q[:, :1], k.expand(1, 2, -1, -1), mask)
     assert not gemm_attention.applies(q[:, :0], k[:, :0], mask)  # a shard without heads
+
+
+@pytest.mark.parametrize("H,KV,T,S", [(4, 1, 5, 40), (8, 2, 16, 16), (4, 4, 7, 300)])
+def test_a_causal_chunk_attends_as_its_mask_says(H, KV, T, S):
+    """The fused causal path (a lower-right causal bias, no mask tensor) equals SDPA under the dense
+    mask of a chunk after ``S - T`` committed columns: query i sees keys ``[0, S - T + i]``."""
+    module, q, k, v, _ = _qkv(1, H, KV, T, S)
+    rows, cols = torch.arange(T)[:, None], torch.arange(S)[None, :]
+    mask = torch.zeros(1, 1, T, S).masked_fill(cols > S - T + rows, torch.finfo(torch.float32).min)
+    stock, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    got = causal_chunk(q, k, v, 0.3, H // KV)
+    torch.testing.assert_close(got, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_only_a_plain_causal_chunk_off_cpu_skips_its_mask():
+    """Off CPU (meta tensors here) a ``causal`` chunk runs the lower-right causal bias and never reads
+    the mask; a sliding-window layer, a chunk not marked causal and every CPU call read it."""
+    from torch.nn.attention.bias import CausalBias
+    from torch.overrides import TorchFunctionMode
+
+    class Masks(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                self.seen.append(type(kwargs.get("attn_mask")))
+            return func(*args, **kwargs)
+
+    def masks(device, causal=True, window=None):
+        module, q, k, v, mask = _qkv(1, 4, 2, 8, 40)
+        module.sliding_window = window
+        with Masks() as m:
+            attention(module, *(t.to(device) for t in (q, k, v, mask)), scaling=0.3, prefill=True,
+                      causal=causal)
+        return m.seen
+
+    assert masks("meta") == [CausalBias]
+    assert CausalBias not in masks("meta", causal=False) + masks("meta", window=16) + masks("cpu")
+
+
+def test_the_eager_runner_marks_a_chunk_causal_only_after_its_rows_columns():
+    """``extend`` of a one-row cache without holes is a causal chunk; a decoding step is not."""
+    from logitspec.worker.eager_runner import EagerRunner
+    from logitspec.worker.head import OutputMode
+    from logitspec.worker.masks import StepRow
+
+    runner = EagerRunner(tiny_model("llama"))
+    seen = []
+    head = runner.head
+
+    def recording(*args, attn=None, **kw):
+        seen.append(bool((attn or {}).get("causal")))
+        return head(*args, attn=attn, **kw)
+
+    runner.head = recording
+    with torch.inference_mode():
+        row = runner.new_row()
+        runner.extend(row, [5, 6, 7, 8])
+        runner.extend(row, [9, 10])
+        runner(rows=[StepRow.chain(6, [11, 12])], kv=row, all_logits=True, mode=OutputMode.EXACT)
+    assert seen == [True, True, False]

@@ -18,6 +18,10 @@ exact (the same products per query row):
   SDPA's MKL kernels on AMD CPUs) over blocks of queries (:func:`_causal_blocks`): the same
   products, summed in oneDNN's order, which is not SDPA's to the last bit; every method prefills
   through it, so their caches agree.
+- **Causal chunks off CPU.** A prefill chunk of one row right after its committed columns (``causal``:
+  no holes) attends through SDPA with a lower-right causal bias (:func:`causal_chunk`): flash
+  attention where it runs, no mask tensor read in any layer (an 8k prompt's 512-token chunks had
+  read a ``[512, S]`` mask per head and layer). Sliding-window layers keep their mask.
 - **Segments.** A forward given ``segments`` (``(start, end)`` node ranges of one fresh row, each a
   prompt run from position 0: :meth:`~logitspec.worker.eager_runner.EagerRunner.prefill_rows`) attends each
   prompt to itself only, instead of the whole packed square under a block-diagonal mask.
@@ -39,10 +43,11 @@ PREFILL_BLOCK = 128  # queries per block of a prefill chunk (:func:`_causal_bloc
 def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               segments: tuple[tuple[int, int], ...] | None = None, prefill: bool = False,
-              **kwargs) -> tuple[torch.Tensor, None]:
+              causal: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """``query`` [B, H, T, D], ``key``/``value`` [B, KV, S, D], ``attention_mask`` additive
     [B, 1, T, S] or None -> (output [B, T, H, D], None), as transformers' attention functions.
-    ``prefill``: the queries are a causal chunk (see :func:`_causal_blocks`)."""
+    ``prefill``: the queries are a causal chunk (see :func:`_causal_blocks`); ``causal``: one row's,
+    right after its committed columns (query i sees keys up to ``S - T + i``; see :func:`causal_chunk`)."""
     if segments is not None:
         return _by_segment(module, query, key, value, attention_mask, segments, dropout=dropout,
                            scaling=scaling, prefill=prefill, **kwargs)
@@ -53,6 +58,8 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
     plain = not dropout and not getattr(module, "attn_logit_softcapping", None)
+    if causal and plain and query.device.type != "cpu" and not getattr(module, "sliding_window", None):
+        return causal_chunk(query, key, value, scaling, groups), None
     if prefill and plain and gemm_attention.applies(query, key, attention_mask):
         scale = scaling if scaling is not None else D ** -0.5
         return _causal_blocks(query, key, value, attention_mask, scale, groups, gemm=True)
@@ -69,6 +76,20 @@ def attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     mask = fold_groups(attention_mask, groups)  # [B, 1, groups * T, S]
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(B, H, T, value.shape[-1]).transpose(1, 2).contiguous(), None  # [B, T, H, D]
+
+
+def causal_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                 groups: int) -> torch.Tensor:
+    """A causal chunk of one row after ``S - T`` committed columns: ``query`` [1, H, T, D],
+    ``key``/``value`` [1, KV, S, D] -> [1, T, H, D], query i seeing keys ``[0, S - T + i]``, through
+    SDPA with torch's lower-right causal bias (flash or memory-efficient attention without a mask
+    tensor where they run; the materialized mask elsewhere)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, S = query.shape[2], key.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=causal_lower_right(T, S), scale=scaling, enable_gqa=groups > 1)
+    return out.transpose(1, 2).contiguous()
 
 
 def _causal_blocks(query, key, value, mask, scaling, groups, gemm: bool = False):

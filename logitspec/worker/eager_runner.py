@@ -108,8 +108,10 @@ class EagerRunner:
         if self.layer_kinds is not None:
             kv.attend_from([packed.starts[k] for k in self.layer_kinds])
         try:
+            # one row's causal chunk right after its committed columns: a fused causal kernel off CPU
+            causal = prefill and not segments and len(rows) == 1 and rows[0].prefix_len == kv.columns
             nodes = self.head(packed.ids, packed.pos, packed.mask, kv.hf, select_d, mode,
-                              attn=_attention_keywords(segments, prefill))  # [N, V]
+                              attn=_attention_keywords(segments, prefill, causal))  # [N, V]
         finally:
             if self.layer_kinds is not None:
                 kv.attend_from(None)
@@ -148,6 +150,6 @@ class EagerRunner:
         return last
 
 
-def _attention_keywords(segments, prefill: bool) -> dict:
+def _attention_keywords(segments, prefill: bool, causal: bool = False) -> dict:
     """The keywords :mod:`logitspec.worker.attention` reads, those that are set."""
-    return {k: v for k, v in (("segments", segments), ("prefill", prefill)) if v}
+    return {k: v for k, v in (("segments", segments), ("prefill", prefill), ("causal", causal)) if v}

@@ -231,7 +231,7 @@ class GraphRunner:
                 kv.for_prefill(slot, start, len(part))
                 p = pack([StepRow.chain(start, part)], start, self.windows, self.dtype, self.device)
                 out = self.head.decoder(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask,
-                                        cache=kv.hf, use_cache=True, prefill=True)
+                                        cache=kv.hf, use_cache=True, prefill=True, causal=True)
                 kv.lengths[slot] = start + len(part)
         except Exception:
             kv.lengths.pop()
