@@ -63,9 +63,10 @@ def test_gpu_check_on_cpu_writes_its_json(tmp_path):
     timing = json.loads((tmp_path / "graph_timing.json").read_text())["attention"]
     assert set(timing) == {"sdpa", "sdpa_math"} and "sdpa=math" in timing["sdpa_math"]["runner"]
     compiled = json.loads((tmp_path / "compiled_timing.json").read_text())["attention"]["sdpa_compiled"]
-    if compiled["ms"]:  # one bucket compiled once, then replayed: no compile on the repeat
+    if compiled["ms"]:  # each bucket compiled when built, then replayed: no compile on the repeat
         assert compiled["timed"]["compiles"] == compiled["repeat"]["compiles"] == 0
-        assert compiled["counters"]["compiles"] == 1 and summary["compiled_ms_b1"] > 0
+        assert compiled["counters"]["compiles"] >= len(compiled["first_call_s"])
+        assert compiled["counters"]["uncompiled"] == 0 and summary["compiled_ms_b1"] > 0
 
     paths = json.loads((tmp_path / "device_paths.json").read_text())
     assert paths["sampling"]["ok"] and paths["host_waits"]["measured"] is False  # CUDA only

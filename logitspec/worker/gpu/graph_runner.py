@@ -37,7 +37,7 @@ from logitspec.worker.gpu.step import (
     sdpa_mask_for,
 )
 from logitspec.worker.head import NodeLogits, OutputMode
-from logitspec.worker.kv_cache import kv_bytes_per_token, kv_shape
+from logitspec.worker.kv_cache import kv_shape
 from logitspec.worker.masks import PackedStep, StepRow, pack
 
 log = logging.getLogger("logitspec.worker.gpu")
@@ -431,43 +431,3 @@ def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int
         kv.commit_paths(paths)
         step += 1
     return [o[:new_tokens] for o in out]
-
-
-def runner_for(model, config, fast_head: bool = True):
-    """The model runner ``config.runner`` names for an engine of ``config.max_batch_size`` rows:
-    ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`), ``graph`` (a
-    :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA) or
-    ``compiled`` (the same, its steps compiled)."""
-    if config.runner == "eager" or not fast_head:
-        return EagerRunner(model, fast_head=fast_head)
-    compiled = config.runner == "compiled"
-    if config.runner in ("graph", "compiled") and next(model.parameters()).device.type != "cuda":
-        columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
-        # SDPA: flex attention off CUDA is its unfused reference (every score materialized, per layer)
-        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns, compile=compiled)
-    return default_runner(model, config.max_batch_size, compile=compiled)
-
-
-def slot_columns(model) -> int:
-    """A slot's columns for ``model``: its context, at most 8192, and room for the largest node bucket."""
-    cfg = model.config.get_text_config(decoder=True)
-    return min(int(getattr(cfg, "max_position_embeddings", 8192)), 8192) + max(NODE_BUCKETS)
-
-
-def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
-                   memory_share: float = 0.5, **kw):
-    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA, the eager
-    :class:`~logitspec.worker.eager_runner.EagerRunner` elsewhere. ``max_len`` (default: the model's context,
-    at most 8192, plus the largest node bucket) is cut so that the slots take at most
-    ``memory_share`` of the device's free memory."""
-    first = next(model.parameters())
-    if first.device.type != "cuda" or not fast_head:
-        return EagerRunner(model, fast_head=fast_head)
-    if max_len is None:
-        max_len = slot_columns(model)
-    free = torch.cuda.mem_get_info(first.device)[0]
-    max_len = min(max_len, int(memory_share * free) // (kv_bytes_per_token(model) * max_rows))
-    max_len = max_len // 128 * 128  # flex attention's block
-    if max_len < 128 + max(NODE_BUCKETS):
-        raise ValueError(f"{max_rows} slots leave room for {max_len} columns each")
-    return GraphRunner(model, max_rows=max_rows, max_len=max_len, **{"attention": ENGINE_ATTENTION, **kw})
