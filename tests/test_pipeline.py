@@ -204,7 +204,8 @@ def test_config_validation():
                            (["--temperature", "0.5", "--top-p", "0"], "--top-p must be in"),
                            (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
                            (["--num-samples", "0", "--temperature", "1"], "--num-samples must be >= 1"),
-                           (["--num-samples", "2"], "need --temperature > 0")):
+                           (["--num-samples", "2"], "need --temperature > 0"),
+                           (["--tp", "2", "--runner", "compiled"], "--runner compiled is for one model per")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             config_from_args(build_parser().parse_args(["--input", "a", "--output", "b", *flags]))
     with pytest.raises(ConfigError, match="unknown method"):
