@@ -325,11 +325,15 @@ class GraphRunner:
         if self.attention == "flex":
             R_max = bucket(min(rows, self.max_rows), self.row_buckets)
             T_max = bucket(min(nodes, self.node_buckets[-1]), self.node_buckets)
-            for R in (r for r in self.row_buckets if r <= R_max):
-                for T in (t for t in self.node_buckets if t <= T_max):
-                    n = self.counters["graphs"]
-                    self._step_for(self._buffers_for(R, T), self.kv.max_len)
-                    built += self.counters["graphs"] - n
+            keys = [(R, T) for R in self.row_buckets if R <= R_max for T in self.node_buckets if T <= T_max]
+            t0 = time.perf_counter()
+            for i, (R, T) in enumerate(keys):
+                n = self.counters["graphs"]
+                self._step_for(self._buffers_for(R, T), self.kv.max_len)
+                built += self.counters["graphs"] - n
+                if self.fuser is not None:  # a compile per bucket: minutes for a large model
+                    log.info("graph runner: compiled step %d of %d (%d rows x %d nodes), %.0f s so far",
+                             i + 1, len(keys), R, T, time.perf_counter() - t0)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         return built
@@ -342,7 +346,8 @@ class GraphRunner:
         try:
             compiled, made = self.fuser.compile(fn)
         except Exception as e:  # noqa: BLE001 - this shape runs uncompiled, never a crash
-            self._uncompiled(key, f"compiling it failed ({type(e).__name__}: {e})")
+            first = (str(e).strip().splitlines() or [""])[0]  # dynamo's explanations run to dozens of lines
+            self._uncompiled(key, f"compiling it failed ({type(e).__name__}: {first})")
             return fn
         self.counters["compiles"] += made
         self._unchecked.add(key)
