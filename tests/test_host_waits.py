@@ -56,3 +56,19 @@ def test_the_count_sees_host_reads():
     request = Request.make(max_new_tokens=20, temperature=0.8, seed=1)
     steps, reads = steady_step_reads("logitspec", "fixed", request, sample_on_host=True)
     assert steps >= 5 and sum(reads.values()) > 2 * steps
+
+
+def test_flex_attentions_block_lists_are_rewritten_without_reading_the_device():
+    """The engine's CUDA attention rewrites each row's block lists from the device buffers inside the
+    step: no host read (flex attention's own CPU reference traces itself, so the whole step is counted
+    with SDPA above)."""
+    model = tiny_model("gemma3")
+    runner = GraphRunner(model, max_rows=2, max_len=256, attention="flex")
+    buf = runner._buffers_for(2, 8)
+    buf.lens.copy_(torch.tensor([40, 7]))
+    masks = runner._flex[(2, 8)]
+    with DeviceReads([buf.ints, buf.anc, buf.lens]) as counted:
+        kinds = masks.update()
+    assert counted.total == 0 and set(kinds) == set(runner.windows)
+    bm = next(iter(kinds.values()))
+    assert int(bm.kv_num_blocks[0, 0, 0]) == 1  # row 0: 40 + 8 columns, one 128-column block
