@@ -465,3 +465,33 @@ def test_job_embedded_model_tp2_equals_tp1(tmp_path, ray_address, embedded_refer
         assert got[r.id]["generation"] == r.generation, r.id
         assert got[r.id]["n_new_tokens"] == r.n_new_tokens
     print(f"\nembedded {method} --tp 2: job {time.perf_counter() - t0:.1f} s")
+
+
+def test_a_sharded_head_runs_its_module_on_the_selected_nodes_only():
+    """A tensor-parallel rank's output layer (``Head(sharded=True)``) is the lm_head module called on the
+    selected nodes' hidden states, not the model's forward over every padded position (as before): here
+    the plain module stands in for AutoTP's (which all-reduces inside); the engine's tokens are the same
+    and the module sees fewer rows."""
+    from logitspec.worker.eager_runner import EagerRunner
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(3, seed=9)
+    config = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=3)
+    seen = {}
+
+    def run(name, runner):
+        shapes = seen.setdefault(name, [])
+        head = model.get_output_embeddings()
+        hook = head.register_forward_hook(lambda m, a, out: shapes.append(a[0].shape))
+        try:
+            return [r.token_ids for r in Engine(model, None, config, runner=runner).generate(
+                prompts, max_new_tokens=NEW)]
+        finally:
+            hook.remove()
+
+    sharded = EagerRunner(model, sharded_head=True)
+    assert run("sharded", sharded) == run("whole forward", EagerRunner(model, fast_head=False))
+    assert sharded.head.module is model.get_output_embeddings()
+    assert all(len(s) == 3 and s[0] == 1 for s in seen["sharded"])  # [1, N, H]: the selected nodes
+    rows = {name: sum(s[0] * s[1] for s in shapes) for name, shapes in seen.items()}
+    assert rows["sharded"] < rows["whole forward"], rows

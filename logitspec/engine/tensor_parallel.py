@@ -150,17 +150,18 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
 def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agree_on=None):
     """The engine of one rank (``history``: an optional draft source of earlier answers, fed alike
     on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden
-    dim, so ``W @ h.T`` with the local weight would be wrong (its first dim still equals the vocab,
-    so :class:`Head` would not notice): the runner uses the model's own forward, which all-reduces
-    the logits. In a group, host-timed values are rank 0's (``agree_on``, default
+    dim, so ``W @ h.T`` with the local weight would be wrong: the runner calls the lm_head module
+    itself (which all-reduces the partial logits) on the selected nodes only, as on one device (not
+    the model's whole forward, whose logits cover every padded position). In a group, host-timed
+    values are rank 0's (``agree_on``, default
     :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
     :func:`group_cost_curve`)."""
     from logitspec.engine.engine import Engine
     from logitspec.spec_decode.policy import uses_auto_budget
     from logitspec.worker.eager_runner import EagerRunner
 
-    runner = EagerRunner(model, fast_head=False)
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    runner = EagerRunner(model, sharded_head=grouped)
     if grouped and agree_on is None:
         agree_on = rank0_value
     if grouped and uses_auto_budget(config) and cost_curve is None:
@@ -250,14 +251,15 @@ def check_agreement(digest: str) -> list[str]:
 class LogitsConsensus:
     """A forward hook that checks the ranks decode in lockstep, off the hot path.
 
-    After every forward each rank all-gathers a checksum of its inputs (token ids, positions) and of
-    its logits (one tiny collective, queued on the device like the forward's own all-reduces) and
+    After every forward of the decoder each rank all-gathers a checksum of its inputs (token ids,
+    positions) and of its output, the final hidden states every rank's output layer reads (one tiny
+    collective, queued on the device like the forward's own all-reduces) and
     copies the gathered checksums to host memory without waiting; the hook reads them one forward
     later, when the engine's own wait for that forward's tokens has long passed, so the check adds no
     host wait to a step. Different inputs mean the ranks' decisions already diverged: every rank raises
     :class:`RanksDiverged` at the same forward (they read the same gathered checksums). Different
-    logits are counted (``logit_mismatches``) and logged: AutoTP all-reduces the lm_head's partial
-    sums, so every rank receives the same logits (never seen otherwise); were they to differ, the
+    outputs are counted (``output_mismatches``) and logged: AutoTP all-reduces every layer's partial
+    sums, so every rank holds the same states (never seen otherwise); were they to differ, the
     decisions they led to would differ and show as different inputs at a later forward, and the
     batch's output digest (:func:`check_agreement`) is compared after every batch. :meth:`flush`
     checks the last forward (:meth:`stats` does).
@@ -266,13 +268,15 @@ class LogitsConsensus:
     def __init__(self, model):
         self.forwards = 0
         self.checked = 0  # forwards whose checksums were compared
-        self.logit_mismatches = 0
+        self.output_mismatches = 0
         self._pending = None  # (forward number, host copy [world, k], event or None): not yet compared
         self._host = None  # on CUDA, two pinned [world, k] buffers
-        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+        # on the decoder: its output (the final hidden states) is what every rank's output layer reads,
+        # whether a runner calls the model or the decoder and the output layer apart
+        self.handle = model.get_decoder().register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
-        logits = output.logits if hasattr(output, "logits") else output[0]
+        logits = output.logits if hasattr(output, "logits") else output[0]  # the decoder's: hidden states
         dist = torch.distributed
         dev = logits.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
         ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
@@ -307,13 +311,14 @@ class LogitsConsensus:
             raise RanksDiverged(f"tensor-parallel ranks fed different inputs to forward {forward}: "
                                 "their decoding decisions diverged")
         if not bool((got[1:, :2] == got[0, :2]).all()):
-            self.logit_mismatches += 1
-            log.warning("tensor-parallel ranks computed different logits at forward %d (%d so far)", forward,
-                        self.logit_mismatches)
+            self.output_mismatches += 1
+            log.warning("tensor-parallel ranks computed different hidden states at forward %d (%d so far)",
+                        forward, self.output_mismatches)
 
     def stats(self) -> dict:
         self.flush()
-        return {"forwards": self.forwards, "checked": self.checked, "logit_mismatches": self.logit_mismatches}
+        return {"forwards": self.forwards, "checked": self.checked,
+                "output_mismatches": self.output_mismatches}
 
     def remove(self) -> None:
         self.handle.remove()

@@ -234,7 +234,7 @@ def measure_columns(target: ModelRunner, low: int, high: int, reps: int, warmup:
 def measure_head(target: ModelRunner, nodes, reps: int, warmup: int) -> CostCurve:
     """Fastest time of the output layer alone (greedy: the screen where the engine uses it) over n
     nodes' hidden states, for each n in ``nodes``."""
-    hidden = target.head.weight.shape[1]
+    hidden = target.head.hidden_size
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(max(nodes), hidden, generator=gen).to(target.device, target.dtype)  # [N, H]
     times = {n: [] for n in nodes}

@@ -43,11 +43,11 @@ class EagerRunner:
 
     kind = "eager"  # the runner's name in a stored cost curve's key (calibrate.runner_fingerprint)
 
-    def __init__(self, model, fast_head: bool = True):
-        """``fast_head=False`` uses the model's own forward for the output layer (needed when the
-        output layer is sharded, e.g. DeepSpeed AutoTP)."""
+    def __init__(self, model, fast_head: bool = True, sharded_head: bool = False):
+        """``fast_head=False`` uses the model's own forward for the output layer; ``sharded_head``: the
+        output layer is a tensor-parallel module, run on the selected nodes (:class:`Head`)."""
         self.model = model
-        self.head = Head(model, fast=fast_head)
+        self.head = Head(model, fast=fast_head, sharded=sharded_head)
         self.windows = layer_windows(model.config)
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device

@@ -21,8 +21,9 @@ full float32 rows (the device path, ``Engine(screened_sampling=False)``). The sc
 and bfloat16 weights on CPU; a bfloat16 model's logits are then the float32 products of its weights
 widened exactly (one float32 copy), the same bits in any batch, where bfloat16 GEMMs are not.
 Elsewhere (a GPU, float16) the output layer is one plain GEMM in the model's dtype over the
-selected nodes. ``fast=False`` uses the model's own forward (needed when the
-output layer is sharded, e.g. DeepSpeed AutoTP).
+selected nodes. A sharded output layer (DeepSpeed AutoTP's, split along the hidden size, its
+partial logits all-reduced inside the module) runs as its own module over the selected nodes
+(``sharded=True``); ``fast=False`` uses the model's own forward (logits at every position).
 """
 from __future__ import annotations
 
@@ -327,18 +328,24 @@ def has_fbgemm() -> bool:
 
 
 class Head:
-    def __init__(self, model, fast: bool = True):
-        """Greedy steps use :class:`ScreenedArgmax` where the output weights allow it."""
+    def __init__(self, model, fast: bool = True, sharded: bool = False):
+        """Greedy steps use :class:`ScreenedArgmax` where the output weights allow it. ``sharded``: the
+        output layer is a module that computes the full logits of its input collectively (a
+        tensor-parallel rank's), called on the selected nodes' hidden states ``[1, N, H]``."""
         self.model = model
         emb = model.get_output_embeddings()
         cfg = model.config.get_text_config(decoder=True)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
-        usable = (emb is not None and getattr(emb, "bias", None) is None
-                  and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size)
+        self.hidden_size = int(cfg.hidden_size)
+        whole = tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size) if emb is not None else False
+        usable = (emb is not None and getattr(emb, "bias", None) is None and (whole or sharded)
                   and hasattr(model, "get_decoder"))
         self.fast = fast and usable
+        self.module = emb if self.fast and sharded else None
         self.screen = None
-        if self.fast:
+        if self.fast and self.module is not None:
+            self.decoder = model.get_decoder()
+        elif self.fast:
             self.decoder = model.get_decoder()
             self.weight = emb.weight  # [V, H]
             # soft-capped logits can tie after tanh where the raw ones do not: screen raw logits only
@@ -362,6 +369,11 @@ class Head:
 
     def output(self, h: torch.Tensor, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
         """The output layer (``mode``) over final hidden states ``h`` [N, H] (needs ``fast``)."""
+        if self.module is not None:  # every rank calls it alike: its collective needs them all
+            logits = self.module(h[None])[0]  # [N, V]
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return NodeLogits(logits, exact=True)
         if self.screen is not None:  # a bfloat16 model's logits: float32 products of its (widened) weights
             h = h.float()
             if mode is not OutputMode.EXACT:
