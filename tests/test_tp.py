@@ -30,8 +30,10 @@ NEW = 24
 # (method, temperature, budget): greedy must equal one process; sampled must agree across ranks. The
 # "fixed" case always drafts: "auto" may rightly find drafting not worth its host time on a tiny model
 # (seen in CI on a fresh cost curve), so it alone cannot show that drafts were verified under TP.
-CASES = (("ar", 0.0, "auto"), ("logitspec", 0.0, "auto"), ("logitspec", 0.0, "fixed"), ("pld", 0.0, "auto"),
-         ("logitspec", 0.8, "auto"))
+# (method, temperature, budget, runner): the graph runner's static path (uncaptured) on every rank too
+CASES = (("ar", 0.0, "auto", "auto"), ("logitspec", 0.0, "auto", "auto"), ("logitspec", 0.0, "fixed", "auto"),
+         ("pld", 0.0, "auto", "auto"), ("logitspec", 0.8, "auto", "auto"),
+         ("logitspec", 0.0, "fixed", "graph"), ("logitspec", 0.8, "fixed", "graph"))
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,8 @@ def _record(results):
 
 
 def _generate(make, case, prompts):
-    method, temp, budget = case
-    engine = make(SpecConfig(method=method, max_batch_size=3, budget=budget))
+    method, temp, budget, runner = case
+    engine = make(SpecConfig(method=method, max_batch_size=3, budget=budget, runner=runner))
     return engine.generate(prompts, max_new_tokens=NEW, temperature=temp,
                            seed=[11 + i for i in range(len(prompts))])
 
@@ -147,7 +149,8 @@ def test_peer_watchdog_fires_on_peer_death():
 
 def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
     """Two plain processes (no Ray): greedy TP=2 == one process for ar/pld/logitspec on both families,
-    and both ranks take the same decisions at every step (tokens, accepted length per step), sampled too."""
+    through the eager runner and the graph runner's static path, and both ranks take the same decisions
+    at every step (tokens, accepted length per step), sampled too."""
     prompts = repetitive_prompts(5, seed=4)
     t0 = time.perf_counter()
     ranks = run_group(TP, _spmd_rank, tiny_dirs, prompts)
@@ -164,7 +167,8 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
                 assert [r[0] for r in ranks[0][key]] == [r[0] for r in ref], f"TP=2 != TP=1 on {key}"
                 assert all(len(r[0]) == NEW for r in ref)
         if fam == "llama":  # speculation really happened (more than one token per step somewhere)
-            assert any(max(r[2]) > 1 for r in ranks[0][(fam, "logitspec", 0.0, "fixed")])
+            for runner in ("auto", "graph"):
+                assert any(max(r[2]) > 1 for r in ranks[0][(fam, "logitspec", 0.0, "fixed", runner)])
         assert ranks[0][(fam, "consensus")]["forwards"] > 100
         print(f"\n{fam}: rank 0 consensus {ranks[0][(fam, 'consensus')]}")
     print(f"TP=2 group (spawn, load, {len(CASES)} cases x 2 models): {tp_s:.1f} s")

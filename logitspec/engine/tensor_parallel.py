@@ -159,9 +159,18 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
     from logitspec.engine.engine import Engine
     from logitspec.spec_decode.policy import uses_auto_budget
     from logitspec.worker.eager_runner import EagerRunner
+    from logitspec.worker.gpu import GraphRunner
+    from logitspec.worker.gpu.choice import slot_columns
 
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    runner = EagerRunner(model, sharded_head=grouped)
+    if config.runner == "graph":  # the static path, uncaptured: the graph runner's structure on every rank
+        runner = GraphRunner(model, max_rows=config.max_batch_size, max_len=slot_columns(model),
+                             capture=False, sharded_head=grouped)
+    elif config.runner == "compiled":
+        raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph (uncaptured), "
+                         "not compiled")
+    else:
+        runner = EagerRunner(model, sharded_head=grouped)
     if grouped and agree_on is None:
         agree_on = rank0_value
     if grouped and uses_auto_budget(config) and cost_curve is None:

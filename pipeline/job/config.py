@@ -71,11 +71,10 @@ class JobConfig:
         for name in ("actors", "tp", "max_row_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        runner = self.gen.engine.runner
-        if self.tp > 1 and runner in ("graph", "compiled"):
-            raise ConfigError(f"--runner {runner} is for one model per replica: tensor-parallel replicas "
-                              f"(--tp {self.tp}) decode with the eager runner (the graph runner does not "
-                              "shard yet); drop --runner or --tp")
+        if self.tp > 1 and self.gen.engine.runner == "compiled":
+            raise ConfigError(f"--runner compiled is for one model per replica: tensor-parallel replicas "
+                              f"(--tp {self.tp}) run the eager runner or the graph runner's static path "
+                              "uncaptured (--runner graph); drop --runner compiled or --tp")
         for name in ("batch_rows", "threads_per_actor", "limit", "part_rows"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -59,20 +59,22 @@ class GraphRunner:
     def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
                  capture: bool | None = None, compile=False, sdpa_backend: str | None = None,
                  row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS, key_block: int = 256,
-                 flex_block: int = 128, warmup: int = 3):
+                 flex_block: int = 128, warmup: int = 3, sharded_head: bool = False):
         """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
         nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
         mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA). ``compile``:
         each step's device work compiled by inductor (:mod:`.fused`) before it is captured (True, or
         the :class:`~.fused.StepCompiler` to use).
         ``sdpa_backend``: the one SDPA kernel the steps may use (:data:`.fused.SDPA_BACKENDS`; None:
-        torch's choice)."""
+        torch's choice). ``sharded_head``: a tensor-parallel rank's (its output layer a collective
+        module, :class:`~logitspec.worker.head.Head`; its slots sized at the first write, by the heads
+        the rank holds); such a runner neither captures nor compiles (unverified on GPUs)."""
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.fuser = compile if isinstance(compile, StepCompiler) else (StepCompiler() if compile else None)
         self.sdpa_backend = sdpa_backend
         self._sdpa = sdpa_context(sdpa_backend)
-        self.eager = EagerRunner(model)
+        self.eager = EagerRunner(model, sharded_head=sharded_head)
         if not self.eager.head.fast:
             raise ValueError("GraphRunner needs the model's decoder and output layer apart (Head.fast)")
         self.model, self.head = model, self.eager.head
@@ -83,6 +85,9 @@ class GraphRunner:
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("capture needs a CUDA device")
+        if sharded_head and (self.capture or self.fuser):
+            raise ValueError("a tensor-parallel rank's graph runner runs uncaptured and uncompiled "
+                             "(capture=False, compile=False)")
         cfg = model.config.get_text_config(decoder=True)
         heads = int(cfg.num_attention_heads)
         self.groups = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -96,9 +101,9 @@ class GraphRunner:
         model.set_attn_implementation(NAME)
         layers, kv_heads, head_dim = kv_shape(model)
         self.kv = SlotKV(layers, max_rows, max_len, self.device)
-        # now, not at the first write: a step built (captured, compiled) before any prompt must not
-        # hold the storage's allocation
-        self.kv.allocate(kv_heads, head_dim, self.dtype)
+        if not sharded_head:  # now, not at the first write: a step built (captured, compiled) before
+            # any prompt must not hold the storage's allocation (a rank's heads: known at the first write)
+            self.kv.allocate(kv_heads, head_dim, self.dtype)
         self._buffers: dict[tuple[int, int], StepBuffers] = {}
         self._flex: dict[tuple[int, int], FlexMasks] = {}
         self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function

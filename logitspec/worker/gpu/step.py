@@ -192,6 +192,8 @@ def graph_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                          scaling=scaling, **kwargs)
     R, H, T, D = query.shape
     KV = key.shape[1]
+    if H == 0:  # a tensor-parallel rank without heads in this layer (AutoTP keeps them on rank 0)
+        return query.new_zeros(R, T, 0, value.shape[-1]), None
     if not isinstance(attention_mask, torch.Tensor):  # a BlockMask
         out = flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling,
                                  enable_gqa=KV != H)
