@@ -240,7 +240,7 @@ def test_one_row_is_measured_on_the_models_own_continuation():
 def test_a_grid_measured_while_the_machine_was_slow_is_measured_again_and_not_stored(tmp_path, monkeypatch):
     """The control forward after a grid catches a machine whose speed changed during the measurement
     (another job's burst made one stored curve 15x slow): the grid is measured again, each point's
-    fastest kept; a curve that never settles is used but not stored."""
+    fastest kept; a curve that never settles is used but not stored; in a group, rank 0's decides."""
     model = tiny_model("llama")
     model.config._name_or_path = "tiny-settle-test"
     target = EagerRunner(model)
@@ -267,6 +267,12 @@ def test_a_grid_measured_while_the_machine_was_slow_is_measured_again_and_not_st
     slow_grids[0] = 10 ** 6  # every grid slow, every control fast
     unsettled = calibrate.measure(target, **kw)
     assert not unsettled.settled and len(grids) == calibrate.ATTEMPTS
+    # a tensor-parallel group acts on rank 0's speed change (agree): here rank 0 saw none, so this
+    # process measures once too, whatever its own control said (the forwards are collective)
+    grids.clear()
+    agreed = []
+    assert calibrate.measure(target, **kw, agree=lambda d: agreed.append(d) or 1.0).settled
+    assert len(grids) == 1 and len(agreed) == 1 and agreed[0] < 0.5  # its own control: much faster
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: unsettled)
     monkeypatch.setenv("LOGITSPEC_CACHE", str(tmp_path))  # (after the forwards: the kernels stay built)
     assert calibrate.load_or_measure(target, 1) is unsettled

@@ -21,6 +21,7 @@ import pathlib
 import platform
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -141,7 +142,7 @@ def curve_path(model, cache_dir=None, head=None, runner: str = "eager") -> pathl
 
 @torch.inference_mode()
 def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: int = 3, warmup: int = 1,
-            batch_rows=None, batch_tokens=None) -> CostCurve:
+            batch_rows=None, batch_tokens=None, agree: Callable[[float], float] = float) -> CostCurve:
     """Fastest time over ``reps`` (machine noise only adds time: a median of few reps took one
     slow forward for the cost of its size) of one step of the runner ``target`` (decoder + greedy output layer
     for every node, the device's work included) adding n tokens to a ``context``-token cache, for
@@ -151,7 +152,9 @@ def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: 
     (:func:`own_continuations`). Arguments left None come from the device's :func:`grid_for`.
     A control forward after the grid checks the machine's speed held (within ``SETTLED``); if not,
     the grid is measured again (up to ``ATTEMPTS`` times, each point's fastest kept) and a curve that
-    never settles has ``settled = False`` (:func:`load_or_measure` does not store it)."""
+    never settles has ``settled = False`` (:func:`load_or_measure` does not store it). ``agree``: the
+    speed change every process of a tensor-parallel group acts on (rank 0's), so that all measure the
+    grid again or none do (their forwards are collective)."""
     g = grid_for(target.device)
     tokens = g.tokens if tokens is None else tokens
     context = g.context if context is None else context
@@ -169,7 +172,7 @@ def measure(target: ModelRunner, tokens=None, context: int | None = None, reps: 
             # a control forward after the whole grid: a curve measured while the machine ran far
             # slower or faster than now (another job's burst: 15x seen here) would misprice every node
             control = measure_rows(target, 1, tokens[:1], context, max(reps, 3), 0, own_chains=True)
-            drift = control.seconds[0] / curve.seconds[0]
+            drift = agree(control.seconds[0] / curve.seconds[0])
             settled = 1 / SETTLED <= drift <= SETTLED
             if settled:
                 break
