@@ -158,19 +158,10 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
     :func:`group_cost_curve`)."""
     from logitspec.engine.engine import Engine
     from logitspec.spec_decode.policy import uses_auto_budget
-    from logitspec.worker.eager_runner import EagerRunner
-    from logitspec.worker.gpu import GraphRunner
-    from logitspec.worker.gpu.choice import slot_columns
+    from logitspec.worker.gpu import runner_for
 
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    if config.runner == "graph":  # the static path, uncaptured: the graph runner's structure on every rank
-        runner = GraphRunner(model, max_rows=config.max_batch_size, max_len=slot_columns(model),
-                             capture=False, sharded_head=grouped)
-    elif config.runner == "compiled":
-        raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph (uncaptured), "
-                         "not compiled")
-    else:
-        runner = EagerRunner(model, sharded_head=grouped)
+    runner = runner_for(model, config, sharded_head=grouped)
     if grouped and agree_on is None:
         agree_on = rank0_value
     if grouped and uses_auto_budget(config) and cost_curve is None:
@@ -286,11 +277,11 @@ class LogitsConsensus:
         self.handle = model.get_decoder().register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
-        logits = output.logits if hasattr(output, "logits") else output[0]  # the decoder's: hidden states
+        hidden = output[0]  # the decoder's final hidden states
         dist = torch.distributed
-        dev = logits.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
+        dev = hidden.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
         ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
-        mine = torch.cat([_checksum(t).to(dev) for t in [logits] + ins if t is not None])  # int64 [k]
+        mine = torch.cat([_checksum(t).to(dev) for t in [hidden] + ins if t is not None])  # int64 [k]
         got = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype, device=dev)  # [world, k]
         dist.all_gather(list(got.unbind(0)), mine)  # rows of one tensor: one copy to the host
         self.forwards += 1

@@ -337,16 +337,15 @@ class Head:
         cfg = model.config.get_text_config(decoder=True)
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         self.hidden_size = int(cfg.hidden_size)
-        whole = tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size) if emb is not None else False
+        whole = emb is not None and tuple(emb.weight.shape) == (cfg.vocab_size, cfg.hidden_size)
         usable = (emb is not None and getattr(emb, "bias", None) is None and (whole or sharded)
                   and hasattr(model, "get_decoder"))
         self.fast = fast and usable
         self.module = emb if self.fast and sharded else None
         self.screen = None
-        if self.fast and self.module is not None:
+        if self.fast:
             self.decoder = model.get_decoder()
-        elif self.fast:
-            self.decoder = model.get_decoder()
+        if self.fast and self.module is None:
             self.weight = emb.weight  # [V, H]
             # soft-capped logits can tie after tanh where the raw ones do not: screen raw logits only
             if not self.softcap and ScreenedArgmax.supported(self.weight):
@@ -371,17 +370,15 @@ class Head:
         """The output layer (``mode``) over final hidden states ``h`` [N, H] (needs ``fast``)."""
         if self.module is not None:  # every rank calls it alike: its collective needs them all
             logits = self.module(h[None])[0]  # [N, V]
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            return NodeLogits(logits, exact=True)
-        if self.screen is not None:  # a bfloat16 model's logits: float32 products of its (widened) weights
-            h = h.float()
-            if mode is not OutputMode.EXACT:
-                return self.screen(h, argmax=mode is OutputMode.GREEDY)
-        w = self.screen.weight if self.screen is not None else self.weight  # [V, H]
-        # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (docs/performance.md); elsewhere
-        # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
-        logits = torch.mm(w, h.T).T if h.device.type == "cpu" else h @ w.T  # [N, V]
+        else:
+            if self.screen is not None:  # a bfloat16 model's logits: float32 products of its widened weights
+                h = h.float()
+                if mode is not OutputMode.EXACT:
+                    return self.screen(h, argmax=mode is OutputMode.GREEDY)
+            w = self.screen.weight if self.screen is not None else self.weight  # [V, H]
+            # on CPU W @ h.T ran 3-4x faster than h @ W.T at 2-8 rows (docs/performance.md); elsewhere
+            # one GEMM in the model's dtype, [N, V] contiguous for the argmax and top-k that follow
+            logits = torch.mm(w, h.T).T if h.device.type == "cpu" else h @ w.T  # [N, V]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.screen is not None:  # greedy rows of a batch that needs these rows: the screen's argmax

@@ -10,11 +10,20 @@ from logitspec.worker.gpu.step import NODE_BUCKETS
 from logitspec.worker.kv_cache import kv_bytes_per_token
 
 
-def runner_for(model, config, fast_head: bool = True):
+def runner_for(model, config, fast_head: bool = True, sharded_head: bool = False):
     """The model runner ``config.runner`` names for an engine of ``config.max_batch_size`` rows:
     ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`), ``graph`` (a
     :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA) or
-    ``compiled`` (the same, its steps compiled)."""
+    ``compiled`` (the same, its steps compiled). ``sharded_head``: a tensor-parallel rank's (the
+    eager runner, or with ``graph`` the static path uncaptured; never compiled)."""
+    if sharded_head:
+        if config.runner == "compiled":
+            raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph (uncaptured), "
+                             "not compiled")
+        if config.runner != "graph":
+            return EagerRunner(model, sharded_head=True)
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=slot_columns(model), capture=False,
+                           sharded_head=True)
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
     compiled = config.runner == "compiled"

@@ -282,14 +282,7 @@ class GraphRunner:
             fn = lambda: self._forward(buf, key_len)  # noqa: E731
             if self.fuser is not None and buf.T <= self.node_buckets[-1]:
                 fn = self._fused(fn, key)
-            step = fn
-            if self.capture and buf.T <= self.node_buckets[-1]:
-                try:
-                    step = self._capture(fn)
-                except Exception as e:  # noqa: BLE001 - this shape runs without a graph, never a crash
-                    self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
-                                               f"({type(e).__name__}: {e}); steps that fail to capture run "
-                                               f"without a graph")
+            step = self._captured(fn, key) if buf.T <= self.node_buckets[-1] else fn
             if self.capture and step is fn:
                 self.counters["uncaptured"] += 1
             self._steps[key] = step
@@ -374,14 +367,24 @@ class GraphRunner:
             return step
         except Exception as e:  # noqa: BLE001 - a compiler's mistake costs speed, never tokens
             self._uncompiled(key, f"{type(e).__name__}: {e}")
-        step = fn
-        if self.capture:
-            try:
-                step = self._capture(fn)
-            except Exception:  # noqa: BLE001 - as _step_for: runs without a graph
-                self.counters["uncaptured"] += 1
+        step = self._captured(fn, key)
+        if self.capture and step is fn:
+            self.counters["uncaptured"] += 1
         self._steps[key] = step
         return step
+
+    def _captured(self, fn, key: tuple):
+        """``fn``'s CUDA graph replay where the runner captures, else ``fn``; ``fn`` itself (logged once)
+        where the capture fails: that shape runs without a graph, never a crash."""
+        if not self.capture:
+            return fn
+        try:
+            return self._capture(fn)
+        except Exception as e:  # noqa: BLE001
+            self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
+                                       f"({type(e).__name__}: {e}); steps that fail to capture run "
+                                       f"without a graph")
+            return fn
 
     def _uncompiled(self, key: tuple, why: str) -> None:
         self.counters["uncompiled"] += 1
