@@ -25,6 +25,29 @@ from logitspec.worker import attention as eager_attention
 NAME = "logitspec_graph"
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# flex attention's query block: one block holds all of a row's nodes (T <= 64 in a bucket)
+Q_BLOCK = 128
+# queries below which inductor picks its flex decoding kernel (torch/_inductor/kernel/flex/flex_decoding.py,
+# _use_flex_decoding); at 128 and above its main kernel runs
+FLEX_DECODING_MAX_QUERIES = 127
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def flex_kernel_options(T: int, groups: int) -> dict:
+    """flex attention's kernel options for a step of ``T`` query nodes per row with ``groups`` query
+    heads per key head, so inductor finds a kernel on CUDA. Its flex decoding kernel (taken for
+    fewer than 128 queries when ``groups`` is a power of two) stacks a group's queries into one tile
+    of ``max(16, next_pow2(T * groups))`` rows and accepts only a query block that is a multiple of
+    it (else "no valid choices": a Llama-3 model, 4 groups, fails past 32 nodes). Where the tile
+    would outgrow :data:`Q_BLOCK`, the main kernel (a tile per query head, 64 or 128 rows) runs
+    instead: a tile of 256-512 rows of 128-wide heads would not fit a GPU's registers."""
+    decoding = T <= FLEX_DECODING_MAX_QUERIES and groups & (groups - 1) == 0
+    if decoding and max(16, next_pow2(T * groups)) > Q_BLOCK:
+        return {"FORCE_USE_FLEX_ATTENTION": True}
+    return {}
 
 
 def bucket(n: int, sizes) -> int:
@@ -120,10 +143,13 @@ def sdpa_mask_for(buf: StepBuffers, key_len: int, window: int | None, groups: in
 
 
 class FlexMasks:
-    """A flex attention ``BlockMask`` per attention kind over a bucket's buffers: the blocks each
-    row reads (``kv_num_blocks``, ``kv_indices``: its columns up to ``L_b + T``, from its window's
-    first block for sliding layers) are rewritten in place by :meth:`update` inside the forward, and
-    the ``mask_mod`` reads the buffers (:func:`visible`)."""
+    """A flex attention ``BlockMask`` per attention kind over a bucket's buffers, rewritten in place
+    by :meth:`update` inside the forward (device ops only). Per row, the key blocks that every real
+    node sees whole (committed columns, within every node's window) are *full* blocks, read without
+    the ``mask_mod``; the others up to the row's last node (``L_b + T``, from its window's first
+    block for sliding layers) are *partial* blocks, where the ``mask_mod`` (:func:`visible`) decides.
+    So the mask is evaluated only on the tree's tail: one block per row in a one-node step. A pad
+    node (never read) sees the full blocks too."""
 
     def __init__(self, buf: StepBuffers, max_len: int, windows: dict, block: int):
         from torch.nn.attention.flex_attention import BlockMask
@@ -137,29 +163,46 @@ class FlexMasks:
         self.arange = torch.arange(nb, device=dev, dtype=torch.int32)
         self.masks = {}
         for kind, window in windows.items():
-            num = torch.ones(buf.R, 1, 1, dtype=torch.int32, device=dev)
-            idx = self.arange.expand(buf.R, 1, 1, nb).contiguous()
+            lists = [torch.ones(buf.R, 1, 1, dtype=torch.int32, device=dev),  # partial: count, indices
+                     self.arange.expand(buf.R, 1, 1, nb).contiguous(),
+                     torch.zeros(buf.R, 1, 1, dtype=torch.int32, device=dev),  # full: count, indices
+                     self.arange.expand(buf.R, 1, 1, nb).contiguous()]
 
             def mask_mod(b, h, q, kv, window=window):
                 return visible(buf, b, q, kv, window)
-            # one query block (the default 128 rows) holds a row's T nodes
-            kwargs = dict(BLOCK_SIZE=(128, block), mask_mod=mask_mod, seq_lengths=(buf.T, max_len))
+            kwargs = dict(full_kv_num_blocks=lists[2], full_kv_indices=lists[3], BLOCK_SIZE=(Q_BLOCK, block),
+                          mask_mod=mask_mod, seq_lengths=(buf.T, max_len))
             try:
-                bm = BlockMask.from_kv_blocks(num, idx, compute_q_blocks=False, **kwargs)
+                bm = BlockMask.from_kv_blocks(lists[0], lists[1], compute_q_blocks=False, **kwargs)
             except TypeError:  # older torch: no compute_q_blocks (the transposed blocks serve backward only)
-                bm = BlockMask.from_kv_blocks(num, idx, **kwargs)
-            self.masks[kind] = (bm, num, idx)
+                bm = BlockMask.from_kv_blocks(lists[0], lists[1], **kwargs)
+            self.masks[kind] = (bm, lists)
 
     def update(self) -> dict:
-        """Rewrite each kind's blocks from the buffers (device ops only); the block masks by kind."""
+        """Rewrite each kind's block lists from the buffers (device ops only); the block masks by kind."""
         buf, B = self.buf, self.block
-        last = (buf.lens + buf.T + B - 1) // B  # [R]: blocks up to the row's last node
-        for kind, (bm, num, idx) in self.masks.items():
+        L = buf.lens  # [R]
+        nb = len(self.arange)
+        last = (L + buf.T + B - 1) // B  # [R]: blocks up to the row's last node (exclusive)
+        committed = L // B  # [R]: blocks wholly before the row's first node
+        j = self.arange.to(L.dtype)  # [nb]
+        for kind, (bm, (num, idx, full_num, full_idx)) in self.masks.items():
             window = self.windows[kind]
-            first = torch.zeros_like(last) if window is None else (buf.lens - window + 1).clamp(min=0) // B
-            num.copy_((last - first).view(-1, 1, 1))
-            idx.copy_((first[:, None] + self.arange).clamp(max=len(self.arange) - 1).view(buf.R, 1, 1, -1))
-        return {kind: bm for kind, (bm, _, _) in self.masks.items()}
+            if window is None:
+                first = full_first = torch.zeros_like(L)
+            else:  # depth d (position L + d) sees columns > L + d - window; every node: >= L + T - window
+                first = (L - window + 1).clamp(min=0) // B
+                full_first = torch.maximum((L + buf.T - window).clamp(min=0) + B - 1, first * B) // B
+            has_full = committed > full_first
+            full_first = torch.where(has_full, full_first, last)  # no full block: partial = [first, last)
+            full_end = torch.where(has_full, committed, last)
+            head = full_first - first  # partial blocks before the full ones
+            full_num.copy_((full_end - full_first).view(-1, 1, 1))
+            full_idx.copy_((full_first[:, None] + j).clamp(max=nb - 1).view(buf.R, 1, 1, -1))
+            num.copy_((head + last - full_end).view(-1, 1, 1))
+            part = torch.where(j < head[:, None], first[:, None] + j, full_end[:, None] + j - head[:, None])
+            idx.copy_(part.clamp(max=nb - 1).view(buf.R, 1, 1, -1))
+        return {kind: bm for kind, (bm, _) in self.masks.items()}
 
 
 _FLEX = {}
@@ -196,7 +239,7 @@ def graph_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         return query.new_zeros(R, T, 0, value.shape[-1]), None
     if not isinstance(attention_mask, torch.Tensor):  # a BlockMask
         out = flex(query.device)(query, key, value, block_mask=attention_mask, scale=scaling,
-                                 enable_gqa=KV != H)
+                                 enable_gqa=KV != H, kernel_options=flex_kernel_options(T, H // KV) or None)
         return out.transpose(1, 2).contiguous(), None
     q = query.reshape(R, KV, (H // KV) * T, D)  # head h = kv * G + g, as repeat_kv orders them
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
