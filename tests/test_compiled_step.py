@@ -1,6 +1,8 @@
 """The graph runner's step compiled by inductor (``--runner compiled``, logitspec.worker.gpu.fused):
 the same tokens as the uncompiled steps, one compile per bucket, none again for a shape it has seen,
 and the SDPA kernel pinned where asked."""
+import re
+
 import pytest
 import torch
 from tiny_models import FAMILIES, repetitive_prompts, tiny_model
@@ -88,3 +90,27 @@ def test_a_pinned_sdpa_kernel_is_the_one_that_runs():
         Engine(model, None, CFG, runner=pinned).run(prompts, GREEDY)
     with pytest.raises(ValueError, match="sdpa_backend"):
         one_bucket_runner(model, sdpa_backend="flash")
+
+
+def test_a_compiled_step_writes_the_kv_slots_in_place():
+    """No copy of the KV slots in a compiled step: the code inductor generates for it allocates no
+    buffer of a layer's slots' shape (a functionalized ``scatter_``, or an index into the 5-D
+    storage inside the step, copies every layer's keys and values on every step), the storage stays
+    where it was allocated, and the engine's tokens through it equal the eager runner's."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(2, seed=6)
+    runner = one_bucket_runner(model, compile=True)
+    kv = runner.kv
+    storage = (kv.K.data_ptr(), kv.V.data_ptr())
+    layer = tuple(kv.K.shape[1:])  # [slots, kv heads, max_len, head dim]
+    got, code = run_and_get_code(lambda: Engine(model, None, CFG, runner=runner).run(prompts, GREEDY))
+    src = "\n".join(code)
+    shapes = {tuple(int(d) for d in m.split(",") if d.strip())
+              for m in re.findall(r"empty_strided_\w+\(\(([\d, ]*)\)", src)}
+    assert "def call" in src and runner.counters["compiles"] >= 1 and runner.counters["uncompiled"] == 0
+    assert layer not in shapes and tuple(kv.K.shape) not in shapes, sorted(shapes)
+    assert (kv.K.data_ptr(), kv.V.data_ptr()) == storage and kv.allocations == 1
+    want = Engine(model, None, CFG).run(prompts, GREEDY).results
+    assert [r.token_ids for r in got.results] == [r.token_ids for r in want]

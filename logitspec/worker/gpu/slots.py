@@ -84,6 +84,10 @@ class SlotKV:
         shape = (self.n_layers, self.slots, heads, self.max_len, head_dim)
         self.K = torch.zeros(shape, dtype=dtype, device=self.device)
         self.V = torch.zeros(shape[:-1] + (v_head_dim or head_dim,), dtype=dtype, device=self.device)
+        # one view per layer, made once: a compiled step writes these in place (inductor reinplaces an
+        # index_put_ on a view it is handed; indexing the 5-D storage inside the step, or a scatter_,
+        # makes it copy the layer's slots on every write)
+        self.layer_views = [(self.K[i], self.V[i]) for i in range(self.n_layers)]
         self.allocations += 1
 
     @property
@@ -103,7 +107,8 @@ class SlotKV:
         """The next forward writes node i of row b at column ``write_cols[b, i]`` ([R, T] int64, a
         device buffer) of slot b < ``rows``, and its layers read columns ``[0, key_len)`` of slots
         ``[0, rows)``."""
-        self._mode = ("step", rows, write_cols)
+        slot = torch.arange(rows, device=write_cols.device)[:, None]  # [R, 1]
+        self._mode = ("step", rows, write_cols, slot)
         self.key_len = key_len
 
     def end_step(self) -> None:
@@ -116,7 +121,7 @@ class SlotKV:
         if k.shape[1] != self.K.shape[2] or k.shape[3] != self.K.shape[4] or k.dtype != self.K.dtype:
             raise ValueError(f"layer {layer}: keys {tuple(k.shape)} {k.dtype} do not fit the slot storage "
                              f"{tuple(self.K.shape)} {self.K.dtype} (layers of other shapes: unsupported)")
-        K, V = self.K[layer], self.V[layer]  # [slots, heads, max_len, dim]
+        K, V = self.layer_views[layer]  # [slots, heads, max_len, dim]
         kind = self._mode[0]
         if kind == "prefill":
             _, slot, start = self._mode
@@ -125,11 +130,10 @@ class SlotKV:
             V[slot, :, start:start + T] = v[0]
             return K[slot:slot + 1, :, :start + T], V[slot:slot + 1, :, :start + T]
         if kind == "step":
-            _, rows, cols = self._mode
-            R, H, T, D = k.shape
-            idx = cols[:, None, :, None]  # [R, 1, T, 1]
-            K[:rows].scatter_(2, idx.expand(R, H, T, D), k)
-            V[:rows].scatter_(2, idx.expand(R, H, T, v.shape[3]), v)
+            _, rows, cols, slot = self._mode
+            # index_put_ on dims 0 and 2 ([R, T] each): values [R, T, heads, dim]
+            K[slot, :, cols] = k.transpose(1, 2)
+            V[slot, :, cols] = v.transpose(1, 2)
             return K[:rows, :, :self.key_len], V[:rows, :, :self.key_len]
         raise RuntimeError("SlotKV: no write mode set (for_prefill / for_step) before the forward")
 
