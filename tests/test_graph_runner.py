@@ -351,3 +351,30 @@ def test_a_step_built_after_start_up_is_counted():
     with torch.inference_mode():
         greedy_chains(runner, repetitive_prompts(2, seed=12), 8)
     assert runner.counters["built_after_start"] == runner.counters["graphs"] > 0
+
+
+def test_a_step_flex_attention_cannot_run_attends_with_sdpa(monkeypatch, caplog):
+    """Where flex attention has no kernel for a step (on CUDA: inductor finds no configuration and
+    raises), that bucket attends with SDPA over the whole slot from then on, logged once: the run
+    finishes with the eager runner's tokens, and only the failing buckets fell back."""
+    from logitspec.worker.gpu import step as step_module
+
+    def no_kernel_past_4_nodes(device):
+        def run(query, key, value, **kw):
+            if query.shape[2] > 4:
+                raise RuntimeError("NoValidChoicesError: no kernel for this query block")
+            return torch.nn.attention.flex_attention.flex_attention(query, key, value, **kw)
+        return run
+
+    monkeypatch.setattr(step_module, "flex", no_kernel_past_4_nodes)
+    model = tiny_model("llama")
+    prompts = repetitive_prompts(3, seed=13)
+    cfg = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=2)
+    runner = GraphRunner(model, max_rows=2, max_len=256, attention="flex")
+    got = Engine(model, None, cfg, runner=runner).run(prompts, Request(max_new_tokens=N_NEW)).results
+    assert [r.token_ids for r in got] == [hf_greedy(model, p, N_NEW) for p in prompts]
+    fell_back = {key for key in runner._buffers if key not in runner._flex}
+    assert fell_back and all(T > 4 for _, T in fell_back)
+    assert runner.counters["flex_fallbacks"] == len(fell_back)
+    assert any((R, T) in runner._flex for R, T in runner._buffers if T <= 4)  # the others kept flex
+    assert caplog.text.count("attend with SDPA") == 1

@@ -110,7 +110,8 @@ class GraphRunner:
         self._pool = None
         self._unchecked: set[tuple] = set()  # compiled steps not yet checked on real inputs
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
-                         "built_after_start": 0, "compiles": 0, "uncompiled": 0}
+                         "built_after_start": 0, "compiles": 0, "uncompiled": 0, "flex_fallbacks": 0}
+        self._capture_error: BaseException | None = None  # the last capture's failure
         self.started = False  # capture_all ran: a step built after it counts in built_after_start
         self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
         self._warned: set[str] = set()
@@ -182,11 +183,17 @@ class GraphRunner:
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)
         select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        step = self._step_for(buf, key_len)
-        if self._unchecked:
-            key = (buf.R, buf.T, key_len)
-            step = self._checked(key, buf, key_len, step) if key in self._unchecked else step
-        step()
+        key = (buf.R, buf.T, key_len)
+        for retry in (False, True):
+            step = self._step_for(buf, key_len)
+            if key in self._unchecked:
+                step = self._checked(key, buf, key_len, step)
+            try:
+                step()
+                break
+            except Exception as e:  # flex attention without a kernel for this shape: SDPA, never a crash
+                if retry or not self._without_flex(buf, key_len, e):
+                    raise
         self.counters["replays"] += 1
         nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
         B = len(rows)
@@ -279,16 +286,44 @@ class GraphRunner:
         key = (buf.R, buf.T, key_len)
         step = self._steps.get(key)
         if step is None:
-            fn = lambda: self._forward(buf, key_len)  # noqa: E731
-            if self.fuser is not None and buf.T <= self.node_buckets[-1]:
-                fn = self._fused(fn, key)
-            step = self._captured(fn, key) if buf.T <= self.node_buckets[-1] else fn
-            if self.capture and step is fn:
-                self.counters["uncaptured"] += 1
+            step = self._build(buf, key_len)
             self._steps[key] = step
             self.counters["graphs"] += 1
             self.counters["built_after_start"] += self.started and buf.T <= self.node_buckets[-1]
         return step
+
+    def _build(self, buf: StepBuffers, key_len: int):
+        """The step of ``buf``'s bucket: compiled (with ``compile``) and captured (on CUDA) where it
+        can be; a bucket whose flex attention step cannot be captured attends with SDPA instead
+        (:meth:`_without_flex`); a step beyond the node buckets, or one that fails to capture, runs
+        without a graph (logged once)."""
+        key = (buf.R, buf.T, key_len)
+        fn = lambda: self._forward(buf, key_len)  # noqa: E731
+        if buf.T > self.node_buckets[-1]:
+            return fn
+        if self.fuser is not None:
+            fn = self._fused(fn, key)
+        step = self._captured(fn, key)
+        if self.capture and step is fn:
+            if self._without_flex(buf, key_len, self._capture_error):
+                return self._build(buf, key_len)
+            self.counters["uncaptured"] += 1
+        return step
+
+    def _without_flex(self, buf: StepBuffers, key_len: int, error: BaseException | None) -> bool:
+        """After ``error`` from a flex attention step of ``buf``'s bucket: the bucket attends with SDPA
+        over the whole slot from now on (its step is built again), logged once; False where the
+        bucket does not use flex attention (nothing to fall back to)."""
+        if (buf.R, buf.T) not in self._flex:
+            return False
+        del self._flex[(buf.R, buf.T)]
+        self._steps.pop((buf.R, buf.T, key_len), None)
+        self.counters["flex_fallbacks"] += 1
+        first = (str(error).strip().splitlines() or [""])[0]
+        self._warn_once("flex", f"flex attention could not run the step {(buf.R, buf.T)} "
+                                f"({type(error).__name__}: {first}); such steps attend with SDPA over the "
+                                f"whole slot")
+        return True
 
     def capture_all(self, rows: int, nodes: int) -> dict:
         """Build (on CUDA: capture) every step a configuration of up to ``rows`` rows and ``nodes``
@@ -381,6 +416,7 @@ class GraphRunner:
         try:
             return self._capture(fn)
         except Exception as e:  # noqa: BLE001
+            self._capture_error = e
             self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
                                        f"({type(e).__name__}: {e}); steps that fail to capture run "
                                        f"without a graph")
