@@ -631,6 +631,13 @@ def part_in_process(name: str, args, start: float) -> dict:
 
 
 def main(argv=None) -> int:
+    from logitspec.versions import UnsupportedVersion, check_versions
+
+    try:  # an untested transformers may ignore the cache argument: every figure would be wrong
+        check_versions()
+    except UnsupportedVersion as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

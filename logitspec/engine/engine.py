@@ -28,6 +28,7 @@ from logitspec.spec_decode.budget import CostCurve
 from logitspec.spec_decode.interface import Drafter
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.policy import AcceptOverride, SpeculationPolicy, StepObserver
+from logitspec.versions import check_versions
 from logitspec.worker import calibrate
 from logitspec.worker.gpu import runner_for
 from logitspec.worker.prefix_cache import PrefixCache
@@ -80,6 +81,7 @@ class Engine:
         acceptance through them). ``eos_ids``: token ids that end a sequence (default the model's)."""
         if prefill_chunk < 1 or (fill_chunk is not None and fill_chunk < 1):
             raise ValueError(f"prefill_chunk and fill_chunk must be >= 1, got {prefill_chunk}, {fill_chunk}")
+        check_versions()  # an untested transformers can ignore the cache argument without a word
         self.model, self.tokenizer = model, tokenizer
         self.config = config or SpecConfig()
         if runner is None:

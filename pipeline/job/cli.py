@@ -167,6 +167,12 @@ def job_request(args: argparse.Namespace) -> Request:
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
+    from logitspec.versions import UnsupportedVersion, check_versions
+
+    try:  # before Ray starts (each replica's engine checks its own machine again)
+        check_versions()
+    except UnsupportedVersion as e:
+        raise ConfigError(str(e)) from None
     engine = engine_config(method=args.method, budget=args.budget, max_batch_size=args.max_batch_size,
                            runner=args.runner)
     gen = GenerationSpec(model=args.model, engine=engine, request=job_request(args), chat=args.chat,
