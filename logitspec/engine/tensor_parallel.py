@@ -330,7 +330,9 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous()
     if t.is_floating_point():
         t = t.view({4: torch.int32, 2: torch.int16, 8: torch.int64}[t.element_size()])
-    return torch.stack([t.sum(dtype=torch.int64), torch.tensor(t.numel(), device=t.device)])
+    # the count filled on the device (torch.tensor(n, device=...) would copy from pageable memory: a wait)
+    count = torch.full((), t.numel(), dtype=torch.int64, device=t.device)
+    return torch.stack([t.sum(dtype=torch.int64), count])
 
 
 # ---------------------------------------------------------------------------------------------- watchdog
