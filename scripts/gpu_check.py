@@ -5,30 +5,33 @@ Writes JSON under ``--out``; on CPU (``--tiny``) every part runs in its CPU form
     bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 9 minutes)
     python scripts/gpu_check.py --tiny --device cpu --out out/check   # CI-sized, on CPU
 
-The graph runner's parts, in order (each with a share of the time left: :data:`SHARE`):
+The graph runner's parts, in order of what their figures are worth (each with a share of the time left:
+:data:`SHARE`; each case or point in its own ``try``, none started past its part's deadline):
 
 1. ``graph_lossless.json``: the whole engine through the graph runner (``logitspec.worker.gpu``: static KV
    slots, one CUDA graph per (rows, nodes) bucket), ``ar`` and ``logitspec`` on tiny Llama, Qwen2
    and Gemma 3: float32 against HF ``generate``, bfloat16 against our bfloat16 ``ar``; flex attention
    on head-dim-32 copies, uncompiled and compiled steps (``counters.uncompiled``: compiled steps the
    runner's check rejected).
-2. ``graph_timing.json``: the graph runner's step at 1/8/32/64 rows x 1..32 nodes per row with SDPA,
-   then flex attention and SDPA pinned to each kernel at a few points: the tree curve; captures and
-   allocations on repeated shapes.
-3. ``compiled_timing.json``: the same for the compiled step (flex attention; a compile per point).
-4. ``hf_graph.json``: the reference step, HF's forward over a ``StaticCache`` captured once in a CUDA
-   graph and replayed (1 and 32 rows, 512-token prompts), on the Llama-3-8B shape (random bfloat16
-   weights, as every part below).
-5. ``ar_steps.json``: our engine's ``ar`` step through the graph runner at 1, 8, 32, 64 rows, greedy
-   and sampled (T 0.8, top-p 0.95): a warm-up run, then the same run timed (ms per steady step, its
-   captures, its host waits by code location).
-6. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
-7. ``replay.json``: replayed acceptance (docs/gpu.md): the traces in ``docs/results/traces`` (trees and
-   accepted lengths recorded by a real model on CPU) through the whole engine on the 8B shape at 1, 8
-   and 32 rows, a row per recorded method and ``ar``: ms per token and the speed-up over ``ar``.
+2. ``ar_steps.json``: our engine's ``ar`` step through the graph runner the engine makes on this device
+   (flex attention on CUDA, its buckets built at start-up) at 1, 8, 32, 64 rows, greedy and sampled
+   (T 0.8, top-p 0.95): a warm-up run, then the same run timed (ms per steady step, its captures, its
+   host waits by code location); then the same through a runner attending the other way (``variant``).
+3. ``graph_timing.json``: the graph runner's step on the Llama-3-8B shape (random bfloat16 weights, as
+   every part below) at rows x nodes per row, the engine's attention first (flex on CUDA: the tree
+   goals' points), then SDPA at 1/8/32/64 rows x 1..32 nodes and SDPA pinned to each kernel at a few
+   points: the tree curve; captures and allocations on repeated shapes.
+4. ``replay.json``: replayed acceptance (docs/gpu.md): the traces in ``docs/results/traces`` (trees and
+   accepted lengths recorded by a real model on CPU) through the whole engine at 1, 8 and 32 rows, a
+   row per recorded method and ``ar``: ms per token and the speed-up over ``ar``.
+5. ``prefill_8k.json``: an 8192-token prompt prefilled the engine's way and straight into a slot.
+6. ``hf_graph.json``: the reference step, HF's forward over a ``StaticCache`` captured once in a CUDA
+   graph and replayed (1 and 32 rows, 512-token prompts).
+7. ``compiled_timing.json``: the compiled step (flex attention; a compile per point) at the goals' points.
 8. ``summary.json`` (scripts/gpu_check_summary.py, written after every part): versions, device,
-   per-part time and errors, every promised key. Exit 1 if a lossless case failed or a part raised (its
-   error is recorded; the other parts still run).
+   per-part time and errors, every promised key (null with its reason in ``nulls``), and per figure how
+   its steps ran (``runs``: captured, compiled, steps that fell back). Exit 1 if a lossless case failed or
+   a part raised (its error is recorded; the other parts still run).
 
 The eager parts: ``lossless.json`` (the eager engine against ``generate`` / our bfloat16 ``ar``),
 ``device_paths.json`` (host waits per step of the eager engine, sampling on the device),
@@ -306,15 +309,17 @@ def curve_for(name: str, plan: Plan, deadline: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ graph runner
-# (rows, nodes per row) timed with flex attention on the 8B shape: each is a compile of its own there
-FLEX_POINTS = ((1, 1), (1, 16), (8, 16), (32, 1), (32, 8), (64, 1), (64, 4))
+# (rows, nodes per row) timed with flex attention (the engine's on CUDA) on the 8B shape: each is a compile of
+# its own there; the tree goals' points and the one-node steps they are measured against
+FLEX_POINTS = ((1, 1), (1, 16), (8, 1), (8, 16), (32, 1), (32, 8), (64, 1), (64, 4), (1, 4), (8, 4))
 # the compiled step's points, most wanted first (the ar goals, then the tree goals): a compile each
 COMPILED_POINTS = ((1, 1), (32, 1), (1, 16), (8, 1), (8, 16), (32, 8))
 # SDPA pinned to one kernel: a plain step and the tree goals' points
 PINNED_POINTS = ((1, 1), (1, 16), (8, 1), (8, 16), (32, 1), (32, 8))
 # graph_timing's variants, timed in this order: (label, GraphRunner keywords, points; None = every point
-# of the plan); on CPU SDPA alone (flex attention there is its unfused reference)
-TIMING_VARIANTS = (("sdpa", {"attention": "sdpa"}, None), ("flex", {"attention": "flex"}, FLEX_POINTS),
+# of the plan), the engine's own attention first (its figures are the goals'); on CPU SDPA alone (flex
+# attention there is its unfused reference)
+TIMING_VARIANTS = (("flex", {"attention": "flex"}, FLEX_POINTS), ("sdpa", {"attention": "sdpa"}, None),
                    ("sdpa_efficient", {"attention": "sdpa", "sdpa_backend": "efficient"}, PINNED_POINTS),
                    ("sdpa_cudnn", {"attention": "sdpa", "sdpa_backend": "cudnn"}, PINNED_POINTS))
 CPU_TIMING_VARIANTS = (("sdpa", {"attention": "sdpa"}, None),
@@ -363,12 +368,17 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
             kw = {} if attention == "sdpa" else {"node_buckets": (64,), "row_buckets": (plan.batch,),
                                                  "compile": compiled}
             for method in ("ar", "logitspec"):
-                model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
-                outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
-                cases.append({**name, "method": method, "batch": plan.batch, "counters": counters,
-                              "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1",
-                              **compare(ref_model, prompts, ref, outs)})
-                del model
+                case = {**name, "method": method, "batch": plan.batch,
+                        "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1"}
+                try:
+                    model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
+                    outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
+                    cases.append({**case, "counters": counters, **compare(ref_model, prompts, ref, outs)})
+                    del model
+                except Exception as e:  # noqa: BLE001 - a failed case, recorded; the others still run
+                    traceback.print_exc()
+                    cases.append({**case, "error": f"{type(e).__name__}: {str(e)[:300]}", "equal": 0,
+                                  "of": len(prompts), "partings": [], "ok": False})
             del ref_model
     return cases
 
@@ -428,9 +438,10 @@ def graph_timings(plan: Plan, deadline: float, compiled: bool = False) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    doc["engine_attention"] = variants[0][0]  # the first variant: what the engine runs on this device
     for label, got in doc["attention"].items():  # the summary's keys (None: not measured)
         ms, x = got.get("ms", {}), got.get("x_plain", {})
-        doc["goals" if label == "sdpa" else f"goals_{label}"] = {
+        doc["goals" if label == variants[0][0] else f"goals_{label}"] = {
             "step_ms_1x1": ms.get("1x1"), "step_ms_32x1": ms.get("32x1"), "tree16_x_b1": x.get("1x16"),
             "tree16_x_b8": x.get("8x16"), "tree8_x_b32": x.get("32x8"), "tree4_x_b64": x.get("64x4")}
     if cuda:
@@ -454,14 +465,18 @@ def time_variant(model, plan: Plan, kw: dict, points: list, lengths: list[int], 
     runner.prefill_slot(toks[:lengths[most - 1]], chunk=2048)  # slot 0; the others copy it (own lengths)
     kv.K[:, 1:most] = kv.K[:, :1]
     kv.V[:, 1:most] = kv.V[:, :1]
-    res, first_s, skipped, ready = {}, {}, [], []
+    res, first_s, skipped, ready, errors = {}, {}, [], [], {}
     step = functools.partial(_graph_step, runner, kv, lengths, toks)
     for b, n in points:  # every bucket captured (flex, compiled: compiled) before anything is timed
         if time.time() > deadline:
             skipped.append([b, n])
             continue
         t1 = time.time()
-        step(b, n)()
+        try:
+            step(b, n)()
+        except Exception as e:  # noqa: BLE001 - this point is recorded; the others still run
+            errors[f"{b}x{n}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            continue
         first_s[f"{b}x{n}"] = round(time.time() - t1, 2)
         ready.append((b, n))
     captured = dict(runner.counters)
@@ -483,7 +498,8 @@ def time_variant(model, plan: Plan, kw: dict, points: list, lengths: list[int], 
     return {
         "runner": runner.kind, "ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in res.items()},
         "x_plain": {f"{b}x{n}": round(s / one[b], 3) for (b, n), s in res.items() if b in one},
-        "first_call_s": first_s, "skipped": skipped, "counters": after, "kernels_per_step": kernels,
+        "first_call_s": first_s, "skipped": skipped, "errors": errors, "counters": after,
+        "kernels_per_step": kernels,
         "timed": {k: after[k] - captured[k] for k in counted},
         "repeat": {**{k: after[k] - before[k] for k in counted}, "cuda_allocations_per_step": per_step},
         "kv_gib": round(kv.bytes / 2 ** 30, 2)}
@@ -502,16 +518,17 @@ def environment(plan: Plan) -> dict:
     return env
 
 
-# the graph runner's check, in this order (the default): graph-mode lossless, the tree curve (the goals the
-# check exists for, before anything that could starve it), then the 8B shape's steps, the recorded
-# methods' acceptance replayed on it
-GRAPH_PARTS = ("graph_lossless", "graph_timing", "compiled_timing", "hf_graph", "ar_steps", "prefill_8k",
-               "replay")
+# the graph runner's check, in this order (the default), by what the figures are worth: graph-mode lossless,
+# the engine's own step (its goals: ms at 1 and 32 rows, sampled over greedy), the tree curve (trees' cost
+# over one node), the recorded methods' acceptance replayed on the 8B shape, the long prefill, HF's graph
+# step (the reference), and last the compiled step (a compile per point: minutes on an 8B shape)
+GRAPH_PARTS = ("graph_lossless", "ar_steps", "graph_timing", "replay", "prefill_8k", "hf_graph",
+               "compiled_timing")
 EAGER_PARTS = ("lossless", "device_paths")  # the eager engine's check (passed on the H200), with the curves
 # a part's share of the time left when it starts (the rest: the parts after it); every part skips what
 # it cannot start by its share's end (graph_timing: its variants in order, each's points in order)
-SHARE = {"graph_lossless": 0.2, "graph_timing": 0.3, "compiled_timing": 0.25, "hf_graph": 0.15,
-         "ar_steps": 0.4, "prefill_8k": 0.3, "replay": 1.0}
+SHARE = {"graph_lossless": 0.15, "ar_steps": 0.3, "graph_timing": 0.35, "replay": 0.4, "prefill_8k": 0.2,
+         "hf_graph": 0.3, "compiled_timing": 1.0}
 
 
 def part_names(plan: Plan, asked: str | None = None) -> list[str]:
@@ -553,7 +570,8 @@ def shape_steps(name: str, plan: Plan, deadline: float) -> dict:
         rows = sorted(plan.rows, key=lambda b: (b not in (1, 32), b))  # the summary's 1 and 32 rows first
         doc.update(ar_steps(model, rows, plan.prompt_len, plan.ar_tokens, deadline))
     else:
-        doc.update(prefill_timings(model, plan.prefill_tokens, plan.prefill_chunk, max(2, plan.reps)))
+        doc.update(prefill_timings(model, plan.prefill_tokens, plan.prefill_chunk, max(2, plan.reps),
+                                   deadline))
     if plan.device.startswith("cuda"):
         doc["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 1)
     doc["wall_s"] = round(time.time() - t0, 1)

@@ -10,8 +10,8 @@
 #   bash scripts/gpu_check.sh out/check --tiny --device cpu         # CI-sized, on CPU
 #
 # Needs python with torch (CUDA) and transformers >= 5.23; no Ray, no DeepSpeed, no network. Where the
-# machine's transformers is older, carry wheels in .whl/ (ignored by git; see docs/gpu.md for the
-# download commands): they are installed to /tmp/site and put first on PYTHONPATH.
+# machine's transformers is older, carry wheels in .whl/ (ignored by git; bash scripts/gpu_wheels.sh builds
+# them): they are installed to /tmp/site and put first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${1:-${OUT:-out/gpu_check}}
@@ -21,7 +21,9 @@ PY=${PY:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if compgen -G ".whl/*.whl" > /dev/null; then
+# the carried wheels only where this python's own releases are outside the tested range (logitspec/versions.py)
+if compgen -G ".whl/*.whl" > /dev/null \
+    && ! "$PY" -c "from logitspec.versions import check_versions; check_versions()" 2> /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "installing the carried wheels failed"; exit 2; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -105,11 +105,14 @@ def hf_graph_steps(model, rows, prompt_len: int, reps: int, deadline: float) -> 
             doc["skipped"].append(b)
             continue
         t0 = time.time()
-        step, _ = hf_step(model, b, prompt_len, room=8 + 2 * reps)
-        fn = capture(step) if cuda else step
-        doc["first_s"][str(b)] = round(time.time() - t0, 2)  # prefill, warm-up and capture
-        doc["ms"][str(b)] = round(fastest(fn, device, reps=reps) * 1e3, 3)
-        del step, fn
+        try:
+            step, _ = hf_step(model, b, prompt_len, room=8 + 2 * reps)
+            fn = capture(step) if cuda else step
+            doc["first_s"][str(b)] = round(time.time() - t0, 2)  # prefill, warm-up and capture
+            doc["ms"][str(b)] = round(fastest(fn, device, reps=reps) * 1e3, 3)
+            del step, fn
+        except Exception as e:  # noqa: BLE001 - recorded; the next row count still runs
+            doc.setdefault("errors", {})[str(b)] = f"{type(e).__name__}: {str(e)[:300]}"
         if cuda:
             torch.cuda.empty_cache()
     return doc
@@ -160,33 +163,58 @@ def ar_case(engine: Engine, runner: GraphRunner, prompts, request: Request) -> d
 
 
 def ar_steps(model, rows, prompt_len: int, new_tokens: int, deadline: float) -> dict:
-    """Our engine's ``ar`` step through one graph runner (slots for the most rows) at each row count,
-    greedy and sampled (T 0.8, top-p 0.95); cases not started by ``deadline`` are skipped."""
+    """Our engine's ``ar`` step at each row count, greedy and sampled (T 0.8, top-p 0.95), through
+    the graph runner the engine makes on this device (flex attention on CUDA, SDPA elsewhere:
+    ``runner``, ``greedy``, ``sampled``), then through one attending the other way (``variant``).
+    Each runner holds slots for the most rows and builds the row counts' buckets at start-up, as the
+    engine does. A case not started by ``deadline`` is skipped; one that raises is recorded
+    (``{"error": ...}``) and the next runs."""
+    cuda = next(model.parameters()).device.type == "cuda"
+    engine_attention, other = ("flex", "sdpa") if cuda else ("sdpa", "flex")
+    doc = ar_runner_steps(model, rows, prompt_len, new_tokens, deadline, engine_attention)
+    doc["variant"] = ar_runner_steps(model, rows, prompt_len, new_tokens, deadline, other)
+    return doc
+
+
+def ar_runner_steps(model, rows, prompt_len: int, new_tokens: int, deadline: float, attention: str) -> dict:
+    """:func:`ar_steps` through one graph runner attending with ``attention``."""
     most = max(rows)
     max_len = -(-(prompt_len + new_tokens + 64) // 128) * 128  # + the largest node bucket
-    runner = GraphRunner(model, max_rows=most, max_len=max_len)
-    doc = {"prompt_len": prompt_len, "new_tokens": new_tokens, "max_len": max_len, "greedy": {},
-           "sampled": {}, "skipped": []}
+    doc = {"attention": attention, "prompt_len": prompt_len, "new_tokens": new_tokens, "max_len": max_len,
+           "greedy": {}, "sampled": {}, "skipped": []}
+    if time.time() > deadline:
+        doc["skipped"] = [[b, mode] for b in rows for mode in ("greedy", "sampled")]
+        return doc
+    runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention,
+                         row_buckets=tuple(sorted(rows)))
+    t0 = time.time()
+    with torch.inference_mode():
+        runner.capture_all(most, 1)
+    doc["build_s"] = round(time.time() - t0, 1)
     for b in rows:
         prompts = token_prompts(b, prompt_len, model.config.vocab_size)
         for mode, setting in (("greedy", GREEDY), ("sampled", SAMPLED)):
             if time.time() > deadline:
                 doc["skipped"].append([b, mode])
                 continue
-            engine = Engine(model, None, SpecConfig(method="ar", max_batch_size=b), runner=runner)
-            request = Request.make(max_new_tokens=new_tokens, seed=1, **setting)
-            doc[mode][str(b)] = ar_case(engine, runner, prompts, request)
+            try:
+                engine = Engine(model, None, SpecConfig(method="ar", max_batch_size=b), runner=runner)
+                request = Request.make(max_new_tokens=new_tokens, seed=1, **setting)
+                doc[mode][str(b)] = ar_case(engine, runner, prompts, request)
+            except Exception as e:  # noqa: BLE001 - recorded; the other cases still run
+                doc[mode][str(b)] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    doc["runner"] = runner.kind
     doc["counters"] = dict(runner.counters)
     doc["kv_gib"] = round(runner.kv.bytes / 2 ** 30, 2)
     return doc
 
 
 # ------------------------------------------------------------------------------------------ prefill
-def prefill_timings(model, tokens: int, chunk: int, reps: int) -> dict:
+def prefill_timings(model, tokens: int, chunk: int, reps: int, deadline: float) -> dict:
     """Seconds to prefill one prompt of ``tokens`` tokens (fastest of ``reps`` after a warm-up): the
     engine's way (causal chunks of ``chunk`` through the eager path, then the row copied into a
     slot of the graph runner), and straight into a slot in chunks of ``chunk`` and of the whole
-    prompt."""
+    prompt; a way not started by ``deadline`` is None (listed in ``skipped``)."""
     device = next(model.parameters()).device
     runner = GraphRunner(model, max_rows=1, max_len=-(-(tokens + 64) // 128) * 128)
     prompt = token_prompts(1, tokens, model.config.vocab_size)[0]
@@ -199,7 +227,16 @@ def prefill_timings(model, tokens: int, chunk: int, reps: int) -> dict:
         runner.new_batch(1)
         runner.prefill_slot(prompt, size)
 
-    return {"tokens": tokens, "chunk": chunk,
-            "engine_s": round(fastest(engine_way, device, reps=reps), 4),
-            "slot_chunked_s": round(fastest(lambda: into_slot(chunk), device, reps=reps), 4),
-            "slot_whole_s": round(fastest(lambda: into_slot(tokens), device, reps=reps), 4)}
+    doc = {"tokens": tokens, "chunk": chunk, "skipped": []}
+    for key, fn in (("engine_s", engine_way), ("slot_chunked_s", lambda: into_slot(chunk)),
+                    ("slot_whole_s", lambda: into_slot(tokens))):
+        if time.time() > deadline:
+            doc[key] = None
+            doc["skipped"].append(key)
+            continue
+        try:
+            doc[key] = round(fastest(fn, device, reps=reps), 4)
+        except Exception as e:  # noqa: BLE001 - recorded; the other ways still run
+            doc[key] = None
+            doc[f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return doc

@@ -53,7 +53,8 @@ def step_figures(read: dict) -> dict:
             "lossless_total": sum(c["of"] for c in cases) if read["graph_lossless"] else None,
             "replay": (read["replay"] or {}).get("replay"),
             "replay_note": None if read["replay"] else REPLAY_PENDING}
-    timed = [c for mode in ("greedy", "sampled") for c in ((ar or {}).get(mode) or {}).values()]
+    timed = [c for mode in ("greedy", "sampled") for c in ((ar or {}).get(mode) or {}).values()
+             if "error" not in c]  # a case that raised has no figures
     attentions = {**((timing or {}).get("attention") or {}),
                   **((read["compiled_timing"] or {}).get("attention") or {})}
     repeats = [a[k]["captures"] for a in attentions.values() for k in ("repeat", "timed") if k in a]
@@ -68,7 +69,55 @@ def step_figures(read: dict) -> dict:
     keys["kernels_per_step_compiled"] = compiled.get("kernels_per_step")
     keys["compiled_ms_b1"] = (compiled.get("ms") or {}).get("1x1")
     keys["compiled_ms_b32"] = (compiled.get("ms") or {}).get("32x1")
+    variant = (ar or {}).get("variant") or {}
+    keys["ar_variant"] = {"attention": variant.get("attention"), "ms_b1": _ar_ms(variant, "greedy", 1),
+                          "ms_b32": _ar_ms(variant, "greedy", 32)} if variant else None
+    keys["runs"] = figure_runs(read)
     return keys
+
+
+def how_it_ran(kind: str | None, counters: dict | None) -> dict | None:
+    """What a figure's steps were, from its runner's kind and counters: captured in CUDA graphs,
+    compiled, and how many steps fell back (built uncaptured, compiled steps not used, flex
+    attention buckets that attend with SDPA)."""
+    if kind is None:
+        return None
+    c = counters or {}
+    return {"runner": kind, "captured": ":cuda-graphs" in kind, "compiled": ":compiled" in kind,
+            "fell_back": {k: c.get(k, 0) for k in ("uncaptured", "uncompiled", "flex_fallbacks")}}
+
+
+def figure_runs(read: dict) -> dict:
+    """Per summary figure, how its steps ran (:func:`how_it_ran`; None where the figure's part did
+    not run)."""
+    ar, timing, compiled = read["ar_steps"] or {}, read["graph_timing"] or {}, read["compiled_timing"] or {}
+    first = (timing.get("attention") or {}).get(timing.get("engine_attention")) or {}
+    comp = next(iter((compiled.get("attention") or {}).values()), {})
+    ar_run = how_it_ran(ar.get("runner"), ar.get("counters"))
+    tree_run = how_it_ran(first.get("runner"), first.get("counters"))
+    hf = read["hf_graph"]
+    return {**{k: ar_run for k in ("ar_ms_b1", "ar_ms_b32", "sampled_x_greedy_b1", "sampled_x_greedy_b32")},
+            **{k: tree_run for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64")},
+            **{k: how_it_ran(comp.get("runner"), comp.get("counters"))
+               for k in ("compiled_ms_b1", "compiled_ms_b32")},
+            "hf_graph_ms_b1": {"runner": "HF forward over a StaticCache", "captured": hf["captured"]}
+            if hf else None,
+            "prefill_8k_s": {"runner": "eager prefill (causal chunks), copied into a slot", "captured": False}
+            if read["prefill_8k"] else None}
+
+
+def case_errors(read: dict) -> dict:
+    """The errors of the cases behind the summary's figures that raised ({figure: error})."""
+    ar, out = read["ar_steps"] or {}, {}
+    for key, mode, rows in (("ar_ms_b1", "greedy", 1), ("ar_ms_b32", "greedy", 32),
+                            ("sampled_x_greedy_b1", "sampled", 1), ("sampled_x_greedy_b32", "sampled", 32)):
+        error = ((ar.get(mode) or {}).get(str(rows)) or {}).get("error")
+        if error:
+            out[key] = error
+    prefill = read["prefill_8k"] or {}
+    if prefill.get("engine_s_error"):
+        out["prefill_8k_s"] = prefill["engine_s_error"]
+    return out
 
 
 def null_reasons(summary: dict) -> dict:
@@ -94,6 +143,8 @@ def null_reasons(summary: dict) -> dict:
             out[key] = f"the {part} part failed: {str(got['error'])[:200]}"
         elif key in CUDA_ONLY and not cuda:
             out[key] = "counted on CUDA only"
+        elif summary.get("case_errors", {}).get(key):
+            out[key] = f"its case failed: {summary['case_errors'][key]}"
         else:
             out[key] = f"the {part} part ran out of time or skipped it (its JSON lists what it skipped)"
     return out
@@ -116,6 +167,7 @@ def write(summary: dict, out: pathlib.Path, start: float) -> dict:
         graph.update({k.removeprefix("goals_"): v for k, v in doc.items() if k.startswith("goals_")})
     summary["graph"] = graph or None
     summary.update(step_figures(read))
+    summary["case_errors"] = case_errors(read)
     cases = lossless["cases"] if lossless else []
     ran = summary["parts"]  # a part not asked for (--parts) is neither passed nor failed: None
     summary["lossless_ok"] = (bool(cases) and all(c["ok"] for c in cases)) if "lossless" in ran else None
@@ -136,7 +188,8 @@ def summarise(summary: dict, out: pathlib.Path, start: float) -> int:
     summary = write(summary, out, start)
     keys = ("lossless_ok", "sampling_ok", "host_waits_per_step", "failed_cases", "part_errors", "wall_s",
             *SUMMARY_KEYS[:-1], "captures_after_start", "graph_host_waits_per_step", "kernels_per_step",
-            "attention", "compiled_ms_b1", "compiled_ms_b32", "kernels_per_step_compiled", "nulls")
+            "attention", "compiled_ms_b1", "compiled_ms_b32", "kernels_per_step_compiled", "ar_variant",
+            "nulls")
     print(json.dumps({k: summary[k] for k in keys}), flush=True)
     graph_ok = (summary["graph"] or {}).get("lossless_ok", "graph_lossless" not in summary["parts"])
     passed = all(v is not False for v in (summary["lossless_ok"], summary["sampling_ok"], graph_ok))

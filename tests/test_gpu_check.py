@@ -118,6 +118,15 @@ def _check_graph_parts(out, summary, timing_skipped):
             assert case["ms"] > 0 and case["steady_steps"] >= 3 and "host_waits" not in case  # CUDA only
             assert case["timed_run"]["graphs"] == case["timed_run"]["allocations"] == 0  # shapes seen before
             assert case["timed_run"]["replays"] > 0
+    # the engine's own runner (SDPA off CUDA), then the other attention as the variant; every figure
+    # says how its steps ran (uncaptured on CPU, nothing fell back)
+    assert ar["attention"] == "sdpa" and ar["variant"]["attention"] == "flex" and "graph:sdpa" in ar["runner"]
+    assert summary["ar_variant"]["attention"] == "flex"
+    runs = summary["runs"]
+    assert runs["ar_ms_b1"]["runner"] == ar["runner"] and runs["ar_ms_b1"]["captured"] is False
+    assert runs["ar_ms_b1"]["fell_back"] == {"uncaptured": 0, "uncompiled": 0, "flex_fallbacks": 0}
+    assert runs["tree16_x_b1"]["runner"].startswith("graph:sdpa")
+    assert runs["hf_graph_ms_b1"]["captured"] is False
     prefill = json.loads((out / "prefill_8k.json").read_text())
     assert prefill["tokens"] == 256
     assert min(prefill[k] for k in ("engine_s", "slot_chunked_s", "slot_whole_s")) > 0
@@ -135,12 +144,12 @@ def _check_graph_parts(out, summary, timing_skipped):
         assert all(summary[k] > 0 for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64"))
 
 
-def test_the_default_parts_are_the_graph_runners_tree_timing_first_and_all_adds_the_eager_ones():
+def test_the_default_parts_are_the_graph_runners_by_worth_and_all_adds_the_eager_ones():
     import gpu_check
 
     plan = gpu_check.plan_for(gpu_check.argparse.Namespace(tiny=True, device="cpu"))
-    assert gpu_check.part_names(plan) == ["graph_lossless", "graph_timing", "compiled_timing", "hf_graph",
-                                          "ar_steps", "prefill_8k", "replay"]
+    assert gpu_check.part_names(plan) == ["graph_lossless", "ar_steps", "graph_timing", "replay",
+                                          "prefill_8k", "hf_graph", "compiled_timing"]
     assert gpu_check.part_names(plan, "lossless,ar_steps") == ["lossless", "ar_steps"]
     assert {"lossless", "device_paths", "curve_llama3-8b", "curve_qwen2.5-7b", "ar_steps"} <= set(
         gpu_check.part_names(plan, "all"))
@@ -158,3 +167,22 @@ def test_a_part_that_fails_in_its_process_is_recorded_and_the_others_still_run(t
     parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
     assert "no-such-shape" in parts["curve_no-such-shape"]["error"] and parts["device_paths"]["error"] is None
     assert json.loads((tmp_path / "device_paths.json").read_text())["sampling"]["ok"]
+
+
+def test_a_figure_whose_case_raised_is_null_with_its_error(tmp_path):
+    """A case that raises is recorded in its part's JSON and the summary's figure is null with that
+    error as its reason; the figures of the part's other cases stay."""
+    import gpu_check_summary
+
+    ar = {"attention": "flex", "runner": "graph:flex:cuda-graphs:flex_block=128",
+          "counters": {"uncaptured": 0, "uncompiled": 0, "flex_fallbacks": 1},
+          "greedy": {"1": {"ms": 6.5, "timed_run": {"captures": 0}},
+                     "32": {"error": "RuntimeError: no kernel"}},
+          "sampled": {}, "skipped": []}
+    (tmp_path / "ar_steps.json").write_text(json.dumps(ar))
+    ran = {"environment": {"device": "cuda"}, "parts": {"ar_steps": {"error": None}}}
+    summary = gpu_check_summary.write(ran, tmp_path, 0.0)
+    assert summary["ar_ms_b1"] == 6.5 and summary["ar_ms_b32"] is None
+    assert summary["nulls"]["ar_ms_b32"] == "its case failed: RuntimeError: no kernel"
+    assert summary["runs"]["ar_ms_b1"] == {"runner": ar["runner"], "captured": True, "compiled": False,
+                                           "fell_back": ar["counters"]}
