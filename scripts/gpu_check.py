@@ -316,16 +316,21 @@ FLEX_POINTS = ((1, 1), (1, 16), (8, 1), (8, 16), (32, 1), (32, 8), (64, 1), (64,
 COMPILED_POINTS = ((1, 1), (32, 1), (1, 16), (8, 1), (8, 16), (32, 8))
 # SDPA pinned to one kernel: a plain step and the tree goals' points
 PINNED_POINTS = ((1, 1), (1, 16), (8, 1), (8, 16), (32, 1), (32, 8))
+# the engine's greedy steps on CUDA are decided inside the step, keeping the bonus token and logitspec's
+# 32 guesses (worker.gpu.choice.decision_top)
+ENGINE_DECISION_TOP = 33
 # graph_timing's variants, timed in this order: (label, GraphRunner keywords, points; None = every point
 # of the plan), the engine's own attention first (its figures are the goals'); on CPU SDPA alone (flex
 # attention there is its unfused reference)
-TIMING_VARIANTS = (("flex", {"attention": "flex"}, FLEX_POINTS), ("sdpa", {"attention": "sdpa"}, None),
+TIMING_VARIANTS = (("flex", {"attention": "flex", "decide_top": ENGINE_DECISION_TOP}, FLEX_POINTS),
+                   ("sdpa", {"attention": "sdpa"}, None),
                    ("sdpa_efficient", {"attention": "sdpa", "sdpa_backend": "efficient"}, PINNED_POINTS),
                    ("sdpa_cudnn", {"attention": "sdpa", "sdpa_backend": "cudnn"}, PINNED_POINTS))
 CPU_TIMING_VARIANTS = (("sdpa", {"attention": "sdpa"}, None),
                        ("sdpa_math", {"attention": "sdpa", "sdpa_backend": "math"}, ((1, 1), (1, 16))))
 # compiled_timing's: the engine's attention (flex) compiled; on CPU SDPA compiled at the ar goals' points
-COMPILED_VARIANTS = (("flex_compiled", {"attention": "flex", "compile": True}, COMPILED_POINTS),)
+COMPILED_VARIANTS = (("flex_compiled", {"attention": "flex", "compile": True,
+                                        "decide_top": ENGINE_DECISION_TOP}, COMPILED_POINTS),)
 CPU_COMPILED_VARIANTS = (("sdpa_compiled", {"attention": "sdpa", "compile": True}, ((1, 1), (32, 1))),)
 
 
@@ -385,11 +390,16 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
 
 def _graph_step(runner, kv, lengths: list[int], toks: list[int], b: int, n: int):
     """A step of ``b`` rows of ``n`` chained nodes (row r after ``lengths[r]`` cached tokens) as a
-    function: the runner's step and its argmax's transfer (the step's one wait). Never committed:
-    every call rewrites the same columns."""
+    function: the runner's greedy step and its one transfer (the decision made inside the step where
+    the runner decides, as the engine's does on CUDA; else the argmax of the output layer run after
+    it). Never committed: every call rewrites the same columns."""
     kv.lengths = lengths[:b]
     rows = [StepRow.chain(lengths[r], toks[lengths[r]:lengths[r] + n]) for r in range(b)]
-    return lambda: runner.step(rows, kv, OutputMode.GREEDY).nodes.argmax.tolist()
+
+    def step():
+        fwd = runner.step(rows, kv, OutputMode.GREEDY)
+        return (fwd.decision if fwd.decision is not None else fwd.nodes.argmax).tolist()
+    return step
 
 
 def kernels_per_step(fn, device: torch.device) -> int | None:

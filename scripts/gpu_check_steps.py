@@ -27,6 +27,7 @@ from logitspec import Engine, SpecConfig
 from logitspec.device import fastest
 from logitspec.engine.request import Request
 from logitspec.worker.gpu import GraphRunner
+from logitspec.worker.gpu.choice import decision_top
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the synthetic-data setting of the sampling goal
 GREEDY = {"temperature": 0.0}
@@ -185,8 +186,9 @@ def ar_runner_steps(model, rows, prompt_len: int, new_tokens: int, deadline: flo
     if time.time() > deadline:
         doc["skipped"] = [[b, mode] for b in rows for mode in ("greedy", "sampled")]
         return doc
+    # greedy steps decided inside the step, as the engine's ar runner on CUDA does (no guesses kept)
     runner = GraphRunner(model, max_rows=most, max_len=max_len, attention=attention,
-                         row_buckets=tuple(sorted(rows)))
+                         row_buckets=tuple(sorted(rows)), decide_top=decision_top(SpecConfig(method="ar")))
     t0 = time.time()
     with torch.inference_mode():
         runner.capture_all(most, 1)

@@ -16,12 +16,12 @@ ROWS = 3
 
 
 def steady_step_reads(method: str, budget: str, request: Request, sample_on_host: bool = False,
-                      ) -> tuple[int, Counter]:
+                      decide: bool = False) -> tuple[int, Counter]:
     """Steady steps (every row decoding, nothing waiting to start) of a session, and the host's
-    reads of device values in them, by code line."""
+    reads of device values in them, by code line. ``decide``: greedy steps decided inside the step."""
     model = tiny_model("gemma3").to(torch.float16)
-    runner = GraphRunner(model, max_rows=ROWS, max_len=256)
     cfg = SpecConfig(method=method, budget=budget, capacity=8, max_batch_size=ROWS)
+    runner = GraphRunner(model, max_rows=ROWS, max_len=256, decide_top=cfg.top_k + 1 if decide else None)
     engine = Engine(model, None, cfg, runner=runner, sample_on_host=sample_on_host)
     session = engine.open()
     for p in repetitive_prompts(ROWS, seed=11):
@@ -34,6 +34,7 @@ def steady_step_reads(method: str, budget: str, request: Request, sample_on_host
         if steady:
             steps += 1
             reads += counted.reads
+    assert not decide or runner.counters["decided"] == runner.counters["replays"] > 0
     return steps, reads
 
 
@@ -47,6 +48,14 @@ def test_a_steady_step_waits_for_the_device_once(method, budget, temperature):
     steps, reads = steady_step_reads(method, budget, request)
     assert steps >= 5
     assert sum(reads.values()) == steps, reads
+    assert set(reads) == {next(iter(reads))} and next(iter(reads)).startswith("tolist acceptance.py")
+
+
+@pytest.mark.parametrize("method", ["ar", "logitspec", "lookahead"])
+def test_a_step_decided_in_the_step_waits_once(method):
+    """Greedy steps decided inside the graph runner's step: the one read is the decision's transfer."""
+    steps, reads = steady_step_reads(method, "fixed", Request.make(max_new_tokens=20), decide=True)
+    assert steps >= 5 and sum(reads.values()) == steps, reads
     assert set(reads) == {next(iter(reads))} and next(iter(reads)).startswith("tolist acceptance.py")
 
 

@@ -5,11 +5,12 @@ Sampling walks from the root, draws the target's token at the current node and m
 carrying it, if any: for deterministic drafts this emits exactly the target's distribution, and it
 draws one uniform number per emitted token, the same count as plain decoding.
 
-Three ways to run the rule, one result: :func:`reference_accept` (one tree, every node's output
+Four ways to run the rule, one result: :func:`reference_accept` (one tree, every node's output
 at hand: the plain rule, for tests), :func:`walk` (the host walk: a draw only at the nodes it
-visits, from the screen where there is one) and :func:`decide` (all rows of a step where the
-logits are, one transfer to the host). :func:`accept_step` picks per row, so rows with different
-settings share a step.
+visits, from the screen where there is one), :func:`decide` (all rows of a step where the
+logits are, one transfer to the host) and :func:`greedy_decision` (a greedy step inside the graph
+runner's step, from every node's scores; read with :func:`read_decision`). :func:`accept_step` picks
+per row, so rows with different settings share a step.
 """
 from __future__ import annotations
 
@@ -126,6 +127,33 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
     return StepDecision([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host], outs)
 
 
+def greedy_decision(scores: torch.Tensor, packed, top: int) -> torch.Tensor:
+    """A greedy step decided on the device from the scores of every node of its [B, T] batch
+    (``scores`` [B * T, V], row b's node i at b * T + i; what a graph runner's step computes inside its
+    graph): [B, 2 + top + T] int64, per row the last accepted node, the bonus token, the ``top`` best
+    tokens of the last node's scores and the target's token after each node (its argmax). Pad nodes
+    are never accepted (:func:`accepted_last`); fixed shapes, no host read: capturable."""
+    B, T = packed.ids.shape
+    choice = scores.argmax(-1).view(B, T)  # [B, T]
+    last = accepted_last(choice, packed)  # [B]
+    cols = [last[:, None], choice.gather(1, last[:, None])]
+    if top:
+        at = torch.arange(B, device=last.device) * T + last  # [B]: the last nodes' flat positions
+        cols.append(torch.topk(scores.index_select(0, at), top, dim=-1).indices)  # [B, top]
+    return torch.cat(cols + [choice], dim=1)
+
+
+def read_decision(decision: torch.Tensor, rows: int, top: int, top_k: int, outputs: bool) -> StepDecision:
+    """:func:`decide`'s result from a :func:`greedy_decision` of ``top`` top tokens: its first ``rows``
+    rows copied to the host (the step's one wait for the device), ``top_k + 1`` top tokens kept."""
+    host = decision[:rows].tolist()
+    k = top_k + 1 if top_k else 0
+    if k > top:
+        raise ValueError(f"{k} top tokens asked of a decision that holds {top}")
+    outs = [r[2 + top:] for r in host] if outputs else None
+    return StepDecision([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host], outs)
+
+
 def _drafting_choices(nodes: NodeLogits, choice: torch.Tensor, params, spans, select: torch.Tensor,
                       size: int) -> torch.Tensor:
     """[size]: at each node's flat position, ``choice`` for greedy rows and the argmax of the scores
@@ -189,6 +217,13 @@ def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams
     walked = [b for b in range(B) if on_host and not params[b].greedy]
     if override_last is not None and not all(p.greedy for p in params):
         raise ValueError("an acceptance override needs greedy rows")
+    if fwd.decision is not None and override_last is None and all(p.greedy for p in params):
+        # decided with the forward, on the device: read it (the step's one wait)
+        d = read_decision(fwd.decision, B, fwd.decision_top, top_k, outputs)
+        paths = [t.path_to(n) for t, n in zip(trees, d.last)]
+        top = [row if top_k else None for row in d.top]
+        outs = [o[:len(t)] for o, t in zip(d.outputs, trees)] if outputs else None
+        return AcceptResult(paths, list(d.bonus), top, outs)
     if len(walked) < B:
         mine = [None if b in walked else params[b] for b in range(B)]
         drawn = [b for b in range(B) if mine[b] is not None and not mine[b].greedy]

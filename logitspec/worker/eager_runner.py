@@ -10,7 +10,7 @@ call the target through it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,16 +21,31 @@ from logitspec.worker.kv_cache import BatchKV
 from logitspec.worker.masks import PackedStep, StepRow, layer_windows, pack
 
 
-@dataclass
 class ForwardResult:
-    """One forward's output-layer results, where they came from, and the time spent packing it."""
+    """One forward's output-layer results, where they came from, and the time spent packing it.
 
-    nodes: NodeLogits  # [N, V]: per row its n_b nodes (or only its last node), rows in order
-    packed: PackedStep  # the forward's inputs and tree structure, on the model's device
-    select: torch.Tensor  # int64 [N]: the nodes' flat positions in the [B, T] batch (device)
-    starts: torch.Tensor  # int64 [B]: where each row's nodes start in ``nodes`` (device)
-    spans: list[tuple[int, int]]  # the same ranges on the host
-    pack_s: float  # masks, positions and node selection, before the model runs
+    ``nodes`` [N, V]: per row its n_b nodes (or only its last node), rows in order; given as the
+    results, or as a function that computes them when first asked (a step decided inside its graph
+    needs them only if acceptance cannot use the ``decision``). ``decision``: a greedy step's
+    acceptance computed with the forward (:func:`~logitspec.sample.acceptance.greedy_decision`,
+    [B, 2 + ``decision_top`` + T] int64, on the device), or None."""
+
+    def __init__(self, nodes: NodeLogits | Callable[[], NodeLogits], packed: PackedStep, select: torch.Tensor,
+                 starts: torch.Tensor, spans: list[tuple[int, int]], pack_s: float,
+                 decision: torch.Tensor | None = None, decision_top: int = 0):
+        self._nodes = nodes
+        self.packed = packed  # the forward's inputs and tree structure, on the model's device
+        self.select = select  # int64 [N]: the nodes' flat positions in the [B, T] batch (device)
+        self.starts = starts  # int64 [B]: where each row's nodes start in ``nodes`` (device)
+        self.spans = spans  # the same ranges on the host
+        self.pack_s = pack_s  # masks, positions and node selection, before the model runs
+        self.decision, self.decision_top = decision, decision_top
+
+    @property
+    def nodes(self) -> NodeLogits:
+        if callable(self._nodes):
+            self._nodes = self._nodes()
+        return self._nodes
 
     @property
     def logits(self) -> list[NodeLogits]:

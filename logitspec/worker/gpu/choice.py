@@ -31,7 +31,16 @@ def runner_for(model, config, fast_head: bool = True, sharded_head: bool = False
         columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
         # SDPA: flex attention off CUDA is its unfused reference (every score materialized, per layer)
         return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns, compile=compiled)
-    return default_runner(model, config.max_batch_size, compile=compiled)
+    return default_runner(model, config.max_batch_size, compile=compiled, decide_top=decision_top(config))
+
+
+def decision_top(config) -> int:
+    """The top tokens a greedy step decided inside the graph runner's step keeps of its last node's
+    scores: the bonus token and ``top_k`` next-next guesses where the method drafts from guesses
+    (logitspec), none otherwise."""
+    from logitspec.spec_decode.drafters import make_drafter
+
+    return config.top_k + 1 if make_drafter(config).wants_guesses else 0
 
 
 def slot_columns(model) -> int:
@@ -42,7 +51,8 @@ def slot_columns(model) -> int:
 
 def default_runner(model, max_rows: int, max_len: int | None = None, fast_head: bool = True,
                    memory_share: float = 0.5, **kw):
-    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA, the eager
+    """The runner an engine should use for ``model``: a :class:`GraphRunner` on CUDA (``kw``: its
+    keywords; the engine's decides greedy steps inside the step, :func:`decision_top`), the eager
     :class:`~logitspec.worker.eager_runner.EagerRunner` elsewhere. ``max_len`` (default: the model's context,
     at most 8192, plus the largest node bucket) is cut so that the slots take at most
     ``memory_share`` of the device's free memory."""

@@ -92,17 +92,21 @@ class StepCompiler:
         return compiled, total
 
     @staticmethod
-    def check(fn, step, output: torch.Tensor) -> None:
+    def check(fn, step, output: torch.Tensor, decision: torch.Tensor | None = None) -> None:
         """Run the uncompiled ``fn``, then ``step`` (the compiled step, or its graph's replay), on the
-        same buffers: :class:`CompiledStepMismatch` unless ``output`` agrees within :data:`TOLERANCE`."""
+        same buffers: :class:`CompiledStepMismatch` unless ``output`` agrees within :data:`TOLERANCE`
+        and ``decision`` (a decided step's tokens and accepted nodes) is the same."""
         fn()
         want = output.float().clone()
+        decided = None if decision is None else decision.clone()
         step()
         got = output.float()
         err = float((got - want).abs().max()) / float(want.abs().max().clamp(min=1e-6))
         if not err <= TOLERANCE.get(output.dtype, 5e-2):
             raise CompiledStepMismatch(f"its output differs from the uncompiled step's by {err:.3g} of the "
                                        f"output's scale")
+        if decided is not None and not torch.equal(decided, decision):
+            raise CompiledStepMismatch("its greedy decision differs from the uncompiled step's")
 
     @staticmethod
     def run(compiled) -> int:

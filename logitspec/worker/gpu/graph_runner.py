@@ -7,7 +7,10 @@ are written into the bucket's static buffers with one ``copy_`` each; the forwar
 the buffers, the decoder over the slot storage, the hidden states copied into a static output) is
 captured once per (R, T) (and, for SDPA, per key-length bucket: the keys read are the slots'
 first ``key_len`` columns, rounded up to ``key_block``) on first use and replayed after. The
-output layer runs after the replay on the real nodes only (:meth:`~logitspec.worker.head.Head.output`).
+output layer runs after the replay on the real nodes only (:meth:`~logitspec.worker.head.Head.output`),
+but for greedy steps of a runner with ``decide_top`` (the engine's on CUDA): there the output layer over
+every node, the argmax and the acceptance are part of the step (a second graph per bucket), and what
+leaves it is the decision, [R, 2 + top + T] int64.
 
 On CPU (``capture=False``, the default there) the same function runs eagerly: the tests run every
 line of the static path except the capture itself. Prefill runs outside the graphs: a prompt's
@@ -24,7 +27,10 @@ import numpy as np
 import torch
 
 from logitspec.device import to_device
+from logitspec.sample.acceptance import greedy_decision
 from logitspec.worker.eager_runner import EagerRunner, ForwardResult
+from logitspec.worker.gpu.building import StepBuilds
+from logitspec.worker.gpu.cuda_graphs import GraphPool
 from logitspec.worker.gpu.fused import StepCompiler, sdpa_context
 from logitspec.worker.gpu.slots import SlotKV
 from logitspec.worker.gpu.step import (
@@ -48,7 +54,7 @@ ATTENTIONS = ("sdpa", "flex")
 ENGINE_ATTENTION = "flex"
 
 
-class GraphRunner:
+class GraphRunner(StepBuilds):
     """A :class:`~logitspec.worker.runner.ModelRunner` over static slots: ``new_batch`` gives the runner's
     :class:`SlotKV`, whose steps take the bucketed static path; prompts prefill through the eager
     :class:`~logitspec.worker.eager_runner.EagerRunner` (``new_row``, ``prefill_rows``, ``extend``) into
@@ -59,7 +65,8 @@ class GraphRunner:
     def __init__(self, model, max_rows: int = 64, max_len: int = 4096, *, attention: str = "sdpa",
                  capture: bool | None = None, compile=False, sdpa_backend: str | None = None,
                  row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS, key_block: int = 256,
-                 flex_block: int = 128, warmup: int = 3, sharded_head: bool = False):
+                 flex_block: int = 128, warmup: int = 3, sharded_head: bool = False,
+                 decide_top: int | None = None):
         """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
         nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
         mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA). ``compile``:
@@ -68,7 +75,11 @@ class GraphRunner:
         ``sdpa_backend``: the one SDPA kernel the steps may use (:data:`.fused.SDPA_BACKENDS`; None:
         torch's choice). ``sharded_head``: a tensor-parallel rank's (its output layer a collective
         module, :class:`~logitspec.worker.head.Head`; its slots sized at the first write, by the heads
-        the rank holds); such a runner neither captures nor compiles (unverified on GPUs)."""
+        the rank holds); such a runner neither captures nor compiles (unverified on GPUs).
+        ``decide_top``: greedy steps are decided inside the step (the output layer over every node,
+        the argmax, the accepted path and the last node's ``decide_top`` best tokens:
+        :func:`~logitspec.sample.acceptance.greedy_decision`), each bucket built a second time for them;
+        None: the output layer and acceptance run after the step."""
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.fuser = compile if isinstance(compile, StepCompiler) else (StepCompiler() if compile else None)
@@ -96,6 +107,10 @@ class GraphRunner:
         self.node_buckets = tuple(node_buckets)
         self.key_block, self.flex_block, self.warmup = key_block, flex_block, warmup
         self.max_rows = max_rows
+        if decide_top is not None and (decide_top < 0 or sharded_head):
+            raise ValueError("decide_top: >= 0, and not on a tensor-parallel rank (its output layer is a "
+                             "collective over the selected nodes)")
+        self.decide_top = decide_top
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
@@ -106,11 +121,13 @@ class GraphRunner:
             self.kv.allocate(kv_heads, head_dim, self.dtype)
         self._buffers: dict[tuple[int, int], StepBuffers] = {}
         self._flex: dict[tuple[int, int], FlexMasks] = {}
-        self._steps: dict[tuple, object] = {}  # (R, T, key_len) -> a graph's replay, or the function
-        self._pool = None
+        # (R, T, key_len, decided) -> a graph's replay, or the function
+        self._steps: dict[tuple, object] = {}
+        self.graphs = GraphPool(self.device, warmup)  # one memory pool for every step's graph
         self._unchecked: set[tuple] = set()  # compiled steps not yet checked on real inputs
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
-                         "built_after_start": 0, "compiles": 0, "uncompiled": 0, "flex_fallbacks": 0}
+                         "built_after_start": 0, "compiles": 0, "uncompiled": 0, "flex_fallbacks": 0,
+                         "decided": 0}
         self._capture_error: BaseException | None = None  # the last capture's failure
         self.started = False  # capture_all ran: a step built after it counts in built_after_start
         self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
@@ -128,6 +145,7 @@ class GraphRunner:
         block = f"key_block={self.key_block}" if self.attention == "sdpa" else f"flex_block={self.flex_block}"
         extra = (":compiled" if self.fuser else "") + (f":sdpa={self.sdpa_backend}" if self.sdpa_backend
                                                          else "")
+        extra += f":decide={self.decide_top}" if self.decide_top is not None else ""
         return f"graph:{self.attention}:{'cuda-graphs' if self.capture else 'uncaptured'}:{block}{extra}"
 
     def new_batch(self, max_rows: int = 0) -> SlotKV:
@@ -183,31 +201,36 @@ class GraphRunner:
         both = to_device(np.concatenate([select, starts]).astype(np.int64), self.device)
         select_d, starts_d = both[:len(select)], both[len(select):]
         pack_s = time.perf_counter() - t0
-        key = (buf.R, buf.T, key_len)
+        decide = self.decide_top is not None and mode is OutputMode.GREEDY
+        key = (buf.R, buf.T, key_len, decide)
         for retry in (False, True):
-            step = self._step_for(buf, key_len)
+            step = self._step_for(buf, key)
             if key in self._unchecked:
-                step = self._checked(key, buf, key_len, step)
+                step = self._checked(key, buf, step)
             try:
                 step()
                 break
             except Exception as e:  # flex attention without a kernel for this shape: SDPA, never a crash
-                if retry or not self._without_flex(buf, key_len, e):
+                if retry or not self._without_flex(buf, e):
                     raise
         self.counters["replays"] += 1
-        nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
         B = len(rows)
         packed = PackedStep(buf.ids[:B], buf.pos[:B], buf.depths[:B], buf.parents[:B], buf.anc[:B], None,
                             sizes, {})
         spans = [(int(a), int(a) + n) for a, n in zip(starts, counts)]
-        return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
+        hidden = buf.hidden.index_select(0, select_d)  # [N, hidden]: now, before the bucket runs again
+        if not decide:
+            return ForwardResult(self.head.output(hidden, mode), packed, select_d, starts_d, spans, pack_s)
+        self.counters["decided"] += 1
+        return ForwardResult(lambda: self.head.output(hidden, mode), packed, select_d, starts_d, spans,
+                             pack_s, buf.decision[:B], self.decide_top)
 
     def prepare(self, rows: list[StepRow], kv: SlotKV):
         """Fill the bucket's buffers for ``rows`` and return the step's device work as a function
         of no arguments (what a capture records) and its output, the hidden states [R * T, hidden]
         (rows padded to R, nodes to T; row b's node i at b * T + i). For compilers and tests."""
         buf, key_len = self._fill(rows, kv)
-        return (lambda: self._forward(buf, key_len)), buf.hidden
+        return (lambda: self._forward(buf, (buf.R, buf.T, key_len, False))), buf.hidden
 
     def _fill(self, rows: list[StepRow], kv: SlotKV) -> tuple[StepBuffers, int]:
         R = bucket(len(rows), self.row_buckets)
@@ -258,6 +281,8 @@ class GraphRunner:
         if buf is None:
             buf = StepBuffers(R, T, self.device)
             buf.hidden = torch.zeros(R * T, self.hidden_size, dtype=self.dtype, device=self.device)
+            if self.decide_top is not None:  # [R, 2 + top + T]: greedy_decision's columns
+                buf.decision = torch.zeros(R, 2 + self.decide_top + T, dtype=torch.int64, device=self.device)
             self._buffers[(R, T)] = buf
             self.counters["allocations"] += 1
             if self.attention == "flex":
@@ -265,9 +290,11 @@ class GraphRunner:
                 self.counters["allocations"] += 1
         return buf
 
-    def _forward(self, buf: StepBuffers, key_len: int) -> None:
-        """The step's device work, reading only the buffers and the slots: masks, the decoder, the
-        hidden states into ``buf.hidden``."""
+    def _forward(self, buf: StepBuffers, key: tuple) -> None:
+        """The step ``key`` (rows, nodes, key length, decided)'s device work, reading only the buffers
+        and the slots: masks, the decoder, the hidden states into ``buf.hidden``; for a decided step,
+        the output layer over every node and its greedy decision into ``buf.decision``."""
+        key_len, decide = key[2], key[3]
         self.kv.for_step(buf.R, buf.write_cols(), key_len)
         flex = self._flex.get((buf.R, buf.T))
         if flex is not None:
@@ -281,202 +308,13 @@ class GraphRunner:
                                     cache=self.kv.hf, use_cache=True, graph_step=True)
         buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
         self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
-
-    def _step_for(self, buf: StepBuffers, key_len: int):
-        key = (buf.R, buf.T, key_len)
-        step = self._steps.get(key)
-        if step is None:
-            step = self._build(buf, key_len)
-            self._steps[key] = step
-            self.counters["graphs"] += 1
-            self.counters["built_after_start"] += self.started and buf.T <= self.node_buckets[-1]
-        return step
-
-    def _build(self, buf: StepBuffers, key_len: int):
-        """The step of ``buf``'s bucket: compiled (with ``compile``) and captured (on CUDA) where it
-        can be; a bucket whose flex attention step cannot be captured attends with SDPA instead
-        (:meth:`_without_flex`); a step beyond the node buckets, or one that fails to capture, runs
-        without a graph (logged once)."""
-        key = (buf.R, buf.T, key_len)
-        fn = lambda: self._forward(buf, key_len)  # noqa: E731
-        if buf.T > self.node_buckets[-1]:
-            return fn
-        if self.fuser is not None:
-            fn = self._fused(fn, key)
-        step = self._captured(fn, key)
-        if self.capture and step is fn:
-            if self._without_flex(buf, key_len, self._capture_error):
-                return self._build(buf, key_len)
-            self.counters["uncaptured"] += 1
-        return step
-
-    def _without_flex(self, buf: StepBuffers, key_len: int, error: BaseException | None) -> bool:
-        """After ``error`` from a flex attention step of ``buf``'s bucket: the bucket attends with SDPA
-        over the whole slot from now on (its step is built again), logged once; False where the
-        bucket does not use flex attention (nothing to fall back to)."""
-        if (buf.R, buf.T) not in self._flex:
-            return False
-        del self._flex[(buf.R, buf.T)]
-        self._steps.pop((buf.R, buf.T, key_len), None)
-        self.counters["flex_fallbacks"] += 1
-        first = (str(error).strip().splitlines() or [""])[0]
-        self._warn_once("flex", f"flex attention could not run the step {(buf.R, buf.T)} "
-                                f"({type(error).__name__}: {first}); such steps attend with SDPA over the "
-                                f"whole slot")
-        return True
-
-    def capture_all(self, rows: int, nodes: int) -> dict:
-        """Build (on CUDA: capture) every step a configuration of up to ``rows`` rows and ``nodes``
-        nodes per row (root included) can take, before any request: each (row bucket, node bucket)
-        pair up to the buckets that hold them. Keyed on (rows, nodes) only with flex attention (its
-        blocks end each row's keys on the device); with SDPA the key length is part of the key, and
-        those steps are built on first use. Logs and returns the count, seconds and the device bytes
-        the graphs took; from then on, a step built counts in ``counters["built_after_start"]``."""
-        t0 = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        # as the steps run (the session's): no autograd state recorded in a capture or a compile
-        with torch.inference_mode():
-            built = self._build_all(rows, nodes)
-        self.kv.reset()  # the captures' warm-up calls wrote pad nodes into the slots
-        self.started = True
-        self.start_up = {"graphs": built, "seconds": round(time.perf_counter() - t0, 3),
-                         "bytes": (torch.cuda.memory_reserved(self.device) - before) if cuda else None,
-                         "attention": self.attention}
-        what = "captured" if self.capture else "built (uncaptured)"
-        log.info("graph runner: %s %d step(s) for up to %d rows x %d nodes in %.1f s%s; %s", what, built,
-                 rows, nodes, self.start_up["seconds"],
-                 f", {self.start_up['bytes'] / 2**20:.0f} MiB" if cuda else "",
-                 "no step is built after this" if self.attention == "flex" else
-                 "SDPA steps are keyed on the key length too and built on first use")
-        return self.start_up
-
-    def _build_all(self, rows: int, nodes: int) -> int:
-        """Build every (row bucket, node bucket) step for up to ``rows`` x ``nodes`` (flex attention
-        only: SDPA's are keyed on the key length too); how many were new."""
-        built = 0
-        if self.attention == "flex":
-            R_max = bucket(min(rows, self.max_rows), self.row_buckets)
-            T_max = bucket(min(nodes, self.node_buckets[-1]), self.node_buckets)
-            keys = [(R, T) for R in self.row_buckets if R <= R_max for T in self.node_buckets if T <= T_max]
-            t0 = time.perf_counter()
-            for i, (R, T) in enumerate(keys):
-                n = self.counters["graphs"]
-                self._step_for(self._buffers_for(R, T), self.kv.max_len)
-                built += self.counters["graphs"] - n
-                if self.fuser is not None:  # a compile per bucket: minutes for a large model
-                    log.info("graph runner: compiled step %d of %d (%d rows x %d nodes), %.0f s so far",
-                             i + 1, len(keys), R, T, time.perf_counter() - t0)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        return built
-
-    def _fused(self, fn, key: tuple):
-        """``fn`` compiled (:class:`.fused.StepCompiler`), now: its compile is part of building the
-        step, and its first real step is checked against ``fn`` (:meth:`_checked`); off CUDA graphs,
-        the compiled function with its recompiles counted; ``fn`` itself (logged once) where the
-        compile fails."""
-        try:
-            compiled, made = self.fuser.compile(fn)
-        except Exception as e:  # noqa: BLE001 - this shape runs uncompiled, never a crash
-            first = (str(e).strip().splitlines() or [""])[0]  # dynamo's explanations run to dozens of lines
-            self._uncompiled(key, f"compiling it failed ({type(e).__name__}: {first})")
-            return fn
-        self.counters["compiles"] += made
-        self._unchecked.add(key)
-        if self.capture:
-            return compiled
-
-        def counted():
-            self.counters["compiles"] += self.fuser.run(compiled)
-        return counted
-
-    def _checked(self, key: tuple, buf: StepBuffers, key_len: int, step):
-        """The step to run for ``key``'s first real inputs: ``step`` if its output equals the
-        uncompiled step's on them (:meth:`.fused.StepCompiler.check`), else the uncompiled step (its
-        graph captured now on CUDA), logged once."""
-        self._unchecked.discard(key)
-        fn = lambda: self._forward(buf, key_len)  # noqa: E731
-        try:
-            self.fuser.check(fn, step, buf.hidden)
-            return step
-        except Exception as e:  # noqa: BLE001 - a compiler's mistake costs speed, never tokens
-            self._uncompiled(key, f"{type(e).__name__}: {e}")
-        step = self._captured(fn, key)
-        if self.capture and step is fn:
-            self.counters["uncaptured"] += 1
-        self._steps[key] = step
-        return step
-
-    def _captured(self, fn, key: tuple):
-        """``fn``'s CUDA graph replay where the runner captures, else ``fn``; ``fn`` itself (logged once)
-        where the capture fails: that shape runs without a graph, never a crash."""
-        if not self.capture:
-            return fn
-        try:
-            return self._capture(fn)
-        except Exception as e:  # noqa: BLE001
-            self._capture_error = e
-            self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
-                                       f"({type(e).__name__}: {e}); steps that fail to capture run "
-                                       f"without a graph")
-            return fn
-
-    def _uncompiled(self, key: tuple, why: str) -> None:
-        self.counters["uncompiled"] += 1
-        self._warn_once("compile", f"the compiled step {key} is not used: {why}; such steps run uncompiled")
-
-    def _warn_once(self, what: str, message: str) -> None:
-        if what not in self._warned:
-            self._warned.add(what)
-            log.warning("%s (logged once)", message)
-
-    def _capture(self, fn):
-        """``fn`` captured in a CUDA graph (warm-up calls on a side stream first; every graph in one
-        memory pool); the graph's replay. The warm-up calls run this step for real (its writes are
-        the replay's: idempotent)."""
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                fn()
-        cur.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
-        if self._pool is None:
-            self._pool = graph.pool()
-        self.counters["captures"] += 1
-        return graph.replay
+        if decide:
+            scores = self.head.output(buf.hidden, OutputMode.EXACT).scores  # [R * T, V]
+            packed = PackedStep(buf.ids, buf.pos, buf.depths, buf.parents, buf.anc, None, [], {})
+            buf.decision.copy_(greedy_decision(scores, packed, self.decide_top))
 
     @property
     def buckets(self) -> list[tuple]:
-        """The step keys built so far: (rows, nodes, key length)."""
-        return sorted(self._steps)
+        """The step shapes built so far: (rows, nodes, key length)."""
+        return sorted({key[:3] for key in self._steps})
 
-
-def greedy_chains(runner: GraphRunner, prompts: list[list[int]], new_tokens: int, chunk: int = 512,
-                  tree=None) -> list[list[int]]:
-    """Greedy decoding of ``prompts`` side by side through ``runner``'s static path (prefill into the
-    slots, then steps of all rows): ``new_tokens`` each. ``tree(b, root, step)``: a
-    :class:`~logitspec.spec_decode.tree.DraftTree` rooted at ``root`` to verify for row b (default: the root
-    alone, plain decoding); the accepted path is committed on the device."""
-    from logitspec.sample.acceptance import greedy_accept
-    from logitspec.spec_decode.tree import DraftTree
-
-    kv = runner.new_batch()
-    out = [[int(runner.prefill_slot(p, chunk).argmax[0])] for p in prompts]
-    step = 0
-    while min(len(o) for o in out) < new_tokens:
-        trees = [tree(b, o[-1], step) if tree else DraftTree.single(o[-1]) for b, o in enumerate(out)]
-        rows = [StepRow.from_tree(kv.lengths[b], t) for b, t in enumerate(trees)]
-        fwd = runner.step(rows, kv, OutputMode.EXACT)
-        paths = []
-        for b, (t, lg) in enumerate(zip(trees, fwd.logits)):
-            path, bonus = greedy_accept(t, lg.argmax.tolist())
-            out[b] += [int(t.tokens[n]) for n in path[1:]] + [bonus]
-            paths.append(path)
-        kv.commit_paths(paths)
-        step += 1
-    return [o[:new_tokens] for o in out]
