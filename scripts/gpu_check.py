@@ -2,7 +2,7 @@
 ``--parts all`` also the eager parts (eager lossless, device paths, cost curves).
 Writes JSON under ``--out``; on CPU (``--tiny``) every part runs in its CPU form.
 
-    bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 9 minutes)
+    bash scripts/gpu_check.sh "$OUT"                                  # on the GPU (under 7 minutes)
     python scripts/gpu_check.py --tiny --device cpu --out out/check   # CI-sized, on CPU
 
 The graph runner's parts, in order of what their figures are worth (each with a share of the time left:
@@ -670,7 +670,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="small shapes and few prompts (CI, CPU)")
-    ap.add_argument("--budget-s", type=float, default=400.0,
+    ap.add_argument("--budget-s", type=float, default=320.0,
                     help="start no curve row, engine run or timed point past this")
     ap.add_argument("--parts", help="comma-separated parts to run, or 'all' (default: the graph runner's, "
                                     f"{','.join(GRAPH_PARTS)}; off CPU each in its own process)")
