@@ -34,6 +34,8 @@ class GenerationSpec:
     # the decoding settings of every row; seed: the base of the rows' seeds (row_seed), n: samples per row
     request: Request = field(default_factory=lambda: Request(max_new_tokens=DEFAULT_MAX_NEW_TOKENS, seed=0))
     chat: bool = False
+    # a Jinja chat template for tokenizers without one, or to use instead of theirs (--chat-template)
+    chat_template: str | None = None
     # a prompt that leaves no room for max_new_tokens in the context: "error" (an error row when it does
     # not fit at all), or cut to fit, keeping its end ("left") or both ends ("middle", as LongBench)
     truncate: str = "error"

@@ -609,6 +609,30 @@ def mixed_run(tmp_path_factory, tiny, ray_session):
     return inp, out, summary
 
 
+def test_a_chat_template_given_to_the_job_is_applied(tmp_path, ray_session):
+    """A model whose tokenizer has no chat template, chat rows and ``chat_template`` (the job's
+    ``--chat-template``): every row generates, each prompt encoded with the given template."""
+    from transformers import AutoTokenizer
+
+    from pipeline.job.run import run_job
+
+    model = tmp_path / "plain"
+    save_tiny_text_model(model, chat_template=False)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    chats = [[{"role": "user", "content": f"Name colour {i}."}] for i in range(4)]
+    inp = _write_jsonl(tmp_path / "chat.jsonl", [{"id": i, "messages": m} for i, m in enumerate(chats)])
+    cfg = _cfg(str(model), inp, tmp_path / "out", messages_column="messages")
+    cfg = dataclasses.replace(cfg, gen=dataclasses.replace(cfg.gen, chat_template=template))
+    summary = run_job(cfg)
+    rows = {r["id"]: r for r in _check_exactly_once(tmp_path / "out", list(range(4))).to_pylist()}
+    assert summary["complete"] and all(r["error"] is None and r["n_new_tokens"] > 0 for r in rows.values())
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = [tok.apply_chat_template(m, chat_template=template, add_generation_prompt=True, tokenize=False)
+            for m in chats]
+    want = [len(tok(t).input_ids) for t in text]
+    assert [rows[i]["n_prompt_tokens"] for i in range(4)] == want
+
+
 def test_exactly_once_with_error_rows(mixed_run):
     inp, out, summary = mixed_run
     table = _check_exactly_once(out, list(range(20)))

@@ -39,6 +39,46 @@ def check_model(spec: str, trust_remote_code: bool = False) -> pathlib.Path:
     return path
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template: the file it names, or the value itself where it holds Jinja
+    (``{``); :class:`ConfigError` for a name that is neither a file nor a template."""
+    if value is None:
+        return None
+    path = pathlib.Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--chat-template: cannot read {path}: {e}") from None
+    if "{" in value:
+        return value
+    raise ConfigError(f"--chat-template: no file {value!r} (give a template file, or the Jinja template "
+                      f"itself)")
+
+
+def has_chat_template(path: pathlib.Path) -> bool:
+    """Whether the tokenizer saved in model directory ``path`` has a chat template (in
+    ``tokenizer_config.json``, or beside it as ``chat_template.jinja`` / ``chat_template.json``)."""
+    import json
+
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
+    except (OSError, ValueError):
+        return False
+
+
+def check_chat(path: pathlib.Path, spec: str, uses_chat: bool, template: str | None) -> None:
+    """:class:`ConfigError`, in one line, where a job's prompts need a chat template (``uses_chat``:
+    ``--chat`` or ``--messages-column``) that neither ``--chat-template`` nor model ``spec``'s tokenizer
+    (saved in ``path``) gives."""
+    if uses_chat and template is None and not has_chat_template(path):
+        raise ConfigError(f"model {spec!r}: its tokenizer has no chat template, which --chat and "
+                          f"--messages-column need; give one with --chat-template FILE|STRING")
+
+
 HASH_EDGE_BYTES = 1 << 16  # of each weight file, the first and last 64 KiB are hashed
 
 

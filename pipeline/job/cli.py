@@ -16,6 +16,7 @@ from logitspec.engine.request import Request, add_request_flags, request_from_ar
 from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 
 from ..errors import ConfigError
+from ..io.model import read_chat_template
 from ..spec import DEFAULT_MAX_NEW_TOKENS, DTYPES, TRUNCATE, GenerationSpec, engine_config
 from .config import REQUEST_COLUMNS, JobConfig, parse_reference
 
@@ -97,6 +98,9 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
                           "other replicas produced since its last batch (up to --history-tokens)")
     gen.add_argument("--chat", action="store_true",
                      help="apply the tokenizer's chat template to text prompts")
+    gen.add_argument("--chat-template", metavar="FILE|STRING",
+                     help="the Jinja chat template to apply (a file, or the template itself), for a "
+                          "tokenizer without one or instead of its own (as vLLM's --chat-template)")
     gen.add_argument("--truncate", default="error", choices=TRUNCATE,
                      help="a prompt that leaves no room for --max-new-tokens in the model's context: error "
                           "(an error row when it does not fit at all), or cut to fit keeping its end (left) "
@@ -176,6 +180,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     engine = engine_config(method=args.method, budget=args.budget, max_batch_size=args.max_batch_size,
                            runner=args.runner)
     gen = GenerationSpec(model=args.model, engine=engine, request=job_request(args), chat=args.chat,
+                         chat_template=read_chat_template(args.chat_template),
                          truncate=args.truncate,
                          dtype=args.dtype,
                          warmup=not args.no_warmup,

@@ -17,7 +17,7 @@ from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 from ..io.inputs import open_input
-from ..io.model import check_model, model_label
+from ..io.model import check_chat, check_model, model_label
 from ..io.output import OutputStore
 from ..rows import OutputRow
 from .config import JobConfig
@@ -45,7 +45,7 @@ def job_record(cfg: JobConfig) -> dict:
     its ``n``: raising ``--num-samples`` on resume adds the missing samples."""
     g = cfg.gen
     return {"model": g.model, "method": g.method, "request": record_request(g.request), "chat": g.chat,
-            "truncate": g.truncate,
+            "chat_template": g.chat_template, "truncate": g.truncate,
             "dtype": g.dtype, "id_column": cfg.id_column, "prompt_column": cfg.prompt_column,
             "messages_column": cfg.messages_column, "corpus_column": cfg.corpus_column,
             "request_columns": list(cfg.request_columns),
@@ -64,7 +64,8 @@ def upgrade_record(previous: dict) -> dict:
     """A ``_job.json`` of this version from one written before the request had a type (its decoding
     settings as loose fields) or before ``--request-columns``, so that such an output still resumes."""
     # written before rows could carry settings (none did) or before --truncate (long prompts were errors)
-    previous = {"request_columns": [], "truncate": "error", **previous}
+    # or before --chat-template (the tokenizer's own template was the only one)
+    previous = {"request_columns": [], "truncate": "error", "chat_template": None, **previous}
     if "request" in previous or not all(k in previous for k in LEGACY_REQUEST_FIELDS):
         return previous
     loose = {k: previous[k] for k in LEGACY_REQUEST_FIELDS}
@@ -148,6 +149,8 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     data = scan_ids(open_input(cfg), cfg.corpus_column)
     default_corpus = check_corpora(cfg, data)
     model_path = check_model(cfg.gen.model, cfg.gen.trust_remote_code)
+    uses_chat = cfg.gen.chat or "messages" in data.source.roles
+    check_chat(model_path, cfg.gen.model, uses_chat, cfg.gen.chat_template)
     cfg = dataclasses.replace(cfg, gen=dataclasses.replace(cfg.gen, model_label=model_label(model_path)))
     timing = {"validate_s": time.perf_counter() - t0}
     t = time.perf_counter()

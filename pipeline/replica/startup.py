@@ -86,6 +86,8 @@ def set_up(spec: GenerationSpec, device: str, reference_refs: dict, make_engine:
     t0 = time.perf_counter()
     dtype = torch_dtype(spec.dtype, device)
     model, tokenizer = load(dtype)
+    if spec.chat_template is not None and tokenizer is not None:  # the job's, over the tokenizer's own
+        tokenizer.chat_template = spec.chat_template
     t_load = time.perf_counter()
     references, held = attach_references(reference_refs)
     t_refs = time.perf_counter()
