@@ -100,7 +100,7 @@ def figure_runs(read: dict) -> dict:
             **{k: tree_run for k in ("tree16_x_b1", "tree16_x_b8", "tree8_x_b32", "tree4_x_b64")},
             **{k: how_it_ran(comp.get("runner"), comp.get("counters"))
                for k in ("compiled_ms_b1", "compiled_ms_b32")},
-            "hf_graph_ms_b1": {"runner": "HF forward over a StaticCache", "captured": hf["captured"]}
+            "hf_graph_ms_b1": {"runner": "HF forward over a StaticCache", "captured": hf.get("captured")}
             if hf else None,
             "prefill_8k_s": {"runner": "eager prefill (causal chunks), copied into a slot", "captured": False}
             if read["prefill_8k"] else None}

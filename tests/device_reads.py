@@ -18,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 # reading a value on the host, or sizing an output by device values: each waits for the device
 READS = {"tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__", "__array__", "cpu",
-         "nonzero", "masked_select", "unique", "unique_consecutive", "equal", "allclose"}
+         "__format__", "nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "equal",
+         "allclose", "bincount"}
 
 
 class DeviceReads(TorchFunctionMode):
@@ -45,7 +46,8 @@ class DeviceReads(TorchFunctionMode):
         inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         device = any(self._marked(x) for x in inputs)
         name = getattr(func, "__name__", "")
-        if device and (name in READS or _bool_index(name, args)):
+        if device and (name in READS or _bool_index(name, args) or _sized_by_values(name, args, kwargs)
+                       or _to_host(name, args, kwargs)):
             frame = traceback.extract_stack(limit=2)[0]
             self.reads[f"{name} {frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
         out = func(*args, **kwargs)
@@ -57,6 +59,26 @@ class DeviceReads(TorchFunctionMode):
     @property
     def total(self) -> int:
         return sum(self.reads.values())
+
+
+def _sized_by_values(name: str, args, kwargs) -> bool:
+    """``where(cond)`` (``nonzero``'s tuple form) and ``repeat_interleave`` with tensor repeats (no
+    ``output_size``): their output sizes are device values."""
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    if name == "repeat_interleave":
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and "output_size" not in kwargs
+    return False
+
+
+def _to_host(name: str, args, kwargs) -> bool:
+    """``tensor.to("cpu")`` (or to a CPU device or tensor): a copy the host waits for."""
+    if name != "to":
+        return False
+    targets = list(args[1:]) + [kwargs.get("device")]
+    return any((isinstance(t, (str, torch.device)) and torch.device(t).type == "cpu") for t in targets
+               if t is not None and not isinstance(t, torch.dtype))
 
 
 def _bool_index(name: str, args) -> bool:

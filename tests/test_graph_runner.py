@@ -304,9 +304,9 @@ def test_the_runner_a_config_names(choice, kind):
 
 
 @pytest.mark.parametrize("method", ["logitspec", "lookahead"])
-def test_the_papers_65_node_trees_and_lookaheads_shape_run_through_the_graph_runner(method):
-    """``SpecConfig.paper()`` (64 drafted nodes and the root: beyond the 64-node bucket) and lookahead's
-    fixed shape through the graph runner: lossless against HF generate."""
+def test_the_papers_configuration_and_lookaheads_shape_run_through_the_graph_runner(method):
+    """``SpecConfig.paper()`` (up to 64 drafted nodes and the root) and lookahead's fixed shape through
+    the graph runner: lossless against HF generate (65-node steps: the test below)."""
     model = tiny_model("gemma3")
     prompts = repetitive_prompts(3, seed=10)
     cfg = (SpecConfig.paper(method=method, runner="graph", max_batch_size=2) if method == "logitspec"
@@ -315,6 +315,23 @@ def test_the_papers_65_node_trees_and_lookaheads_shape_run_through_the_graph_run
     assert isinstance(engine.runner, GraphRunner)
     got = engine.generate(prompts, max_new_tokens=N_NEW)
     assert [r.token_ids for r in got] == [hf_greedy(model, p, N_NEW) for p in prompts]
+
+
+def test_a_65_node_tree_runs_beyond_the_largest_bucket():
+    """Trees of 65 nodes (the paper's 64 drafted and the root), beyond the 64-node bucket: their steps
+    run in their exact shape, without a graph, and decode as HF generate does."""
+    prompts = repetitive_prompts(2, seed=14)
+    refs = [hf_greedy(tiny_model("llama"), p, N_NEW + 66) for p in prompts]
+    rng = np.random.default_rng(3)
+    runner = GraphRunner(tiny_model("llama"), max_rows=2, max_len=256, key_block=16)
+
+    def tree(b, root, step):
+        done = len(prompts[b])  # the tokens decoded so far follow the reference: the truth after root
+        return _random_tree(rng, root, refs[b][runner.kv.lengths[b] - done + 1:], 65)
+    with torch.inference_mode():
+        got = greedy_chains(runner, prompts, N_NEW, tree=tree)
+    assert got == [r[:N_NEW] for r in refs]
+    assert {t for _, t, _ in runner.buckets} == {65}
 
 
 @pytest.mark.parametrize("method", ["ar", "logitspec"])

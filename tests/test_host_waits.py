@@ -26,14 +26,22 @@ def steady_step_reads(method: str, budget: str, request: Request, sample_on_host
     session = engine.open()
     for p in repetitive_prompts(ROWS, seed=11):
         session.submit(p, request)
+    # the device memory: the parameters, the KV slots and every bucket's static buffers (built now, as
+    # on CUDA at start-up); one counter for the whole session, so values a step leaves on the device
+    # (the slots it writes, its decision) stay marked when a later step reads them
+    buffers = [runner._buffers_for(R, T) for R in runner.row_buckets for T in runner.node_buckets[:5]]
+    seeds = [t for b in buffers for t in (b.ints, b.anc, b.hidden, b.decision) if t is not None]
     steps, reads = 0, Counter()
-    while session.busy:
-        steady = len(session.active) == ROWS and not (session.pending or session.ready or session.prefilling)
-        with DeviceReads(model.parameters()) as counted:
+    slots = [runner.kv.K, runner.kv.V, *(t for layer in runner.kv.layer_views for t in layer)]
+    with DeviceReads(model.parameters(), slots, seeds) as counted:
+        while session.busy:
+            steady = len(session.active) == ROWS and not (session.pending or session.ready
+                                                          or session.prefilling)
+            before = Counter(counted.reads)
             session.step()
-        if steady:
-            steps += 1
-            reads += counted.reads
+            if steady:
+                steps += 1
+                reads += counted.reads - before
     assert not decide or runner.counters["decided"] == runner.counters["replays"] > 0
     return steps, reads
 

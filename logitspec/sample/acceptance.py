@@ -127,19 +127,20 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
     return StepDecision([r[0] for r in host], [r[1] for r in host], [r[2:2 + k] for r in host], outs)
 
 
-def greedy_decision(scores: torch.Tensor, packed, top: int) -> torch.Tensor:
-    """A greedy step decided on the device from the scores of every node of its [B, T] batch
-    (``scores`` [B * T, V], row b's node i at b * T + i; what a graph runner's step computes inside its
-    graph): [B, 2 + top + T] int64, per row the last accepted node, the bonus token, the ``top`` best
-    tokens of the last node's scores and the target's token after each node (its argmax). Pad nodes
-    are never accepted (:func:`accepted_last`); fixed shapes, no host read: capturable."""
-    B, T = packed.ids.shape
-    choice = scores.argmax(-1).view(B, T)  # [B, T]
+def greedy_decision(choice: torch.Tensor, packed, top: int,
+                    scores_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A greedy step decided on the device from the target's token after every node of its [B, T]
+    batch (``choice`` [B, T], the argmax; what a graph runner's step computes inside its graph):
+    [B, 2 + top + T] int64, per row the last accepted node, the bonus token, the ``top`` best tokens
+    of the last node's scores (``scores_at(flat positions [B]) -> [B, V]``, row b's node i at
+    b * T + i) and ``choice``. Pad nodes are never accepted (:func:`accepted_last`); fixed shapes, no
+    host read: capturable."""
+    B, T = choice.shape
     last = accepted_last(choice, packed)  # [B]
     cols = [last[:, None], choice.gather(1, last[:, None])]
     if top:
         at = torch.arange(B, device=last.device) * T + last  # [B]: the last nodes' flat positions
-        cols.append(torch.topk(scores.index_select(0, at), top, dim=-1).indices)  # [B, top]
+        cols.append(torch.topk(scores_at(at), top, dim=-1).indices)  # [B, top]
     return torch.cat(cols + [choice], dim=1)
 
 

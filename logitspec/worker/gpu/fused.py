@@ -28,7 +28,7 @@ import torch
 SDPA_BACKENDS = ("efficient", "cudnn", "math")
 _BACKEND_NAMES = {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
 # steps compiled per dynamo cache entry: each bucket's step is a closure of the same code
-RECOMPILE_LIMIT = 512
+RECOMPILE_LIMIT = 1024
 # the largest difference from the uncompiled step's output a compiled step may show, relative to the
 # output's largest magnitude (fused reductions round differently; a wrong kernel differs by O(1))
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
@@ -52,13 +52,17 @@ def sdpa_context(backend: str | None):
 
 
 def raise_recompile_limit(limit: int = RECOMPILE_LIMIT) -> None:
-    """Let dynamo keep ``limit`` compiled versions of one function (its default is 8; past it, a
-    function runs uncompiled)."""
+    """Let dynamo keep ``limit`` compiled versions of one function, and of one code object over all its
+    frames (defaults 8 and 256; past either, flex attention runs its unfused eager form and a
+    ``fullgraph`` step fails to compile). Gemma 3's buckets alone are 13 x 7 x 2 flex compiles."""
     import torch._dynamo
 
     cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), limit))
+    for names in (("recompile_limit", "cache_size_limit"),
+                  ("accumulated_recompile_limit", "accumulated_cache_size_limit")):  # newer, older name
+        name = next((n for n in names if hasattr(cfg, n)), None)
+        if name is not None:
+            setattr(cfg, name, max(getattr(cfg, name), limit))
 
 
 def graphs_compiled() -> int:

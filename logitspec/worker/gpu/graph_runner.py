@@ -52,6 +52,9 @@ ATTENTIONS = ("sdpa", "flex")
 # the engine's graph runners attend with flex attention: each row's keys end on the device (its block
 # lists), so a step's graph is keyed on (rows, nodes) alone and every one is captured at start-up
 ENGINE_ATTENTION = "flex"
+# nodes whose logits a decided step holds at once ([256, V]: 64 MiB at a 128k bfloat16 vocabulary, not
+# the [R * T, V] of every node: 1-8 GiB at 64-256 rows of 64 nodes)
+DECISION_CHUNK = 256
 
 
 class GraphRunner(StepBuilds):
@@ -308,10 +311,13 @@ class GraphRunner(StepBuilds):
                                     cache=self.kv.hf, use_cache=True, graph_step=True)
         buf.hidden.copy_(out.last_hidden_state.reshape(buf.R * buf.T, -1))
         self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
-        if decide:
-            scores = self.head.output(buf.hidden, OutputMode.EXACT).scores  # [R * T, V]
+        if decide:  # the output layer over every node, DECISION_CHUNK nodes' logits at a time
+            h = buf.hidden  # [R * T, hidden]
+            choice = torch.cat([self.head.output(part, OutputMode.EXACT).scores.argmax(-1)
+                                for part in h.split(DECISION_CHUNK)]).view(buf.R, buf.T)
             packed = PackedStep(buf.ids, buf.pos, buf.depths, buf.parents, buf.anc, None, [], {})
-            buf.decision.copy_(greedy_decision(scores, packed, self.decide_top))
+            buf.decision.copy_(greedy_decision(choice, packed, self.decide_top,
+                                               lambda at: self.head.output(h.index_select(0, at)).scores))
 
     @property
     def buckets(self) -> list[tuple]:

@@ -161,13 +161,16 @@ class FlexMasks:
         self.buf, self.block, self.windows = buf, block, windows
         dev = buf.ids.device
         nb = max_len // block
+        # query blocks: one, but for steps beyond the buckets of more than Q_BLOCK nodes (each reads the
+        # row's whole lists: a row's nodes all end at L_b + T)
+        self.q_blocks = qb = -(-buf.T // Q_BLOCK)
         self.arange = torch.arange(nb, device=dev, dtype=torch.int32)
         self.masks = {}
         for kind, window in windows.items():
-            lists = [torch.ones(buf.R, 1, 1, dtype=torch.int32, device=dev),  # partial: count, indices
-                     self.arange.expand(buf.R, 1, 1, nb).contiguous(),
-                     torch.zeros(buf.R, 1, 1, dtype=torch.int32, device=dev),  # full: count, indices
-                     self.arange.expand(buf.R, 1, 1, nb).contiguous()]
+            lists = [torch.ones(buf.R, 1, qb, dtype=torch.int32, device=dev),  # partial: count, indices
+                     self.arange.expand(buf.R, 1, qb, nb).contiguous(),
+                     torch.zeros(buf.R, 1, qb, dtype=torch.int32, device=dev),  # full: count, indices
+                     self.arange.expand(buf.R, 1, qb, nb).contiguous()]
 
             def mask_mod(b, h, q, kv, window=window):
                 return visible(buf, b, q, kv, window)
@@ -198,11 +201,12 @@ class FlexMasks:
             full_first = torch.where(has_full, full_first, last)  # no full block: partial = [first, last)
             full_end = torch.where(has_full, committed, last)
             head = full_first - first  # partial blocks before the full ones
-            full_num.copy_((full_end - full_first).view(-1, 1, 1))
-            full_idx.copy_((full_first[:, None] + j).clamp(max=nb - 1).view(buf.R, 1, 1, -1))
-            num.copy_((head + last - full_end).view(-1, 1, 1))
+            R, qb = buf.R, self.q_blocks  # every query block of a row reads the row's lists
+            full_num.copy_((full_end - full_first).view(R, 1, 1).expand(R, 1, qb))
+            full_idx.copy_((full_first[:, None] + j).clamp(max=nb - 1).view(R, 1, 1, -1).expand(R, 1, qb, nb))
+            num.copy_((head + last - full_end).view(R, 1, 1).expand(R, 1, qb))
             part = torch.where(j < head[:, None], first[:, None] + j, full_end[:, None] + j - head[:, None])
-            idx.copy_(part.clamp(max=nb - 1).view(buf.R, 1, 1, -1))
+            idx.copy_(part.clamp(max=nb - 1).view(R, 1, 1, -1).expand(R, 1, qb, nb))
         return {kind: bm for kind, (bm, _) in self.masks.items()}
 
 
