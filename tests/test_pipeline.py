@@ -1383,7 +1383,6 @@ def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_on
     replaced, its batches go back to the queue and the death log says why; replicas that never become
     ready fail the job after ``start_timeout_s``, naming the reason."""
     import itertools
-    import time
 
     import pytest
 
@@ -1405,15 +1404,18 @@ def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_on
         def kill(self):
             self.killed.append(self.name)
 
+    now = [0.0]  # the scheduler's clock, moved by the test: no wall-clock margin to lose under load
+    clock = lambda: now[0]  # noqa: E731
     batches = [Batch(0, [InputRow(0, "a")]), Batch(1, [InputRow(1, "b")])]
-    sched = Scheduler(Silent, 1, batches, lambda *a: None, lambda *a: None, batch_timeout_s=0.05)
+    sched = Scheduler(Silent, 1, batches, lambda *a: None, lambda *a: None, batch_timeout_s=5.0, clock=clock)
     sched._start()
     (name, slot), = sched.slots.items()
     slot.ready, slot.info = True, {"node_id": "n1"}
     sched._feed()
+    now[0] = 4.9
     sched._check_timeouts()
     assert name in sched.slots  # not silent for long yet
-    time.sleep(0.1)
+    now[0] = 5.1
     sched._check_timeouts()
     assert name not in sched.slots and Silent.killed == [name] and len(sched.slots) == 1  # replaced
     assert [b.key for b in sched.queue] == [0, 1]
@@ -1421,11 +1423,12 @@ def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_on
     assert lost["node_id"] == "n1" and lost["rows_redone"] == [0, 1] and "no result from" in lost["error"]
     assert "--batch-timeout" in lost["error"]
 
+    now[0] = 0.0
     never = Scheduler(Silent, 1, [Batch(0, [InputRow(0, "a")])], lambda *a: None, lambda *a: None,
-                      start_timeout_s=0.05)
+                      start_timeout_s=5.0, clock=clock)
     never._start()
-    time.sleep(0.1)
+    now[0] = 5.1
     never._check_timeouts()  # the first replica given up, a second one started
-    time.sleep(0.1)
+    now[0] = 10.2
     with pytest.raises(JobFailed, match="not ready .* after it was started .*--start-timeout"):
         never._check_timeouts()

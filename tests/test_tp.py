@@ -88,9 +88,15 @@ def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, resu
         for fam, path in model_dirs.items():
             model, tok, consensus = load_tp_model(path, world)
             for case in CASES:
-                res = _generate(lambda cfg: make_engine(model, tok, cfg), case, prompts)
+                made = []  # the engine this rank makes for the case
+
+                def make(cfg):
+                    made.append(make_engine(model, tok, cfg))
+                    return made[-1]
+                res = _generate(make, case, prompts)
                 check_agreement(decisions_digest(res))
                 out[(fam,) + case] = _record(res)
+                out[(fam,) + case + ("runner",)] = made[-1].runner.kind  # the runner this rank ran
             out[(fam, "params")] = _layer_params(model)
             out[(fam, "consensus")] = consensus.stats()
         results_q.put((rank, out, None))
@@ -162,6 +168,9 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
         for case in CASES:
             key = (fam,) + case
             assert ranks[0][key] == ranks[1][key], f"ranks diverged on {key}"
+            # each rank ran the runner its case names: graph, the static path uncaptured; else eager
+            want = "graph:sdpa:uncaptured" if case[3] == "graph" else "eager"
+            assert all(ranks[r][key + ("runner",)].startswith(want) for r in range(TP)), key
             if case[1] == 0.0:
                 ref = _record(_generate(lambda cfg: Engine(model, tok, cfg), case, prompts))
                 assert [r[0] for r in ranks[0][key]] == [r[0] for r in ref], f"TP=2 != TP=1 on {key}"
@@ -496,6 +505,6 @@ def test_a_sharded_head_runs_its_module_on_the_selected_nodes_only():
     sharded = EagerRunner(model, sharded_head=True)
     assert run("sharded", sharded) == run("whole forward", EagerRunner(model, fast_head=False))
     assert sharded.head.module is model.get_output_embeddings()
-    assert all(len(s) == 3 and s[0] == 1 for s in seen["sharded"])  # [1, N, H]: the selected nodes
+    assert seen["sharded"] and all(len(s) == 3 and s[0] == 1 for s in seen["sharded"])  # [1, N, H]
     rows = {name: sum(s[0] * s[1] for s in shapes) for name, shapes in seen.items()}
     assert rows["sharded"] < rows["whole forward"], rows

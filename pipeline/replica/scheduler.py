@@ -82,12 +82,15 @@ class Scheduler:
                  on_event: Callable[..., None] | None = None, on_tick: Callable[[], None] | None = None,
                  depth: int = 2, max_replacements: int = 5, max_row_attempts: int = 2,
                  tick_s: float = 1.0, history: SharedHistory | None = None,
-                 batch_timeout_s: float | None = None, start_timeout_s: float | None = None):
+                 batch_timeout_s: float | None = None, start_timeout_s: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         """``history``: the job's shared history (``--share-history``): batches carry other
         replicas' answers to a replica, results bring its answers back. ``batch_timeout_s``: a replica
         with work in flight that returns nothing for this long is given up as lost (killed, its
         batches redone elsewhere); ``start_timeout_s``: so is one not ready this long after it was
-        asked for (not placed, or stuck loading). None: no limit."""
+        asked for (not placed, or stuck loading). None: no limit. ``clock``: seconds, for every
+        duration the scheduler measures (tests give their own)."""
+        self.clock = clock
         self.factory = factory
         self.n = n_replicas
         self.queue: deque[Batch] = deque()  # batches to redo (requeued), taken before new ones
@@ -121,7 +124,7 @@ class Scheduler:
         name = f"replica-{self._count}"
         self._count += 1
         rep = self.factory(name)
-        self.slots[name] = _Slot(rep, time.perf_counter())
+        self.slots[name] = _Slot(rep, self.clock())
         self.ready_refs[rep.ready()] = name
         self.stats.replicas_started += 1
         self.on_event("start", name=name)
@@ -207,17 +210,17 @@ class Scheduler:
                     break  # a suspect batch runs alone on a concurrent replica
                 batch = self.queue.popleft()
                 if not slot.inflight:
-                    slot.progress = time.perf_counter()
+                    slot.progress = self.clock()
                 ref = slot.replica.submit(batch.rows,
                                           self.history.for_replica(name) if self.history else None)
                 slot.inflight.append((ref, batch))
                 self.task_refs[ref] = name
                 if self.stats.first_dispatch is None:
-                    self.stats.first_dispatch = time.perf_counter()
+                    self.stats.first_dispatch = self.clock()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> SchedulerStats:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for _ in range(self.n):
             self._start()
         while self.task_refs or self.has_work():
@@ -243,7 +246,7 @@ class Scheduler:
 
     def _check_timeouts(self) -> None:
         """Give up on replicas that answer nothing for too long (a hung process, a node that went silent)."""
-        now = time.perf_counter()
+        now = self.clock()
         for name, slot in list(self.slots.items()):
             node = slot.info.get("node_id")
             where = f" on node {node}" if node else ""
@@ -260,7 +263,7 @@ class Scheduler:
     def _warn_if_stuck(self, t0: float) -> None:
         """No replica up for a while: warn when some are still waiting to be placed (the cluster lacks the
         resources asked for), not while they load the model (the progress line says so)."""
-        now = time.perf_counter()
+        now = self.clock()
         if any(s.ready for s in self.slots.values()) or now - t0 < 60 or now - self._last_stuck_log < 60:
             return
         self._last_stuck_log = now
@@ -279,9 +282,9 @@ class Scheduler:
             self._lost(name, e)
             return
         slot = self.slots[name]
-        slot.ready, slot.info = True, {**info, "name": name, "ready_s": time.perf_counter() - slot.started}
+        slot.ready, slot.info = True, {**info, "name": name, "ready_s": self.clock() - slot.started}
         self.stats.replica_info.append(slot.info)
-        now = time.perf_counter() - t0
+        now = self.clock() - t0
         if self.stats.first_ready_s is None:
             self.stats.first_ready_s = now
         self._initial_ready += 1
@@ -307,7 +310,7 @@ class Scheduler:
             self._task_error(batch, e)
             return
         slot.inflight = deque((r, b) for r, b in slot.inflight if r != ref)
-        self.stats.last_result = slot.progress = time.perf_counter()
+        self.stats.last_result = slot.progress = self.clock()
         if self.history is not None:
             self.history.collect(name, stats.pop("answers", None))
         self.on_result(batch, rows, stats)
