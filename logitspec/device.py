@@ -1,4 +1,5 @@
-"""Host-to-device transfers that do not wait for the device, and timing of work on a device.
+"""Host-to-device transfers that do not wait for the device, timing of work on a device, and whether an
+error says the device (or the host) ran out of memory.
 
 A plain ``tensor.to("cuda")`` from ordinary (pageable) host memory synchronises the stream; the
 step sends its small host-built arrays (tokens, positions, tree structure, cache indices) from
@@ -12,6 +13,16 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` says memory ran out: ``MemoryError``, CUDA's ``OutOfMemoryError``, or an allocator's
+    ``RuntimeError`` (torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory")."""
+    if isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err).lower() for m in OOM_MESSAGES)
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -9,6 +9,7 @@ from tiny_models import save_tiny_text_model
 from logitspec import Engine
 from logitspec.models import load_model
 from logitspec.worker.eager_runner import EagerRunner
+from logitspec.worker.gpu import GraphRunner
 from pipeline.replica.faults import OutOfMemoryAt
 from pipeline.replica.streaming import StreamingRows
 from pipeline.replica.worker import RowGenerator, is_out_of_memory
@@ -32,8 +33,8 @@ def _rows():
 class CountingRunner(OutOfMemoryAt):
     """Records the rows of every forward it is asked for (prefills and steps), and whether it failed."""
 
-    def __init__(self, runner, rows, tokens):
-        super().__init__(runner, rows, tokens)
+    def __init__(self, runner, rows, tokens, at="before", steps_only=False):
+        super().__init__(runner, rows, tokens, at, steps_only)
         self.forwards = []
 
     def _check(self, rows, positions):
@@ -62,6 +63,31 @@ def test_out_of_memory_halves_the_batch_and_a_row_too_big_alone_is_an_error_row(
     for got, want in zip(out[:2] + out[3:], plain[:2] + plain[3:]):
         assert got.error is None and got.generation == want.generation  # retried rows: as generated plainly
     assert (4, True) in runner.forwards and (1, False) in runner.forwards  # 4 rows failed, single rows ran
+
+
+@pytest.mark.parametrize("at", ["before", "after", "layer:1"])
+@pytest.mark.parametrize("kind", ["eager", "graph"])
+def test_out_of_memory_anywhere_in_a_forward_on_either_runner_retries_losslessly(tiny, kind, at):
+    """The fault in a decode step (rows mid-generation), before the forward, after it wrote its KV
+    (slots, cache), or from inside it at a decoder layer, through the eager runner or the graph runner
+    (its static slots): the retried rows equal plain generation, the row too big alone is an error row,
+    and the graph runner's storage was neither grown nor replaced (its slots are its memory: one
+    allocation), nor did an out-of-memory step switch a flex bucket to SDPA."""
+    model, tok = tiny
+    plain, _ = _generator(model, tok)(_rows())
+    # the graph runner with the engine's CUDA attention: an out-of-memory step is not a flex failure
+    inner = (EagerRunner(model) if kind == "eager"
+             else GraphRunner(model, max_rows=4, max_len=256, attention="flex"))
+    runner = CountingRunner(inner, rows=1, tokens=40, at=at, steps_only=True)
+    gen = _generator(model, tok, runner)
+    for _ in range(2):  # a second batch after the first's faults: the replica still works
+        out, _ = gen(_rows())
+        assert [r.id for r in out] == [r.id for r in plain] and out[2].error.startswith("out of memory")
+        for got, want in zip(out[:2] + out[3:], plain[:2] + plain[3:]):
+            assert got.error is None and got.generation == want.generation
+    assert (4, True) in runner.forwards  # a step of the whole batch failed
+    if kind == "graph":
+        assert inner.kv.allocations == 1 and inner.counters["flex_fallbacks"] == 0
 
 
 def test_a_batch_that_fits_in_halves_is_split_once(tiny):

@@ -8,8 +8,9 @@ The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
     load:N:DIR   the first N replica processes to load the model kill themselves there (while loading)
     row:ID       a process given the row ID (in a batch) kills itself, every time
     slow:S       every batch takes S seconds more (paces a job, so a test can act while it runs)
-    oom:R:T      a forward over more than R rows, or reaching past T positions in a row, raises
-                 MemoryError (:class:`OutOfMemoryAt`, the engine's model runner)
+    oom:R:T[:AT] a forward over more than R rows, or reaching past T positions in a row, raises
+                 MemoryError (:class:`OutOfMemoryAt`, the engine's model runner), before it runs, after
+                 it ran (AT = after), or from inside it at decoder layer N (AT = layer:N)
 
 ``DIR`` counts the kills so far (one file each), so ``N`` holds across the replacement processes.
 """
@@ -56,11 +57,18 @@ def at_batch(rows: list) -> None:
 
 class OutOfMemoryAt:
     """A model runner that raises ``MemoryError``, as an allocator would, on a forward over more than
-    ``rows`` rows or reaching past ``tokens`` positions in a row; otherwise the runner it wraps. The
-    ``oom:ROWS:TOKENS`` fault, and a seam for tests (``Engine(runner=OutOfMemoryAt(...))``)."""
+    ``rows`` rows or reaching past ``tokens`` positions in a row; otherwise the runner it wraps. ``at``:
+    where the error comes from, ``before`` the wrapped forward runs, ``after`` it ran (its KV, slot and
+    cache writes done), or ``layer:N`` from inside it, a forward hook on decoder layer N (the layers
+    below it wrote their KV). ``steps_only``: prefills never fail, so the fault comes in a decode step,
+    with rows mid-generation. The ``oom:ROWS:TOKENS[:AT]`` fault, and a seam for tests
+    (``Engine(runner=OutOfMemoryAt(...))``), around the eager runner or the graph runner."""
 
-    def __init__(self, runner, rows: int, tokens: int):
-        self.runner, self.rows, self.tokens = runner, rows, tokens
+    def __init__(self, runner, rows: int, tokens: int, at: str = "before", steps_only: bool = False):
+        kind, _, layer = at.partition(":")
+        if kind not in ("before", "after", "layer") or (kind == "layer") != layer.isdigit():
+            raise ValueError(f"at: before, after or layer:N, got {at!r}")
+        self.runner, self.rows, self.tokens, self.at, self.steps_only = runner, rows, tokens, at, steps_only
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -70,30 +78,54 @@ class OutOfMemoryAt:
             raise MemoryError(f"test fault: a forward of {rows} rows reaching {positions} positions (this "
                               f"replica fits {self.rows} rows, {self.tokens} positions)")
 
+    def _guarded(self, rows: int, positions: int, call, step: bool = False):
+        """``call()`` (the wrapped forward), with the fault where ``at`` puts it when the shape is over."""
+        if self.steps_only and not step:
+            return call()
+        try:
+            self._check(rows, positions)
+        except MemoryError as e:
+            if self.at == "before":
+                raise
+            fault = e
+        else:
+            return call()
+        if self.at == "after":
+            call()
+            raise fault
+        layer = self.runner.model.get_decoder().layers[int(self.at.partition(":")[2])]
+
+        def fail(module, args, output):
+            raise fault
+        hook = layer.register_forward_hook(fail)
+        try:
+            return call()
+        finally:
+            hook.remove()
+
     def step(self, rows, kv, *args, **kwargs):
-        self._check(len(rows), max(r.prefix_len + int(r.depths.max()) + 1 for r in rows))
-        return self.runner.step(rows, kv, *args, **kwargs)
+        return self._guarded(len(rows), max(r.prefix_len + int(r.depths.max()) + 1 for r in rows),
+                             lambda: self.runner.step(rows, kv, *args, **kwargs), step=True)
 
     def prefill(self, tokens, *args, **kwargs):
-        self._check(1, len(tokens))
-        return self.runner.prefill(tokens, *args, **kwargs)
+        return self._guarded(1, len(tokens), lambda: self.runner.prefill(tokens, *args, **kwargs))
 
     def prefill_rows(self, prompts, *args, **kwargs):
-        self._check(len(prompts), max(len(p) for p in prompts))
-        return self.runner.prefill_rows(prompts, *args, **kwargs)
+        return self._guarded(len(prompts), max(len(p) for p in prompts),
+                             lambda: self.runner.prefill_rows(prompts, *args, **kwargs))
 
     def extend(self, row, tokens, *args, **kwargs):
-        self._check(1, getattr(row, "columns", 0) + len(tokens))
-        return self.runner.extend(row, tokens, *args, **kwargs)
+        return self._guarded(1, getattr(row, "columns", 0) + len(tokens),
+                             lambda: self.runner.extend(row, tokens, *args, **kwargs))
 
 
 def runner_for(model, config):
     """The model runner a replica's engine gets: None (the engine's default) unless ``LOGITSPEC_FAULT``
-    is ``oom:ROWS:TOKENS``, then the runner ``config.runner`` names wrapped in :class:`OutOfMemoryAt`."""
+    is ``oom:ROWS:TOKENS[:AT]``, then the runner ``config.runner`` names wrapped in :class:`OutOfMemoryAt`."""
     kind, _, rest = os.environ.get(ENV, "").partition(":")
     if kind != "oom":
         return None
     from logitspec.worker.gpu import runner_for as configured_runner
 
-    rows, _, tokens = rest.partition(":")
-    return OutOfMemoryAt(configured_runner(model, config), int(rows), int(tokens))
+    rows, tokens, *at = rest.split(":", 2)
+    return OutOfMemoryAt(configured_runner(model, config), int(rows), int(tokens), at[0] if at else "before")

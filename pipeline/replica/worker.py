@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from logitspec.device import is_out_of_memory
 from logitspec.engine.request import Request
 from logitspec.engine.session import sample_seed
 from logitspec.worker.kv_cache import kv_bytes_per_token
@@ -74,21 +75,6 @@ def ok_row(row: InputRow, sample: int, res, spec: GenerationSpec, truncated: boo
                      wall_s=s["wall_s"], method=spec.method, model=spec.model_label or spec.model,
                      corpus=row.corpus, accepted_from=s["accepted_from"],
                      verified_steps=s.get("verified_steps"), truncated=truncated)
-
-
-OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory", "cannot allocate memory")
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` says memory ran out: ``MemoryError``, CUDA's ``OutOfMemoryError``, or an allocator's
-    ``RuntimeError`` (torch's CPU allocator: "DefaultCPUAllocator: can't allocate memory")."""
-    if isinstance(err, MemoryError):
-        return True
-    import torch
-
-    if isinstance(err, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(err, RuntimeError) and any(m in str(err).lower() for m in OOM_MESSAGES)
 
 
 def free_memory() -> None:

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from logitspec.device import to_device
+from logitspec.device import is_out_of_memory, to_device
 from logitspec.sample.acceptance import greedy_decision
 from logitspec.worker.eager_runner import EagerRunner, ForwardResult
 from logitspec.worker.gpu.building import StepBuilds
@@ -214,7 +214,8 @@ class GraphRunner(StepBuilds):
                 step()
                 break
             except Exception as e:  # flex attention without a kernel for this shape: SDPA, never a crash
-                if retry or not self._without_flex(buf, e):
+                # (out of memory is the caller's to handle: SDPA over the whole slot would need more)
+                if retry or is_out_of_memory(e) or not self._without_flex(buf, e):
                     raise
         self.counters["replays"] += 1
         B = len(rows)
