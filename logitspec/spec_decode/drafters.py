@@ -106,6 +106,11 @@ class RestDrafter(Drafter):
                          origins=np.array([GUESS] + [origin] * n, dtype=np.int64))
 
 
-def make_drafter(config: SpecConfig) -> Drafter:
+def drafter_class(method: str) -> type[Drafter]:
+    """The drafter class of ``method`` (its class attributes say what it needs of a step)."""
     return {"ar": Drafter, "pld": PromptLookupDrafter, "logitspec": LogitSpecDrafter,
-            "rest": RestDrafter, "lookahead": LookaheadDrafter}[config.method](config)
+            "rest": RestDrafter, "lookahead": LookaheadDrafter}[method]
+
+
+def make_drafter(config: SpecConfig) -> Drafter:
+    return drafter_class(config.method)(config)

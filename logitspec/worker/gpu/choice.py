@@ -38,9 +38,9 @@ def decision_top(config) -> int:
     """The top tokens a greedy step decided inside the graph runner's step keeps of its last node's
     scores: the bonus token and ``top_k`` next-next guesses where the method drafts from guesses
     (logitspec), none otherwise."""
-    from logitspec.spec_decode.drafters import make_drafter
+    from logitspec.spec_decode.drafters import drafter_class
 
-    return config.top_k + 1 if make_drafter(config).wants_guesses else 0
+    return config.top_k + 1 if drafter_class(config.method).wants_guesses else 0
 
 
 def slot_columns(model) -> int:
