@@ -395,3 +395,17 @@ def test_a_step_flex_attention_cannot_run_attends_with_sdpa(monkeypatch, caplog)
     assert runner.counters["flex_fallbacks"] == len(fell_back)
     assert any((R, T) in runner._flex for R, T in runner._buffers if T <= 4)  # the others kept flex
     assert caplog.text.count("attend with SDPA") == 1
+
+
+def test_start_up_time_is_bounded_and_the_rest_is_built_when_first_used(caplog):
+    """With no start-up time, capture_all builds one bucket and says so; the others are built when a
+    step first needs them (counted after start-up), and the tokens are the same."""
+    model = tiny_model("llama")
+    cfg = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=2)
+    runner = GraphRunner(model, max_rows=2, max_len=256, attention="flex", startup_s=0.0)
+    engine = Engine(model, None, cfg, runner=runner)
+    assert runner.start_up["graphs"] == 1 and "start-up time (0 s) spent after 1 of 10" in caplog.text
+    prompts = repetitive_prompts(2, seed=15)
+    got = engine.generate(prompts, max_new_tokens=N_NEW)
+    assert [r.token_ids for r in got] == [hf_greedy(model, p, N_NEW) for p in prompts]
+    assert runner.counters["built_after_start"] > 0

@@ -99,6 +99,11 @@ class StepBuilds:
             t0 = time.perf_counter()
             kinds = (False, True) if self.decide_top is not None else (False,)  # plain, decided
             for i, (R, T) in enumerate(keys):
+                if i and time.perf_counter() - t0 > self.startup_s:  # the rest: built when first used
+                    log.warning("graph runner: start-up time (%.0f s) spent after %d of %d bucket(s); the "
+                                "others (from %d rows x %d nodes on) are built when a step first needs them",
+                                self.startup_s, i, len(keys), R, T)
+                    break
                 n = self.counters["graphs"]
                 for decide in kinds:
                     self._step_for(self._buffers_for(R, T), (R, T, self.kv.max_len, decide))

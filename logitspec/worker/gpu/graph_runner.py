@@ -52,6 +52,9 @@ ATTENTIONS = ("sdpa", "flex")
 # the engine's graph runners attend with flex attention: each row's keys end on the device (its block
 # lists), so a step's graph is keyed on (rows, nodes) alone and every one is captured at start-up
 ENGINE_ATTENTION = "flex"
+# the most seconds start-up spends building (compiling, capturing) steps: the buckets past it, the largest
+# (rows, then nodes, ascending), are built when first used, counted in counters["built_after_start"]
+STARTUP_S = 600.0
 # nodes whose logits a decided step holds at once ([256, V]: 64 MiB at a 128k bfloat16 vocabulary, not
 # the [R * T, V] of every node: 1-8 GiB at 64-256 rows of 64 nodes)
 DECISION_CHUNK = 256
@@ -69,7 +72,7 @@ class GraphRunner(StepBuilds):
                  capture: bool | None = None, compile=False, sdpa_backend: str | None = None,
                  row_buckets=ROW_BUCKETS, node_buckets=NODE_BUCKETS, key_block: int = 256,
                  flex_block: int = 128, warmup: int = 3, sharded_head: bool = False,
-                 decide_top: int | None = None):
+                 decide_top: int | None = None, startup_s: float = STARTUP_S):
         """``max_rows`` slots of ``max_len`` columns (a row's committed tokens plus its step's padded
         nodes). ``attention``: "sdpa" (additive mask over the bucket's key length) or "flex" (block
         mask over each row's own length). ``capture``: CUDA graphs (default: on CUDA). ``compile``:
@@ -82,7 +85,8 @@ class GraphRunner(StepBuilds):
         ``decide_top``: greedy steps are decided inside the step (the output layer over every node,
         the argmax, the accepted path and the last node's ``decide_top`` best tokens:
         :func:`~logitspec.sample.acceptance.greedy_decision`), each bucket built a second time for them;
-        None: the output layer and acceptance run after the step."""
+        None: the output layer and acceptance run after the step. ``startup_s``: the most seconds
+        :meth:`capture_all` spends building steps; buckets left then are built when first used."""
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.fuser = compile if isinstance(compile, StepCompiler) else (StepCompiler() if compile else None)
@@ -113,7 +117,7 @@ class GraphRunner(StepBuilds):
         if decide_top is not None and (decide_top < 0 or sharded_head):
             raise ValueError("decide_top: >= 0, and not on a tensor-parallel rank (its output layer is a "
                              "collective over the selected nodes)")
-        self.decide_top = decide_top
+        self.decide_top, self.startup_s = decide_top, startup_s
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
