@@ -183,9 +183,9 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
     print(f"TP=2 group (spawn, load, {len(CASES)} cases x 2 models): {tp_s:.1f} s")
 
 
-def _consensus_rank(rank: int, world: int, port: int, results_q) -> None:
-    """One rank of a plain gloo group running forwards of the same tiny model under LogitsConsensus;
-    rank 1 feeds other tokens to the 4th forward."""
+def _consensus_rank(rank: int, world: int, port: int, every: int, results_q) -> None:
+    """One rank of a plain gloo group running forwards of the same tiny model under LogitsConsensus
+    (checking one forward in ``every``); rank 1 feeds other tokens to the 4th forward."""
     try:
         import torch.distributed as dist
 
@@ -194,7 +194,7 @@ def _consensus_rank(rank: int, world: int, port: int, results_q) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = tiny_model("llama", attn="sdpa")
-        consensus = LogitsConsensus(model)
+        consensus = LogitsConsensus(model, every=every)
         seen = []  # per forward: (forwards compared after it, error)
         with torch.no_grad():
             for f in range(6):
@@ -214,12 +214,22 @@ def test_consensus_checks_a_forward_one_forward_later_and_every_rank_stops_alike
     """The ranks' checksums of a forward are compared at the next forward (no wait for the current
     forward's collective on the hot path); a rank fed other inputs makes every rank raise at the same
     forward, naming the forward that diverged."""
-    ranks = run_group(TP, _consensus_rank, timeout=120)
+    ranks = run_group(TP, _consensus_rank, 1, timeout=120)
     assert ranks[0] == ranks[1]
     seen = ranks[0]
     assert [checked for checked, _ in seen] == [0, 1, 2, 3, 4]  # forward f compares forward f - 1
     assert [err is None for _, err in seen] == [True] * 4 + [False]
     assert "forward 4" in seen[-1][1]
+
+
+def test_a_sampled_consensus_checks_one_forward_in_every_and_still_stops_every_rank_alike():
+    """Checking one forward in 2 (as a GPU checks one in CONSENSUS_EVERY): the other forwards take no
+    collective, forward 4 (sampled) is compared at forward 6, and every rank raises there alike."""
+    ranks = run_group(TP, _consensus_rank, 2, timeout=120)
+    assert ranks[0] == ranks[1]
+    seen = ranks[0]
+    assert [checked for checked, _ in seen] == [0, 0, 0, 1, 1, 2]
+    assert [err is None for _, err in seen] == [True] * 5 + [False] and "forward 4" in seen[-1][1]
 
 
 def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompts, results_q) -> None:

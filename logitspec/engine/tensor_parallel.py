@@ -36,6 +36,11 @@ _SHM_PREFIX = "deepspeed_allreduce_buffer"  # DeepSpeed's shm all-reduce segment
 _HOST_GROUP = None  # init_rank's gloo group for host values beside an NCCL group (host_group)
 
 
+# forwards per consensus check on a GPU: a check is a few checksum kernels and a small collective a
+# forward; a divergence shows in every later forward's inputs and in the batch's digest anyway
+CONSENSUS_EVERY = 8
+
+
 class RanksDiverged(RuntimeError):
     """The ranks of one group produced different results: their logits were not bitwise identical."""
 
@@ -141,7 +146,8 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     consensus = None
     if tp_size > 1:
         model = shard(model, tp_size, dtype)
-        consensus = LogitsConsensus(model)
+        # off CPU one forward in CONSENSUS_EVERY (its checksums and collective are off the hot path)
+        consensus = LogitsConsensus(model, every=1 if device == "cpu" else CONSENSUS_EVERY)
     elif device != "cpu":
         model.to(device)
     return model, tokenizer, consensus
@@ -263,10 +269,14 @@ class LogitsConsensus:
     sums, so every rank holds the same states (never seen otherwise); were they to differ, the
     decisions they led to would differ and show as different inputs at a later forward, and the
     batch's output digest (:func:`check_agreement`) is compared after every batch. :meth:`flush`
-    checks the last forward (:meth:`stats` does).
+    checks the last forward (:meth:`stats` does). ``every``: one forward in ``every`` is checked (every
+    rank counts its forwards alike, so all take the same collectives); the others cost nothing.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, every: int = 1):
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
         self.forwards = 0
         self.checked = 0  # forwards whose checksums were compared
         self.output_mismatches = 0
@@ -277,6 +287,9 @@ class LogitsConsensus:
         self.handle = model.get_decoder().register_forward_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module, args, kwargs, output):
+        self.forwards += 1
+        if self.forwards % self.every:  # not sampled: no checksum, no collective
+            return None
         hidden = output[0]  # the decoder's final hidden states
         dist = torch.distributed
         dev = hidden.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
@@ -284,7 +297,6 @@ class LogitsConsensus:
         mine = torch.cat([_checksum(t).to(dev) for t in [hidden] + ins if t is not None])  # int64 [k]
         got = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype, device=dev)  # [world, k]
         dist.all_gather(list(got.unbind(0)), mine)  # rows of one tensor: one copy to the host
-        self.forwards += 1
         self.flush()  # the previous forward's: ready long ago
         if dev.type == "cuda":  # two pinned buffers in turn: the one being read is never the one written
             if self._host is None or self._host[0].shape != got.shape:
