@@ -633,6 +633,23 @@ def test_a_chat_template_given_to_the_job_is_applied(tmp_path, ray_session):
     assert [rows[i]["n_prompt_tokens"] for i in range(4)] == want
 
 
+def test_allow_foreign_files_runs_the_job_and_leaves_the_foreign_file_alone(tiny, tmp_path, ray_session):
+    """The input file inside the output directory, allowed with ``allow_foreign_files``: a real run
+    writes every row once beside it and leaves it byte for byte (the refusal without it: tests in
+    test_job_output.py)."""
+    from pipeline.job.run import run_job
+
+    out = tmp_path / "out"
+    out.mkdir()
+    inp = _write_jsonl(out / "prompts.jsonl", [{"id": i, "prompt": f"Hello number {i}"} for i in range(4)])
+    before = inp.read_bytes()
+    summary = run_job(_cfg(tiny, inp, out, allow_foreign_files=True))
+    assert summary["complete"] and inp.read_bytes() == before
+    table = read_generations(out)
+    assert sorted(table.column("id").to_pylist()) == [0, 1, 2, 3]
+    assert all(e is None for e in table.column("error").to_pylist())
+
+
 def test_exactly_once_with_error_rows(mixed_run):
     inp, out, summary = mixed_run
     table = _check_exactly_once(out, list(range(20)))
