@@ -39,9 +39,9 @@ class StepBuilds:
             return fn
         if self.fuser is not None:
             fn = self._fused(fn, key)
-        step = self._captured(fn, key)
-        if self.capture and step is fn:
-            if self._without_flex(buf, self._capture_error):
+        step, failure = self._captured(fn, key)
+        if failure is not None:
+            if self._without_flex(buf, failure):
                 return self._build(buf, key)
             self.counters["uncaptured"] += 1
         return step
@@ -146,27 +146,26 @@ class StepBuilds:
             return step
         except Exception as e:  # noqa: BLE001 - a compiler's mistake costs speed, never tokens
             self._uncompiled(key, f"{type(e).__name__}: {e}")
-        step = self._captured(fn, key)
-        if self.capture and step is fn:
-            self.counters["uncaptured"] += 1
+        step, failure = self._captured(fn, key)
+        self.counters["uncaptured"] += failure is not None
         self._steps[key] = step
         return step
 
-    def _captured(self, fn, key: tuple):
-        """``fn``'s CUDA graph replay where the runner captures, else ``fn``; ``fn`` itself (logged once)
-        where the capture fails: that shape runs without a graph, never a crash."""
+    def _captured(self, fn, key: tuple) -> tuple:
+        """(``fn``'s CUDA graph replay where the runner captures, else ``fn``; None), or (``fn`` itself,
+        the capture's error) where the capture fails, logged once: that shape runs without a graph,
+        never a crash."""
         if not self.capture:
-            return fn
+            return fn, None
         try:
             replay = self.graphs.capture(fn)
             self.counters["captures"] += 1
-            return replay
+            return replay, None
         except Exception as e:  # noqa: BLE001
-            self._capture_error = e
             self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
                                        f"({type(e).__name__}: {e}); steps that fail to capture run "
                                        f"without a graph")
-            return fn
+            return fn, e
 
     def _uncompiled(self, key: tuple, why: str) -> None:
         self.counters["uncompiled"] += 1

@@ -135,7 +135,6 @@ class GraphRunner(StepBuilds):
         self.counters = {"graphs": 0, "captures": 0, "replays": 0, "allocations": 0, "uncaptured": 0,
                          "built_after_start": 0, "compiles": 0, "uncompiled": 0, "flex_fallbacks": 0,
                          "decided": 0}
-        self._capture_error: BaseException | None = None  # the last capture's failure
         self.started = False  # capture_all ran: a step built after it counts in built_after_start
         self.start_up: dict = {}  # what capture_all built: graphs, seconds, bytes
         self._warned: set[str] = set()
@@ -226,12 +225,13 @@ class GraphRunner(StepBuilds):
         packed = PackedStep(buf.ids[:B], buf.pos[:B], buf.depths[:B], buf.parents[:B], buf.anc[:B], None,
                             sizes, {})
         spans = [(int(a), int(a) + n) for a, n in zip(starts, counts)]
-        hidden = buf.hidden.index_select(0, select_d)  # [N, hidden]: now, before the bucket runs again
         if not decide:
-            return ForwardResult(self.head.output(hidden, mode), packed, select_d, starts_d, spans, pack_s)
+            nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
+            return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
         self.counters["decided"] += 1
-        return ForwardResult(lambda: self.head.output(hidden, mode), packed, select_d, starts_d, spans,
-                             pack_s, buf.decision[:B], self.decide_top)
+        # the nodes' logits only if asked (before the bucket runs again): acceptance reads the decision
+        return ForwardResult(lambda: self.head.output(buf.hidden.index_select(0, select_d), mode), packed,
+                             select_d, starts_d, spans, pack_s, buf.decision[:B], self.decide_top)
 
     def prepare(self, rows: list[StepRow], kv: SlotKV):
         """Fill the bucket's buffers for ``rows`` and return the step's device work as a function

@@ -165,6 +165,7 @@ class FlexMasks:
         # row's whole lists: a row's nodes all end at L_b + T)
         self.q_blocks = qb = -(-buf.T // Q_BLOCK)
         self.arange = torch.arange(nb, device=dev, dtype=torch.int32)
+        self.columns = self.arange.long()  # [nb]: block numbers, as the lengths' dtype
         self.masks = {}
         for kind, window in windows.items():
             lists = [torch.ones(buf.R, 1, qb, dtype=torch.int32, device=dev),  # partial: count, indices
@@ -189,7 +190,7 @@ class FlexMasks:
         nb = len(self.arange)
         last = (L + buf.T + B - 1) // B  # [R]: blocks up to the row's last node (exclusive)
         committed = L // B  # [R]: blocks wholly before the row's first node
-        j = self.arange.to(L.dtype)  # [nb]
+        j = self.columns  # [nb]
         for kind, (bm, (num, idx, full_num, full_idx)) in self.masks.items():
             window = self.windows[kind]
             if window is None:
