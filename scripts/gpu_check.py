@@ -70,6 +70,7 @@ from tiny_models import FAMILIES, repetitive_prompts, tiny_model  # noqa: E402
 from logitspec import Engine, SpecConfig  # noqa: E402
 from logitspec.device import fastest  # noqa: E402
 from logitspec.engine.request import Request  # noqa: E402
+from logitspec.models.merged_projections import merge_projections  # noqa: E402
 from logitspec.sample.node_logits import OutputMode  # noqa: E402
 from logitspec.spec_decode.budget import CostCurve  # noqa: E402
 from logitspec.worker.calibrate import measure_rows  # noqa: E402
@@ -215,8 +216,9 @@ def device_sampling(plan: Plan) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ cost curves
-def build_shape(name: str, plan: Plan):
-    """A model of that shape with random bfloat16 weights, made on the device (or a tiny stand-in)."""
+def build_shape(name: str, plan: Plan, merged: bool = True):
+    """A model of that shape with random bfloat16 weights, made on the device (or a tiny stand-in),
+    its projections merged as ``load_model`` merges them off CPU (``merged``; stock HF's otherwise)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family, dims = SHAPES[name]
@@ -224,6 +226,8 @@ def build_shape(name: str, plan: Plan):
                                eos_token_id=None, bos_token_id=None, pad_token_id=None)
     with torch.device(plan.device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    if merged:
+        merge_projections(model)
     return model.eval(), cfg
 
 
@@ -377,6 +381,7 @@ def graph_lossless(plan: Plan, deadline: float) -> list[dict]:
                         "reference": "generate" if dtype == torch.float32 else "ar bfloat16 batch 1"}
                 try:
                     model = tiny_model(family, **extra).to(device=plan.device, dtype=dtype)
+                    case["merged"] = merge_projections(model)  # as load_model gives it off CPU
                     outs, counters = graph_engine_run(model, prompts, plan, method, attention=attention, **kw)
                     cases.append({**case, "counters": counters, **compare(ref_model, prompts, ref, outs)})
                     del model
@@ -571,8 +576,9 @@ def shape_steps(name: str, plan: Plan, deadline: float) -> dict:
     """One decode-step part on the Llama-3-8B shape (random bfloat16 weights; the tiny stand-in on
     CPU): the HF static-cache graph step, our ar step, or the long prefill (gpu_check_steps)."""
     t0 = time.time()
-    model, _ = build_shape("llama3-8b", plan)
-    doc = {"shape": "tiny" if plan.tiny else "llama3-8b", "dtype": "bfloat16",
+    merged = name != "hf_graph"  # the HF reference step runs stock HF modules
+    model, _ = build_shape("llama3-8b", plan, merged=merged)
+    doc = {"shape": "tiny" if plan.tiny else "llama3-8b", "dtype": "bfloat16", "merged": merged,
            "build_s": round(time.time() - t0, 1)}
     if name == "hf_graph":
         doc.update(hf_graph_steps(model, plan.hf_rows, plan.prompt_len, max(3, plan.reps), deadline))

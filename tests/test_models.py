@@ -74,6 +74,12 @@ def test_local_dir_without_tokenizer(tmp_path, cache):
     assert type(plain.model.layers[0].mlp.up_proj) is torch.nn.Linear
     with torch.inference_mode():
         assert torch.equal(plain(ids).logits, ref(ids).logits)
+    merged, _ = load_model(str(tmp_path / "tiny"), cpu_kernels=False, merge=True)  # off CPU's default
+    from logitspec.models.merged_projections import MergedPart
+
+    assert type(merged.model.layers[0].mlp.up_proj) is MergedPart
+    with torch.inference_mode():
+        torch.testing.assert_close(merged(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
     assert torch.is_grad_enabled()  # load_model leaves grad mode alone
     assert not cache.exists() or not any((cache / "models").glob("*"))  # nothing converted or cached
 

@@ -149,6 +149,7 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str | None = "logitspec_sdpa",
     cpu_kernels: bool = True,
+    merge: bool | None = None,
     trust_remote_code: bool = False,
 ) -> tuple["PreTrainedModel", "PreTrainedTokenizerBase | None"]:
     """Load ``(model, tokenizer)`` for ``spec`` (see :func:`resolve_model_path`), offline, in eval mode.
@@ -159,7 +160,10 @@ def load_model(
     same weights; a few rows cost about one row) when that kernel builds here, and its RMS norms in
     one fused pass (:mod:`logitspec.kernels.rms_norm`); in bfloat16, with oneDNN's bfloat16 GEMM where
     it is batch-invariant here (else transformers' path, which is not) and the same fused norms.
-    ``trust_remote_code``: let ``transformers`` run Python code shipped with the model (off unless asked).
+    ``merge``: compute each layer's query/key/value and gate/up projections as one GEMM each
+    (:mod:`logitspec.models.merged_projections`; None: off CPU, where the CPU kernels above take
+    the linears). ``trust_remote_code``: let ``transformers`` run Python code shipped with the model
+    (off unless asked).
     ``attn_implementation``: by default :mod:`logitspec.worker.attention` (SDPA without per-head key copies),
     or any name transformers knows (``"sdpa"``, ``"eager"``).
     Does not touch ``torch.set_grad_enabled``; run the model under ``torch.inference_mode()``.
@@ -195,6 +199,12 @@ def load_model(
                            "(no oneDNN bfloat16 GEMM, or it failed the check), so speculative and batched "
                            "outputs may part from plain decoding's at near-ties; float32 is exact here",
                            len(left), left[0])
+    if merge is None:
+        merge = device != "cpu"
+    if merge:
+        from .merged_projections import merge_projections
+
+        swapped["merged"] = merge_projections(model)  # plain linears only: none the CPU kernels took
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,

@@ -13,9 +13,9 @@ step's on the same buffers at its first real step (:data:`TOLERANCE`): inductor'
 attention inside the whole step, for one, gave other hidden states than the same graph run by dynamo
 without inductor (torch 2.13), so a compiler's mistake costs speed, never tokens.
 
-Merging the query/key/value and gate/up projections into one GEMM each (inductor's frozen-weight
-patterns) is left off: it stores concatenated copies of those weights per compiled graph, about
-two thirds of a Llama layer's weights for every bucket.
+The query/key/value and gate/up projections reach it merged at load (one GEMM each:
+:mod:`logitspec.models.merged_projections`), not by inductor's frozen-weight patterns, which would
+store concatenated copies of those weights per compiled graph.
 """
 from __future__ import annotations
 
