@@ -11,6 +11,7 @@ from tiny_models import FAMILIES, repetitive_prompts, tiny_model
 from logitspec import Engine
 from logitspec.models.merged_projections import MergedPart, merge_projections
 from logitspec.worker.gpu import GraphRunner
+from logitspec.worker.gpu.fused import graphs_compiled
 
 LAYERS = {"llama": 2, "qwen2": 2, "gemma3": 4}
 
@@ -76,8 +77,8 @@ def _gemms(code: str) -> int:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_compiled_step_runs_one_gemm_per_merged_group_and_is_lossless(family):
     """Merged, the code inductor generates for a compiled step holds 3 GEMMs fewer per layer than
-    unmerged (query/key/value in one, gate/up in one); its greedy tokens equal the eager runner's on
-    the merged model, and the uncompiled graph runner's sampled draws."""
+    unmerged (query/key/value in one, gate/up in one), and a second run compiles nothing; its greedy
+    tokens equal the eager runner's on the merged model."""
     from torch._inductor.utils import run_and_get_code
 
     prompts = repetitive_prompts(2, seed=6)
@@ -91,6 +92,9 @@ def test_a_compiled_step_runs_one_gemm_per_merged_group_and_is_lossless(family):
         assert runner.counters["compiles"] >= 1 and runner.counters["uncompiled"] == 0
         steps = [c for c in code if "def call" in c]
         counts[merged] = max(_gemms(c) for c in steps)
+        compiled = graphs_compiled()
+        Engine(model, None, CFG, runner=runner).run(prompts, GREEDY)  # the parts' state guards nothing new
+        assert graphs_compiled() == compiled
     assert counts[False] - counts[True] == 3 * LAYERS[family], counts
     want = Engine(model, None, CFG).run(prompts, GREEDY).results
     assert [r.token_ids for r in got.results] == [r.token_ids for r in want]
