@@ -115,6 +115,8 @@ PIPELINE_COMMANDS = {
     "build-index": "prebuild a reference corpus's n-gram index for the job's --reference "
                    "(as jobs/build_index.py)",
     "report": "write a finished job's run report (_report.md and plots) into its output directory",
+    "run-batch": "an OpenAI batch file through the job (-i requests.jsonl -o results.jsonl), as vllm "
+                 "run-batch",
 }
 
 
@@ -126,6 +128,8 @@ def _pipeline_main(command: str):
         from pipeline.sweep.cli import main
     elif command == "report":
         from pipeline.job.report import main
+    elif command == "run-batch":
+        from pipeline.job.run_batch import main
     else:
         from pipeline.io.build_index import main
     return main
@@ -143,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="logitspec", description="One command for everything a user runs: the engine's (generate, "
         "bench, calibrate, throughput, trace, analyses, rest-build) and the Ray pipeline's (job, eval, "
-        "build-index, report).")
+        "build-index, report, run-batch).")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(sub)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -1207,6 +1208,10 @@ def test_pending_keys_per_sample():
     assert p.todo.tolist() == [False, True, True] and p.missing == {11: [0], 12: [1]}
     assert (p.done, p.rows, p.keys) == (4, 2, 2)
     assert pending(index, None, 3).keys == 9
+    own = InputIndex(None, pa.array([10, 11, 12]), pa.int64(), False, samples=np.array([1, 3, 2]))
+    p = pending(own, written, 2)  # rows' own counts: 10 wants 1 sample, 11 wants 3, 12 wants 2
+    assert p.todo.tolist() == [False, True, True] and p.missing == {11: [0, 2], 12: [1]}
+    assert (p.done, p.rows, p.keys) == (3, 2, 3) and pending(own, None, 2).keys == 6
 
 
 def test_num_samples_exactly_once_per_sample_across_a_resume(tmp_path, tiny, ray_session):
@@ -1379,19 +1384,26 @@ def test_shipped_synthetic_prompts_are_current_and_readable():
 
 
 def test_request_columns_refuse_values_of_the_wrong_type(tmp_path, tiny):
-    """A --request-columns value of the wrong type (text, a bool, a fraction where an integer is due)
-    makes its row an error row naming the column; numbers of either kind are temperatures."""
+    """A --request-columns value of the wrong type (text, a bool, a fraction where an integer is due, a
+    sample count out of range, a stop that is not text) makes its row an error row naming the column;
+    numbers of either kind are temperatures; a stop is a string or a list of strings."""
     from pipeline.job.pending import row_requests
 
     inp = _write_jsonl(tmp_path / "in.jsonl", [{"id": 0, "prompt": "x"}])
     cfg = _cfg(tiny, inp, tmp_path / "out", temperature=0.8, request_columns=("temperature", "top_k"))
     t = pa.table({"temperature": pa.array(["hot", None, None]), "top_k": pa.array([None, True, None])})
     got = row_requests(t, cfg)
-    assert "temperature must be numbers" in got[0][1] and "top_k must be integers" in got[1][1]
+    assert "temperature must be a number" in got[0][1] and "top_k must be an integer" in got[1][1]
     assert got[2] == (None, None)
     floats = pa.table({"temperature": pa.array([0.5, 1]), "top_k": pa.array([3, None])})
     assert [r for r, _ in row_requests(floats, cfg)] == [cfg.request.with_(temperature=0.5, top_k=3),
                                                         cfg.request.with_(temperature=1.0)]
+    own = _cfg(tiny, inp, tmp_path / "out", request_columns=("n", "stop"))
+    t = pa.table({"n": pa.array([0, 2000, 2, None]), "stop": pa.array([None, None, [""], ["\n", "."]])})
+    got = row_requests(t, own)
+    assert "n must be an integer from 1 to 1024" in got[0][1] and "n must be" in got[1][1]
+    assert "stop strings must be non-empty" in got[2][1]
+    assert got[3] == (own.request.with_(stop=("\n", ".")), None)
 
 
 def test_a_silent_replica_is_given_up_after_the_batch_timeout_and_an_unplaced_one_after_the_start_timeout():

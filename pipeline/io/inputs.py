@@ -21,6 +21,8 @@ import pyarrow as pa
 
 from ..errors import ConfigError
 from .json_rows import PROBLEM, json_names, read_json_rows
+from .openai_batch import TYPES as OPENAI_TYPES
+from .openai_batch import read_requests
 from .row_checks import row_problem, row_prompt  # noqa: F401 - the input's row checks, named here too
 
 if TYPE_CHECKING:  # the job's config is read, never built, here
@@ -41,7 +43,9 @@ class InputFile:
     """One input file (or a saved dataset): its format, column names and (typed formats) column types."""
 
     path: pathlib.Path
-    fmt: str  # parquet, arrow, arrow-stream, json, json-rows (pipeline.io.json_rows), csv, datasets
+    # parquet, arrow, arrow-stream, json, json-rows (pipeline.io.json_rows), csv, datasets, openai
+    # (pipeline.io.openai_batch)
+    fmt: str
     names: list[str]
     types: dict[str, pa.DataType] = field(default_factory=dict)
     split: str | None = None
@@ -60,6 +64,8 @@ class InputFile:
         try:
             if self.fmt == "json-rows":
                 yield from read_json_rows(self.path, present, SCAN_ROWS, strict)
+            elif self.fmt == "openai":
+                yield from read_requests(self.path, present, SCAN_ROWS)
             elif self.fmt == "arrow-stream":
                 with pa.memory_map(str(self.path)) as src:
                     for b in pa.ipc.open_stream(src):
@@ -277,7 +283,10 @@ def open_input(cfg: JobConfig) -> InputSource:
         roles["messages"] = cfg.messages_column
     if cfg.corpus_column:
         roles["corpus"] = cfg.corpus_column
-    files = [open_file(f, cfg.split) for f in _files_of(path)]
+    if cfg.input_format == "openai":  # pipeline.io.openai_batch.as_openai_job made it so
+        files = [InputFile(path, "openai", list(OPENAI_TYPES), dict(OPENAI_TYPES))]
+    else:
+        files = [open_file(f, cfg.split) for f in _files_of(path)]
     for f in files:
         for role, col in roles.items():
             if col in f.types:

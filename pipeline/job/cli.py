@@ -18,7 +18,7 @@ from logitspec.helpfmt import METHOD_HELP, DefaultsHelpFormatter
 from ..errors import ConfigError
 from ..io.model import read_chat_template
 from ..spec import DEFAULT_MAX_NEW_TOKENS, DTYPES, TRUNCATE, GenerationSpec, engine_config
-from .config import REQUEST_COLUMNS, JobConfig, parse_reference
+from .config import INPUT_FORMATS, OUTPUT_FORMATS, REQUEST_COLUMNS, JobConfig, parse_reference
 
 log = logging.getLogger("pipeline.job.cli")
 
@@ -41,6 +41,14 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
                     help="Parquet / Arrow IPC / JSONL / CSV file or directory, or a saved datasets directory")
     io.add_argument("--output", required=True,
                     help="output directory, a Parquet dataset (part-*.parquet; _job.json, _summary.json)")
+    io.add_argument("--input-format", choices=INPUT_FORMATS, default="auto",
+                    help="auto: an OpenAI batch file (JSONL of {custom_id, method, url, body}) is read as "
+                         "one, other files as tables; openai or table to say which")
+    io.add_argument("--output-format", choices=OUTPUT_FORMATS, default="parquet",
+                    help="openai: also write the OpenAI batch results file (--results) from the Parquet "
+                         "dataset, one line per request, at the end of every run")
+    io.add_argument("--results", default=None, metavar="PATH",
+                    help="the OpenAI results file (default: <output>/_results.jsonl)")
     io.add_argument("--part-rows", type=int, default=10_000, help="finished rows per part file")
     io.add_argument("--part-seconds", type=float, default=60.0,
                     help="write buffered rows as a part file at least this often (seconds)")
@@ -54,7 +62,7 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--request-columns", default="", metavar="COLS",
                     help=f"comma-separated input columns ({', '.join(REQUEST_COLUMNS)}) holding a row's own "
                          "decoding setting in place of the job's (null: the job's); seed is the row's base "
-                         "seed")
+                         "seed, n its samples (in place of --num-samples), stop a string or a list")
     io.add_argument("--keep-columns", default="all", metavar="all|none|COLS",
                     help="input columns copied into every output row: all (every input column but the id and "
                          "those named like an output column), none, or a comma-separated list; with long "
@@ -188,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
                          share_history=args.share_history)
     return JobConfig(
         input=args.input, output=args.output, gen=gen, prompt_column=args.prompt_column,
+        input_format=args.input_format, output_format=args.output_format, results=args.results,
         id_column=args.id_column,
         messages_column=args.messages_column, corpus_column=args.corpus_column, split=args.split,
         limit=args.limit,
@@ -210,7 +219,8 @@ def dry_run(cfg: JobConfig) -> int:
     from .plan import dry_run_report, make_plan
 
     t0 = time.perf_counter()
-    print(json.dumps(dry_run_report(cfg, make_plan(cfg, dry_run=True), t0), indent=2))
+    plan = make_plan(cfg, dry_run=True)
+    print(json.dumps(dry_run_report(plan.cfg, plan, t0), indent=2))  # the config as planning resolved it
     return 0
 
 

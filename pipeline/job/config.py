@@ -5,6 +5,7 @@ is the part each replica is built from.
 """
 from __future__ import annotations
 
+import pathlib
 import re
 from dataclasses import asdict, dataclass, field
 
@@ -15,8 +16,12 @@ from ..spec import GenerationSpec
 
 # decoding settings a row may carry in an input column of the same name (--request-columns); rows with
 # different values share a batch, each decoding as it would alone
-REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k")
-INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k")
+# (n: the row's samples, in place of --num-samples; stop: a string or a list of strings)
+REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "n", "stop")
+INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k", "n")
+MAX_ROW_SAMPLES = 1024
+INPUT_FORMATS = ("auto", "table", "openai")
+OUTPUT_FORMATS = ("parquet", "openai")  # the most samples a row may ask for in its n column
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
@@ -32,6 +37,11 @@ class JobConfig:
     messages_column: str | None = None
     corpus_column: str | None = None
     split: str | None = None  # for a saved datasets.DatasetDict
+    # "auto" (an OpenAI batch file is recognised), "table", or "openai" (pipeline.io.openai_batch)
+    input_format: str = "auto"
+    # "parquet", or "openai": the Parquet dataset and an OpenAI batch results file (--results)
+    output_format: str = "parquet"
+    results: str | None = None  # the OpenAI results file; None: <output>/_results.jsonl
     limit: int | None = None  # only the first N input rows (the job's input is then those rows)
     # (name, path) pairs; name "default" when given without a name
     references: tuple[tuple[str, str], ...] = ()
@@ -109,6 +119,19 @@ class JobConfig:
         if bad or len(set(self.request_columns)) != len(self.request_columns):
             raise ConfigError(f"--request-columns takes distinct names among {', '.join(REQUEST_COLUMNS)}, "
                               f"got {', '.join(self.request_columns)}")
+        if self.input_format not in INPUT_FORMATS:
+            raise ConfigError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, got "
+                              f"{self.input_format!r}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise ConfigError(f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got "
+                              f"{self.output_format!r}")
+        if self.results is not None and self.output_format != "openai":
+            raise ConfigError("--results names the OpenAI results file: it needs --output-format openai")
+        results = pathlib.Path(self.results_path).expanduser()
+        if (results.parent.resolve() == pathlib.Path(self.output).expanduser().resolve()
+                and not results.name.startswith(("_", "."))):
+            raise ConfigError(f"--results {self.results}: inside --output, name it _{results.name} "
+                              f"(readers of the Parquet dataset skip _-named files), or put it elsewhere")
         if {self.prompt_column, self.id_column} & {self.messages_column, self.corpus_column} - {None}:
             raise ConfigError("the id, prompt, messages and corpus columns must differ")
 
@@ -121,6 +144,11 @@ class JobConfig:
     def num_samples(self) -> int:
         """Output rows per input row (id, sample 0..N-1), each with its own seed: the request's ``n``."""
         return self.gen.request.n
+
+    @property
+    def results_path(self) -> str:
+        """Where ``--output-format openai`` writes its results file."""
+        return self.results or str(pathlib.Path(self.output) / "_results.jsonl")
 
     @property
     def rows_per_batch(self) -> int:

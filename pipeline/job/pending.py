@@ -21,38 +21,62 @@ from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type
 from ..io.row_checks import row_problem, row_prompt
 from ..rows import InputRow
-from .config import INTEGER_REQUEST_COLUMNS, JobConfig
+from .config import INTEGER_REQUEST_COLUMNS, MAX_ROW_SAMPLES, JobConfig
 
 
 @dataclass
 class InputIndex:
-    """The input's ids in row order (Arrow, int64 or string), and the corpus names its rows use."""
+    """The input's ids in row order (Arrow, int64 or string), the corpus names its rows use, and, where
+    rows say their own sample count (an ``n`` request column), each row's (None: the job's for all)."""
 
     source: InputSource
     ids: pa.Array  # one contiguous array (slices and takes of a chunked one cost O(chunks) each)
     id_type: pa.DataType
     generated_ids: bool
     corpora: set = field(default_factory=set)
+    samples: np.ndarray | None = None  # int64 per row
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def sample_counts(self, num_samples: int) -> np.ndarray:
+        """int64 per row: its samples (the row's own ``n``, else the job's ``num_samples``)."""
+        if self.samples is None:
+            return np.full(len(self), num_samples, dtype=np.int64)
+        return self.samples
 
-def scan_ids(source: InputSource, corpus_column: str | None = None) -> InputIndex:
-    """Read the id and corpus columns of every row (nothing else) and check the ids."""
+    def total_keys(self, num_samples: int) -> int:
+        """The (id, sample) keys the input asks for."""
+        return len(self) * num_samples if self.samples is None else int(self.samples.sum())
+
+
+def scan_ids(source: InputSource, corpus_column: str | None = None, n_column: str | None = None,
+             num_samples: int = 1) -> InputIndex:
+    """Read the id, corpus and ``n_column`` (rows' own sample counts; null: ``num_samples``) columns
+    of every row (nothing else) and check the ids. A row's unusable ``n`` counts one sample: the row's
+    error row (:func:`row_requests` names the problem)."""
     id_col = source.roles["id"]
-    cols = ([id_col] if source.has_ids else []) + ([corpus_column] if corpus_column else [])
-    chunks, corpora, n = [], set(), 0
+    cols = ([id_col] if source.has_ids else []) + [c for c in (corpus_column, n_column) if c]
+    chunks, corpora, counts, n = [], set(), [], 0
     for t in source.batches(cols):
         if source.has_ids:
             chunks.append(t.column(id_col))
         if corpus_column:
             corpora.update(v for v in pc.unique(t.column(corpus_column)).to_pylist() if v is not None)
+        if n_column:
+            counts += [num_samples if v is None else v if row_samples_ok(v) else 1
+                       for v in t.column(n_column).to_pylist()]
         n += t.num_rows
+    samples = np.array(counts, dtype=np.int64) if n_column else None
     if not source.has_ids:
         ids = pa.array(np.arange(n, dtype=np.int64))
-        return InputIndex(source, ids, pa.int64(), True, corpora)
-    return InputIndex(source, *_checked_ids(chunks, id_col), False, corpora)
+        return InputIndex(source, ids, pa.int64(), True, corpora, samples)
+    return InputIndex(source, *_checked_ids(chunks, id_col), False, corpora, samples)
+
+
+def row_samples_ok(n) -> bool:
+    """Whether ``n`` is a usable sample count for one row."""
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROW_SAMPLES
 
 
 def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
@@ -92,26 +116,36 @@ class Pending:
     keys: int  # (id, sample) pairs still to do
 
 
+def input_keys(index: InputIndex, written: pa.Table, num_samples: int) -> pa.Table:
+    """The distinct (id, sample) keys of ``written`` that the input asks for (an id of the input, a
+    sample below the row's count), with the row's count ``n``."""
+    wanted = pa.table({"id": index.ids, "n": pa.array(index.sample_counts(num_samples))})
+    keys = written.select(["id", "sample"]).group_by(["id", "sample"]).aggregate([])
+    keys = keys.join(wanted, "id", join_type="inner")
+    return keys.filter(pc.less(keys.column("sample"), keys.column("n")))
+
+
 def pending(index: InputIndex, written: pa.Table | None, num_samples: int) -> Pending:
-    """Compare the input's ids with the output's (id, sample) keys (``written``; None: empty output)."""
+    """Compare the input's (id, sample) keys with the output's (``written``; None: empty output);
+    ``num_samples``: each row's samples where the row does not say its own."""
+    total = index.total_keys(num_samples)
     if written is None or written.num_rows == 0:
         n = len(index)
-        return Pending(np.ones(n, dtype=bool), {}, 0, n, n * num_samples)
-    keys = written.filter(pc.and_(pc.less(written.column("sample"), num_samples),
-                                  pc.is_in(written.column("id"), value_set=index.ids)))
-    keys = keys.group_by(["id", "sample"]).aggregate([])
-    per_id = keys.group_by("id").aggregate([("sample", "count")])
-    full = per_id.filter(pc.equal(per_id.column("sample_count"), num_samples)).column("id")
+        return Pending(np.ones(n, dtype=bool), {}, 0, n, total)
+    keys = input_keys(index, written, num_samples)
+    per_id = keys.group_by(["id", "n"]).aggregate([("sample", "count")])
+    whole = pc.equal(per_id.column("sample_count"), per_id.column("n"))
+    full = per_id.filter(whole).column("id")
     todo = ~pc.is_in(index.ids, value_set=full.combine_chunks()).to_numpy(zero_copy_only=False)
     missing: dict = {}
-    partial = per_id.filter(pc.less(per_id.column("sample_count"), num_samples)).column("id")
-    if len(partial):
-        part = keys.filter(pc.is_in(keys.column("id"), value_set=partial.combine_chunks()))
-        for i, s in zip(part.column("id").to_pylist(), part.column("sample").to_pylist()):
-            missing.setdefault(i, set(range(num_samples))).discard(s)
+    partial = per_id.filter(pc.invert(whole))
+    if partial.num_rows:
+        part = keys.filter(pc.is_in(keys.column("id"), value_set=partial.column("id").combine_chunks()))
+        for i, s, n in zip(*(part.column(c).to_pylist() for c in ("id", "sample", "n"))):
+            missing.setdefault(i, set(range(n))).discard(s)
         missing = {i: sorted(s) for i, s in missing.items()}
     rows = int(todo.sum())
-    return Pending(todo, missing, keys.num_rows, rows, len(index) * num_samples - keys.num_rows)
+    return Pending(todo, missing, keys.num_rows, rows, total - keys.num_rows)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -155,9 +189,8 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
         if not given:
             out.append((None, None))
         elif bad := [c for c, v in given.items() if not _fits(c, v)]:
-            out.append((None, f"--request-columns: {', '.join(bad)} must be "
-                              f"{'integers' if set(bad) <= set(INTEGER_REQUEST_COLUMNS) else 'numbers'}, "
-                              f"got {given}"))
+            wants = ", ".join(f"{c} must be {_KINDS.get(c, 'a number')}" for c in bad)
+            out.append((None, f"--request-columns: {wants}, got {given}"))
         else:
             try:
                 out.append((cfg.request.with_(**given), None))
@@ -166,8 +199,16 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
     return out
 
 
+_KINDS = {**dict.fromkeys(INTEGER_REQUEST_COLUMNS, "an integer"),
+          "n": f"an integer from 1 to {MAX_ROW_SAMPLES}", "stop": "a string or a list of strings"}
+
+
 def _fits(column: str, value) -> bool:
-    """Whether ``value`` has the type ``column`` takes (an integer, or for the others any real number)."""
+    """Whether ``value`` has the type ``column`` takes."""
+    if column == "n":
+        return row_samples_ok(value)
+    if column == "stop":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
     if isinstance(value, bool):
         return False
     return isinstance(value, int) or (column not in INTEGER_REQUEST_COLUMNS and isinstance(value, float))
@@ -183,11 +224,13 @@ def kept_columns(cfg: JobConfig) -> tuple[str, ...]:
 
 @dataclass
 class Chunk:
-    """Rows of one scanner batch that are still to do: their table, ids (Arrow) and problems."""
+    """Rows of one scanner batch that are still to do: their table, ids (Arrow), problems and sample
+    counts."""
 
     table: pa.Table
     ids: pa.Array
     problems: list
+    samples: np.ndarray  # int64 per row
 
 
 def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterator[Chunk]:
@@ -196,21 +239,23 @@ def stream_chunks(index: InputIndex, cfg: JobConfig, todo: np.ndarray) -> Iterat
     cols = [c for c in (roles["id"] if not index.generated_ids else None, cfg.prompt_column,
                         cfg.messages_column, cfg.corpus_column, *cfg.request_columns) if c]
     cols = list(dict.fromkeys(cols + list(kept_columns(cfg))))
+    counts = index.sample_counts(cfg.num_samples)
     offset = 0
     for t in index.source.batches(cols):
         n = t.num_rows
         mask = todo[offset:offset + n]
         if mask.all():  # the common case: the whole batch, no copy
-            sub, expected = t, index.ids.slice(offset, n)
+            sub, expected, samples = t, index.ids.slice(offset, n), counts[offset:offset + n]
         elif mask.any():
             pos = np.flatnonzero(mask)
             sub, expected = t.take(pa.array(pos)), index.ids.take(pa.array(pos + offset))
+            samples = counts[pos + offset]
         else:
             offset += n
             continue
         if not index.generated_ids and not pc.all(pc.equal(sub.column(roles["id"]), expected)).as_py():
             raise RuntimeError(f"the input {index.source.source} changed while the job ran (ids differ)")
-        yield Chunk(sub, expected, prompt_problems(sub, cfg))
+        yield Chunk(sub, expected, prompt_problems(sub, cfg), samples)
         offset += n
 
 
@@ -225,7 +270,7 @@ def count_problems(index: InputIndex, cfg: JobConfig, todo: Pending, examples: i
             if p is not None:
                 rows += 1
                 rid = c.ids[i].as_py()
-                keys += len(todo.missing.get(rid, range(cfg.num_samples)))
+                keys += len(todo.missing.get(rid, range(c.samples[i])))
                 if len(first) < examples:
                     first.append({"id": rid, "reason": p})
     return rows, keys, first
@@ -238,9 +283,8 @@ def chunk_rows(chunk: Chunk, cfg: JobConfig, default_corpus: str | None, missing
     prompts = t.column(cfg.prompt_column).to_pylist()
     messages = t.column(cfg.messages_column).to_pylist() if use_messages else [None] * t.num_rows
     corpora = t.column(cfg.corpus_column).to_pylist() if cfg.corpus_column else [default_corpus] * t.num_rows
-    every = range(cfg.num_samples)
     requests = [q for q, _ in row_requests(t, cfg)] if cfg.request_columns else [None] * t.num_rows
-    for rid, p, m, c, q, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, requests,
-                                        chunk.problems):
+    for rid, p, m, c, q, n, problem in zip(chunk.ids.to_pylist(), prompts, messages, corpora, requests,
+                                           chunk.samples.tolist(), chunk.problems):
         prompt = None if problem else row_prompt(p, m, use_messages)
-        yield InputRow(rid, prompt, c, tuple(missing.get(rid, every)), q), problem
+        yield InputRow(rid, prompt, c, tuple(missing.get(rid, range(n))), q), problem

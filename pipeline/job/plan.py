@@ -18,6 +18,7 @@ from logitspec.engine.request import Request
 from ..errors import ConfigError
 from ..io.inputs import open_input
 from ..io.model import check_chat, check_model, model_label
+from ..io.openai_batch import as_openai_job
 from ..io.output import OutputStore
 from ..rows import OutputRow
 from .config import JobConfig
@@ -95,9 +96,10 @@ def check_corpora(cfg: JobConfig, data: InputIndex) -> str | None:
     return None
 
 
-def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
-    """``{name: index arrays}`` of every ``--reference``, tokenized with the model's tokenizer."""
-    if not cfg.references:
+def build_references(references, gen, model_path: pathlib.Path) -> dict:
+    """``{name: index arrays}`` of every ``(name, path)`` of ``references`` (``--reference``), tokenized
+    with the model's tokenizer; ``gen``: the :class:`~pipeline.spec.GenerationSpec`."""
+    if not references:
         return {}
     from transformers import AutoTokenizer
 
@@ -105,16 +107,16 @@ def build_references(cfg: JobConfig, model_path: pathlib.Path) -> dict:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True,
-                                                  trust_remote_code=cfg.gen.trust_remote_code)
+                                                  trust_remote_code=gen.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"--reference needs the model's tokenizer; cannot load it from {model_path}: "
                           f"{e}") from None
-    references = {}
-    for name, spec in cfg.references:
-        references[name] = prepare_reference(name, spec, tokenizer, cfg.gen.engine.max_ngram,
-                                             datastore=cfg.gen.method == "rest")  # REST reads a datastore
-        log.info("reference %r: %s", name, bytes(references[name]["__meta__"]).decode()[:300])
-    return references
+    built = {}
+    for name, spec in references:
+        built[name] = prepare_reference(name, spec, tokenizer, gen.engine.max_ngram,
+                                        datastore=gen.method == "rest")  # REST reads a datastore
+        log.info("reference %r: %s", name, bytes(built[name]["__meta__"]).decode()[:300])
+    return built
 
 
 def resolve_keep_columns(cfg: JobConfig, data: InputIndex) -> JobConfig:
@@ -146,7 +148,9 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     runs) and removes a previous run's ``_summary.json``; raises :class:`ConfigError` if the job cannot
     run. ``dry_run``: the same checks, but the output is only read (no lock, nothing written)."""
     t0 = time.perf_counter()
-    data = scan_ids(open_input(cfg), cfg.corpus_column)
+    cfg = as_openai_job(cfg)
+    data = scan_ids(open_input(cfg), cfg.corpus_column, "n" if "n" in cfg.request_columns else None,
+                    cfg.num_samples)
     default_corpus = check_corpora(cfg, data)
     model_path = check_model(cfg.gen.model, cfg.gen.trust_remote_code)
     uses_chat = cfg.gen.chat or "messages" in data.source.roles
@@ -154,7 +158,7 @@ def make_plan(cfg: JobConfig, dry_run: bool = False) -> JobPlan:
     cfg = dataclasses.replace(cfg, gen=dataclasses.replace(cfg.gen, model_label=model_label(model_path)))
     timing = {"validate_s": time.perf_counter() - t0}
     t = time.perf_counter()
-    references = build_references(cfg, model_path)
+    references = build_references(cfg.references, cfg.gen, model_path)
     timing["reference_build_s"] = time.perf_counter() - t
     cfg = resolve_keep_columns(cfg, data)
     store = OutputStore(cfg.output, data.id_type, cfg.part_rows, cfg.part_seconds, keep=kept_columns(cfg),

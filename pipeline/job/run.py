@@ -37,7 +37,7 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
     plan = make_plan(cfg)
     cfg = plan.cfg  # with the resolved model's name and hash (the output's model column)
     todo = plan.todo
-    progress = Progress(len(plan.data) * cfg.num_samples, todo.done, todo.keys, cfg.log_interval)
+    progress = Progress(plan.data.total_keys(cfg.num_samples), todo.done, todo.keys, cfg.log_interval)
     log.info("input %s: %d rows x %d sample(s), %d already in %s, %d to do (%d rows)",
              plan.data.source.source,
              len(plan.data), cfg.num_samples, todo.done, cfg.output, todo.keys, todo.rows)
@@ -53,9 +53,12 @@ def run_job(cfg: JobConfig, on_event: Callable[..., None] | None = None) -> dict
         failure = e
     finally:
         failure = flush_rows(plan, failure)
+        results, failure = openai_results(cfg, plan, failure)
         plan.timing["total_s"] = time.perf_counter() - t0
         progress.tick(force=True)
         summary = build_summary(cfg, plan, progress, record, failure)
+        if results is not None:
+            summary["openai_results"] = results
         try:
             plan.store.write_summary(summary)
         except OSError as e:  # e.g. the disk is full: the part file's error (if any) is the one to report
@@ -80,6 +83,23 @@ def flush_rows(plan: JobPlan, failure: BaseException | None) -> BaseException | 
         log.error("%s", e)
         return failure or e
     return failure
+
+
+def openai_results(cfg: JobConfig, plan: JobPlan, failure: BaseException | None
+                   ) -> tuple[dict | None, BaseException | None]:
+    """``--output-format openai``: the results file rewritten from the output (every request done so
+    far, also after a stop); its path and line count, and the failure (a write error if none before)."""
+    if cfg.output_format != "openai":
+        return None, failure
+    from ..io.openai_results import write_results
+
+    try:
+        lines = write_results(plan.store, plan.data, cfg.num_samples, cfg.results_path)
+    except OSError as e:
+        log.error("cannot write the OpenAI results file %s: %s", cfg.results_path, e)
+        return None, failure or e
+    log.info("wrote %d of %d request(s) to %s", lines, len(plan.data), cfg.results_path)
+    return {"path": cfg.results_path, "lines": lines, "requests": len(plan.data)}, failure
 
 
 def row_batches(cfg: JobConfig, plan: JobPlan, on_rejected: Callable[[list[OutputRow]], None]

@@ -114,9 +114,12 @@ def _reference_meta(references: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------------- rows
 def output_counts(store, data, num_samples: int = 1) -> dict:
-    """What the output directory holds now: rows, covered input keys (id, sample < ``num_samples``),
-    duplicated keys, tokens and steps (Arrow compute over the part files' few columns)."""
+    """What the output directory holds now: rows, covered input keys (an input id, a sample below its
+    row's count: ``num_samples`` where the row says none), duplicated keys, tokens and steps (Arrow
+    compute over the part files' few columns)."""
     import pyarrow.compute as pc
+
+    from .pending import input_keys
 
     out = store.read_existing()
     c = {"in_output": 0, "covered": 0, "duplicates": 0, "failed": 0, "tokens": 0, "steps": 0,
@@ -124,10 +127,8 @@ def output_counts(store, data, num_samples: int = 1) -> dict:
     if out is None:
         return c
     keys = out.group_by(["id", "sample"]).aggregate([])
-    ours = pc.and_(pc.is_in(keys.column("id"), value_set=data.ids),
-                   pc.less(keys.column("sample"), num_samples))
     ok = out.filter(pc.is_null(out.column("error")))
-    c.update(in_output=out.num_rows, covered=int(pc.sum(ours).as_py() or 0),
+    c.update(in_output=out.num_rows, covered=input_keys(data, keys, num_samples).num_rows,
              duplicates=out.num_rows - keys.num_rows,
              failed=out.num_rows - ok.num_rows, tokens=int(pc.sum(ok.column("n_new_tokens")).as_py() or 0),
              steps=int(pc.sum(ok.column("steps")).as_py() or 0))
@@ -169,7 +170,7 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
     """The summary of a run (``plan``: :class:`pipeline.job.plan.JobPlan`); written to ``_summary.json``."""
     data, store, timing, references = plan.data, plan.store, plan.timing, plan.references
     out = output_counts(store, data, cfg.num_samples)
-    total_ids = len(data) * cfg.num_samples  # (id, sample) keys
+    total_ids = data.total_keys(cfg.num_samples)  # (id, sample) keys
     gen_s = timing.get("generation_s")
     return {
         "complete": out["covered"] == total_ids and failure is None,
