@@ -62,7 +62,8 @@ RANKS = {
     "logitspec.spec_decode": 3, "logitspec.evaluation": 3, "logitspec.models": 2, "logitspec.kernels": 1,
     "pipeline.sweep": 4, "pipeline.job": 3, "pipeline.replica": 2, "pipeline.io": 1,
 }
-ENTRY_POINTS = {"logitspec", "logitspec.cli", "pipeline"}
+# (pipeline.data_stage: the Ray Data entry, beside the job's command line)
+ENTRY_POINTS = {"logitspec", "logitspec.cli", "pipeline", "pipeline.data_stage"}
 # loading a model registers the engine's attention with transformers (the model runs it from then on)
 ALLOWED_UPWARD = {("logitspec.models.loading", "logitspec.worker.attention")}
 MAX_LOOSE_MODULES = 10
