@@ -94,7 +94,8 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
     def stage(ds):
         import ray
 
-        refs = {name: ray.put(arrays) for name, arrays in built.items()}  # once per corpus
+        # once per corpus; 1-tuples, as the job passes them: Ray must not resolve them for the actor
+        refs = {name: (ray.put(arrays),) for name, arrays in built.items()}
         if preprocess is not None:
             ds = ds.map(preprocess)
         ds = ds.map_batches(GenerationActor, fn_constructor_kwargs={"config": config, "reference_refs": refs},

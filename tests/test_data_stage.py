@@ -2,6 +2,7 @@
 local Ray, greedy generations equal to the job's, per-row sampling_params, statistics columns, error
 rows or a failed stage naming the row, two actors finishing every row once."""
 import dataclasses
+import pathlib
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -13,6 +14,7 @@ from pipeline.data_stage import OUTPUTS, ProcessorConfig, build_processor
 from pipeline.errors import ConfigError
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 PROMPTS = ["The quick brown fox jumps over", "Lorem ipsum dolor sit amet", "Once upon a time there was",
            "A short row", "Tell me about the river", "Another prompt here", "Skip this one", "Last of them"]
@@ -40,13 +42,16 @@ def _run(stage, src, out):
 
 def test_the_stage_equals_the_job_row_for_row_on_two_actors(tmp_path, tiny, ray_session):  # noqa: F811
     """read_parquet -> filter -> stage (2 actors, batches of 2, two batches in flight each) ->
-    write_parquet: every kept row once with its input columns; greedy text equal to the job's on the
-    same rows; ``sampling_params.max_tokens = 3`` gives 3 tokens; the statistics columns filled."""
+    write_parquet, a reference corpus shared by the actors: every kept row once with its input
+    columns; greedy text equal to the job's on the same rows; ``sampling_params.max_tokens = 3`` gives
+    3 tokens; the statistics columns filled."""
     from pipeline.io.output import read_generations
     from pipeline.job.run import run_job
 
     src = _input(tmp_path)
-    config = ProcessorConfig(gen=_gen(tiny), concurrency=2, batch_size=2, num_cpus=0.5, threads=1)
+    corpus = str(REPO / "data" / "sample_corpus")  # drafts only: the greedy text is the job's without it
+    config = ProcessorConfig(gen=_gen(tiny), concurrency=2, batch_size=2, num_cpus=0.5, threads=1,
+                             references=(("default", corpus),))
     got = _run(build_processor(config), src, tmp_path / "out")
     assert got.column("id").to_pylist() == [i for i in range(len(PROMPTS)) if i != 6]
     assert set(OUTPUTS) | {"prompt", "keep", "sampling_params"} <= set(got.column_names)
