@@ -139,9 +139,10 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     """
     from logitspec.models import load_model
 
-    # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels)
+    # AutoTP replaces nn.Linear modules by its own sharded layers: keep them plain (no skinny kernels, no
+    # merged projections: a merged group would stay whole beside its sharded output projection)
     model, tokenizer = load_model(spec, dtype=dtype, device="cpu", attn_implementation=attn_implementation,
-                                  cpu_kernels=tp_size == 1 and device == "cpu",
+                                  cpu_kernels=tp_size == 1 and device == "cpu", merge=False,
                                   trust_remote_code=trust_remote_code)
     consensus = None
     if tp_size > 1:
@@ -149,7 +150,10 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
         # off CPU one forward in CONSENSUS_EVERY (its checksums and collective are off the hot path)
         consensus = LogitsConsensus(model, every=1 if device == "cpu" else CONSENSUS_EVERY)
     elif device != "cpu":
+        from logitspec.models.merged_projections import merge_projections
+
         model.to(device)
+        merge_projections(model)  # one device: as load_model gives it off CPU
     return model, tokenizer, consensus
 
 

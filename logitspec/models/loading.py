@@ -200,7 +200,7 @@ def load_model(
                            "outputs may part from plain decoding's at near-ties; float32 is exact here",
                            len(left), left[0])
     if merge is None:
-        merge = device != "cpu"
+        merge = torch.device(device).type != "cpu"
     if merge:
         from .merged_projections import merge_projections
 

@@ -6,8 +6,10 @@ one after the other on the same hidden states. :func:`merge_projections` concate
 group's weights (and biases) once, at load, into one matrix whose rows the parts' weights then view
 (no second copy), and puts a :class:`MergedPart` in each part's place. The first part called with an
 input computes the whole product (one GEMM) and keeps it; the others, called with the same tensor,
-return their columns of it; the last one drops it. A part called with any other input computes its
-own product from its view, so outputs never depend on the order in which a model calls its parts.
+return their columns of it; the last one drops it. A part called with another input while the product
+is kept computes its own product from its view; a part called again starts a new product. So outputs
+never depend on the order in which a model calls its parts. A merged model is for inference: its
+``state_dict`` names the merged weights, not the parts' (save the model before merging).
 
 On a GPU a decode step of a few rows reads the weights once either way; merging removes two GEMM
 launches per attention and one per MLP (3 of 7 per Llama layer), and the key and value projections,
@@ -37,17 +39,22 @@ class MergedProduct(nn.Module):
         self.widths = widths
         self.input: torch.Tensor | None = None
         self.parts: tuple[torch.Tensor, ...] = ()  # the last input's product, split by part
-        self.served = 0  # parts that have read it
+        self.served = 0  # bit i: part i has read it
 
-    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """Part ``index``'s product of ``x`` [..., in] -> [..., widths[index]]."""
-        if self.input is not x:
+    def part(self, x: torch.Tensor, index: int, rows: slice) -> torch.Tensor:
+        """Part ``index``'s product of ``x`` [..., in] -> [..., widths[index]] (``rows``: its rows of
+        the merged weight)."""
+        bit = 1 << index
+        if self.input is not None and self.input is not x and not self.served & bit:
+            bias = None if self.bias is None else self.bias[rows]  # another input: this part's own
+            return F.linear(x, self.weight[rows], bias)
+        if self.input is not x or self.served & bit:  # none kept, or this part read it: a new product
             self.input, self.served = x, 0
             self.parts = F.linear(x, self.weight, self.bias).split(self.widths, dim=-1)
         out = self.parts[index]
-        self.served += 1
-        if self.served == len(self.widths):  # every part has read it: nothing kept between steps
-            self.input, self.parts = None, ()
+        self.served |= bit
+        if self.served == (1 << len(self.widths)) - 1:  # every part has read it: nothing kept
+            self.input, self.parts, self.served = None, (), 0
         return out
 
 
@@ -69,7 +76,7 @@ class MergedPart(nn.Module):
         return None if self.merged.bias is None else self.merged.bias[self.rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.merged.part(x, self.index)
+        return self.merged.part(x, self.index, self.rows)
 
 
 def _mergeable(parts: list) -> bool:

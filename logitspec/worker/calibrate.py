@@ -107,7 +107,8 @@ def kernel_fingerprint(model, head=None) -> str:
     screen (its passes, the int8 pass, and its scores kept in the pass's dtype), KV-cache layer, the
     compiled CPU kernels' sources."""
     attn = getattr(model.config, "_attn_implementation", None)
-    linears = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    linears = sorted({type(m).__name__ for m in model.modules()
+                      if isinstance(m, torch.nn.Linear) or type(m).__name__ == "MergedPart"})
     norms = sorted({type(m).__name__ for m in model.modules() if "Norm" in type(m).__name__})
     screen = getattr(head, "screen", None)
     int8 = "+int8-held" if screen is not None and screen.int8.enabled else ""  # not in the measured forwards
