@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 
 from .errors import ConfigError
-from .io.row_checks import row_problem, row_prompt
+from .io.row_checks import REQUEST_KINDS, fits_request_column, row_problem, row_prompt
 from .rows import InputRow, OutputRow
 from .spec import GenerationSpec
 
@@ -111,17 +111,31 @@ class GenerationActor:
     session shared by the batches it holds at once."""
 
     def __init__(self, config: ProcessorConfig, reference_refs: dict):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .replica.streaming import StreamingRows
+
+        self.config = config
+        self.corpora = set(reference_refs)
+        self.default_corpus = next(iter(reference_refs)) if len(reference_refs) == 1 else None
+        # every torch call (load, decoding) on one thread, as the job's streaming replica does: Ray runs
+        # the concurrent batches' calls on several threads, whose OpenMP pools would compete for the cores
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        generator, self.info = self._on_engine_thread(self._set_up, config, reference_refs)
+        self.rows = StreamingRows(generator, run=self._on_engine_thread)
+
+    @staticmethod
+    def _set_up(config: ProcessorConfig, reference_refs: dict):
         import torch
 
         from .replica.actor import set_up_job
-        from .replica.streaming import StreamingRows
 
         torch.set_num_threads(config.threads or max(1, int(config.num_cpus)))
         device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
-        self.config = config
-        generator, self.info = set_up_job(config.gen, device, reference_refs)
-        self.rows = StreamingRows(generator)
-        self.default_corpus = next(iter(reference_refs)) if len(reference_refs) == 1 else None
+        return set_up_job(config.gen, device, reference_refs)
+
+    def _on_engine_thread(self, fn, *args):
+        return self._engine_thread.submit(fn, *args).result()
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """The batch's rows, each repeated per sample, with the output columns."""
@@ -159,20 +173,24 @@ class GenerationActor:
         prompt, messages = r.get("prompt"), r.get("messages")
         problem = row_problem(prompt, messages, messages is not None)
         request, n = gen.request, gen.request.n
-        params = r.get("sampling_params") or {}
+        params = {k: v for k, v in (r.get("sampling_params") or {}).items() if v is not None}
         unknown = sorted(set(params) - set(SAMPLING_KEYS))
-        if unknown:
-            problem = problem or f"sampling_params: unknown keys {', '.join(unknown)}"
+        given = {SAMPLING_KEYS[key]: v for key, v in params.items() if key in SAMPLING_KEYS}
+        bad = [f"{key} must be {REQUEST_KINDS[SAMPLING_KEYS[key]]}" for key, v in params.items()
+               if key in SAMPLING_KEYS and not fits_request_column(SAMPLING_KEYS[key], v)]
+        if unknown or bad:
+            problem = problem or f"sampling_params: {'; '.join(bad + [f'unknown key {k}' for k in unknown])}"
         else:
             try:
-                given = {SAMPLING_KEYS[key]: v for key, v in params.items() if v is not None}
                 request = request.with_(**given)
                 n = request.n
-            except (TypeError, ValueError) as e:
+            except ValueError as e:
                 problem = problem or f"sampling_params: {e}"
         key = r["id"] if r.get("id") is not None else _prompt_key(prompt, messages)
         text = None if problem else row_prompt(prompt, messages, messages is not None)
         corpus = r.get("corpus") or self.default_corpus
+        if corpus is not None and corpus not in self.corpora:
+            problem = problem or f"corpus {corpus!r} is not a reference of the stage ({sorted(self.corpora)})"
         return InputRow(key, text, corpus, tuple(range(n)), request), problem
 
 

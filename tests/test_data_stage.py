@@ -32,10 +32,10 @@ def _input(tmp_path) -> str:
     return str(path)
 
 
-def _run(stage, src, out):
+def _run(stage, src, out, blocks: int = 4):
     import ray
 
-    ds = ray.data.read_parquet(src).repartition(4).filter(expr="keep")  # blocks for two actors
+    ds = ray.data.read_parquet(src).repartition(blocks).filter(expr="keep")  # blocks for two actors
     stage(ds).write_parquet(str(out))
     return pq.read_table(out).sort_by("id")
 
@@ -70,15 +70,22 @@ def test_the_stage_equals_the_job_row_for_row_on_two_actors(tmp_path, tiny, ray_
 
 
 def test_a_failed_row_is_an_error_row_or_fails_the_stage_naming_it(tmp_path, tiny, ray_session):  # noqa: F811
+    """``sampling_params.n = 2`` brings a row back twice (samples 0 and 1); an empty prompt and a
+    fractional ``max_tokens`` are error rows with ``should_continue_on_error``; without it the stage
+    fails naming the first such row."""
     import ray
 
-    rows = [{"id": 0, "prompt": "Fine row"}, {"id": 1, "prompt": "   "}, {"id": 2, "prompt": "Also fine"}]
-    ds = ray.data.from_items(rows)
-    config = ProcessorConfig(gen=_gen(tiny), batch_size=4, num_cpus=0.5, threads=1,
+    rows = [{"id": 0, "prompt": "Fine row", "sampling_params": {"n": 2, "max_tokens": None}},
+            {"id": 1, "prompt": "   ", "sampling_params": None},
+            {"id": 2, "prompt": "Also fine", "sampling_params": {"n": None, "max_tokens": 2.5}}]
+    config = ProcessorConfig(gen=_gen(tiny, temperature=0.8), batch_size=4, num_cpus=0.5, threads=1,
                              should_continue_on_error=True)
-    got = sorted(build_processor(config)(ds).take_all(), key=lambda r: r["id"])
-    assert [r["error"] for r in got] == [None, "empty prompt", None]
-    assert got[1]["generated_text"] is None and got[0]["generated_text"]
+    got = sorted(build_processor(config)(ray.data.from_items(rows)).take_all(),
+                 key=lambda r: (r["id"], r["sample"]))
+    assert [(r["id"], r["sample"]) for r in got] == [(0, 0), (0, 1), (1, 0), (2, 0)]
+    assert got[0]["generated_text"] and got[0]["generated_text"] != got[1]["generated_text"]
+    assert got[2]["error"] == "empty prompt" and got[2]["generated_text"] is None
+    assert "max_tokens must be an integer" in got[3]["error"]
     strict = build_processor(dataclasses.replace(config, should_continue_on_error=False))
     with pytest.raises(Exception, match=r"empty prompt") as e:
         strict(ray.data.from_items(rows)).take_all()
@@ -94,21 +101,33 @@ def test_the_stage_is_refused_before_any_actor_for_a_bad_config(tiny):  # noqa: 
         build_processor(ProcessorConfig(gen=dataclasses.replace(_gen(tiny_without_template()), chat=True)))
 
 
-def test_the_stage_runs_the_embedded_model_with_a_chat_template(ray_session):  # noqa: F811
-    """The embedded model through the stage: a text row and a messages row (the given chat template),
-    each with its tokens and statistics. (Equality with the job's generations: the tiny model above,
-    the same code path; one load of the embedded model here keeps the suite short.)"""
-    import ray
+def test_the_stage_on_the_embedded_model_equals_the_jobs_generations(tmp_path, ray_session):  # noqa: F811
+    """The embedded model through read_parquet -> filter -> stage -> write_parquet, a text row and a
+    messages row (the given chat template): the same greedy text as the job's row generator (the
+    replica's code without Ray) gives the same rows in this process."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+    from pipeline.replica.worker import RowGenerator
+    from pipeline.rows import InputRow
 
     gen = job_spec(model="default", max_new_tokens=6, warmup=False, max_batch_size=2, budget="fixed",
                    chat_template=TEMPLATE)
-    rows = [{"id": 0, "prompt": "The capital of France is", "messages": None},
-            {"id": 1, "prompt": None, "messages": [{"role": "user", "content": "Name a colour."}]}]
-    got = build_processor(ProcessorConfig(gen=gen, num_cpus=0.5, threads=2))(ray.data.from_items(rows))
-    got = sorted(got.take_all(), key=lambda r: r["id"])
-    assert all(r["error"] is None and r["generated_text"] for r in got), got
-    assert [r["num_generated_tokens"] for r in got] == [6, 6] and got[1]["num_input_tokens"] > 8
-    assert all(r["steps"] >= 1 and r["accepted_from"] is not None for r in got)
+    rows = [{"id": 0, "prompt": "The capital of France is", "messages": None, "keep": True},
+            {"id": 1, "prompt": "Dropped by the filter", "messages": None, "keep": False},
+            {"id": 2, "prompt": None, "keep": True,
+             "messages": [{"role": "user", "content": "Name a colour."}]}]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), src)
+    got = _run(build_processor(ProcessorConfig(gen=gen, num_cpus=0.5, threads=2)), str(src), tmp_path / "out")
+    model, tok = load_model("default")
+    tok.chat_template = TEMPLATE
+    kept = [r for r in rows if r["keep"]]
+    want, _ = RowGenerator(Engine(model, tok, gen.engine), gen)(
+        [InputRow(r["id"], r["messages"] or r["prompt"]) for r in kept])
+    assert got.column("id").to_pylist() == [0, 2]
+    assert got.column("generated_text").to_pylist() == [w.generation for w in want]
+    assert all(r["error"] is None and r["num_generated_tokens"] == 6 and r["steps"] >= 1
+               for r in got.to_pylist())
 
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"

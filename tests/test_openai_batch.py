@@ -60,8 +60,10 @@ def test_a_request_line_becomes_a_row_of_the_jobs_columns():
      "body.logprobs = true is not supported"),
     (json.dumps(_request("x", CHAT, messages=[{"role": "user", "content": "a"}], tools=[{"x": 1}])),
      "body.tools"),
-    (json.dumps(_request("x", COMPLETIONS, prompt="a", temperature="hot")), "body.temperature has the wrong"),
+    (json.dumps(_request("x", COMPLETIONS, prompt="a", temperature="hot")), "temperature must be a number"),
     (json.dumps(_request("x", COMPLETIONS, prompt="a", max_tokens=0)), "max_new_tokens must be >= 1"),
+    (json.dumps(_request("x", COMPLETIONS, prompt="a", seed=2 ** 64)), "seed must be an integer (64-bit)"),
+    (json.dumps(_request("x", COMPLETIONS, prompt="a", n=5000)), "body.n must be an integer from 1 to 1024"),
     (json.dumps(_request("x", COMPLETIONS, messages=[{"role": "user", "content": "a"}])), "messages is for"),
     (json.dumps(_request("x", CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}])),
      "body.messages[0].content: only text parts"),
@@ -99,6 +101,37 @@ def test_a_dry_run_of_an_openai_file_counts_its_samples_and_names_the_broken_lin
     assert not (tmp_path / "out").exists()
 
 
+def test_the_results_file_holds_each_request_whose_samples_are_all_done_in_input_order(tmp_path):
+    """From the output's rows: requests in input order with their samples in order; a request still
+    missing a sample is left out; samples beyond a request's n (an earlier run's larger n) and
+    duplicated keys are ignored; a failed sample makes the request an error line."""
+    import numpy as np
+    import pyarrow as pa
+
+    from pipeline.io.openai_results import COLUMNS, write_results
+    from pipeline.job.pending import InputIndex
+
+    def row(i, s, error=None):
+        return {"id": i, "sample": s, "generation": None if error else f"{i}/{s}", "finish_reason": "length",
+                "n_prompt_tokens": 5, "n_new_tokens": 2, "steps": 2, "mean_accepted": 1.0,
+                "accepted_lengths": [1, 1], "method": "ar", "model": "m", "error": error, "url": COMPLETIONS,
+                "line": {"a": 1, "b": 2, "c": 3, "d": 4}[i]}
+    out = [row("c", 0), row("a", 1), row("a", 0), row("a", 2), row("b", 0), row("d", 0, "boom"), row("a", 0)]
+
+    class Store:
+        def read_existing(self, columns):
+            assert tuple(columns) == COLUMNS
+            return pa.Table.from_pylist(out)
+    ids = pa.array(["a", "b", "c", "d"])
+    index = InputIndex(None, ids, pa.string(), False, samples=np.array([2, 2, 1, 1]))
+    path = tmp_path / "r.jsonl"
+    assert write_results(Store(), index, 1, path, slice_rows=2) == 3
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["a", "c", "d"]
+    assert [c["text"] for c in lines[0]["response"]["body"]["choices"]] == ["a/0", "a/1"]
+    assert lines[2]["error"] == {"code": "generation_failed", "message": "boom", "line": 4}
+
+
 def _results(path: pathlib.Path) -> dict:
     from openai.types import BatchError, Completion
     from openai.types.chat import ChatCompletion
@@ -108,8 +141,8 @@ def _results(path: pathlib.Path) -> dict:
         doc = json.loads(line)
         assert set(doc) == {"id", "custom_id", "response", "error"}
         if doc["error"] is not None:
-            BatchError.model_validate(doc["error"])
-            assert doc["response"] is None
+            error = BatchError.model_validate(doc["error"])
+            assert doc["response"] is None and error.code and error.message and error.line
         else:
             assert doc["response"]["status_code"] == 200
             body = doc["response"]["body"]
@@ -138,10 +171,11 @@ def test_an_openai_batch_file_runs_through_the_job_and_run_batch_and_resumes(tmp
     own = _write_jsonl(tmp_path / "own.jsonl", [
         {"id": "chat-1", "prompt": None, "messages": REQUESTS[0]["body"]["messages"], "max_new_tokens": 6,
          "n": 2, "temperature": 0.8, "seed": 11},
-        {"id": "cmpl-1", "prompt": "Once upon a time there was", "messages": None, "max_new_tokens": 8},
+        {"id": "cmpl-1", "prompt": "Once upon a time there was", "messages": None, "max_new_tokens": 8,
+         "temperature": 1.0},  # a request without a temperature samples at the API's default
         {"id": "chat-2", "prompt": None, "messages": [{"role": "system", "content": "Be brief."},
                                                       {"role": "user", "content": "Lorem ipsum"}],
-         "max_new_tokens": 5}])
+         "max_new_tokens": 5, "temperature": 1.0}])
     mine = _with_template(_cfg(tiny, own, tmp_path / "own", messages_column="messages", batch_rows=2,
                                request_columns=("max_new_tokens", "n", "temperature", "seed")))
     assert run_job(mine)["complete"]

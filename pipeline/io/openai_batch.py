@@ -6,7 +6,9 @@ Each line of such a JSONL file is one request, ``{"custom_id", "method": "POST",
 ``custom_id`` (the row's id), ``url``, ``model``, ``line`` (its line number), ``messages`` (chat) or
 ``prompt`` (completions), and the body's settings under the job's request-column names
 (``max_tokens`` / ``max_completion_tokens`` -> ``max_new_tokens``; ``n``, ``stop``, ``seed``,
-``temperature``, ``top_p``, ``top_k``). A line that is not a valid request still becomes a row: its
+``temperature``, ``top_p``, ``top_k``; a request without a temperature samples at 1.0, the API's
+default; one without a token limit gets the job's ``--max-new-tokens``). A line that is not a valid
+request still becomes a row: its
 problem (naming the line and the field) makes it an error row. Body fields that would change the
 output and are not supported here (``logprobs``, ``tools``, penalties, ...) are problems too, unless
 they hold their neutral value.
@@ -24,6 +26,7 @@ from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 from .json_rows import PROBLEM
+from .row_checks import REQUEST_KINDS, fits_request_column
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -35,7 +38,7 @@ REQUEST_COLUMNS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n
 KEPT_COLUMNS = "url,line"  # the input columns the output rows carry: what the results file needs
 _SETTINGS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature":
              "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", "n": "n", "stop": "stop"}
-_INTEGERS = ("max_new_tokens", "top_k", "seed", "n")
+OPENAI_TEMPERATURE = 1.0  # the API's default where a request gives none (the job's --temperature is not used)
 # body fields accepted at these values only (what they do is not done here)
 _NEUTRAL = {"stream": (False,), "logprobs": (False, None), "top_logprobs": (0, None), "echo": (False,),
             "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "best_of": (1,),
@@ -144,6 +147,9 @@ def _request_problem(obj: dict, row: dict) -> str | None:
                 row["model"] = value
         elif key not in ("messages", "prompt"):
             return f"body.{key} is not supported here"
+    if given.get("top_k") == -1:  # vLLM's and the OpenAI servers' "off"
+        del given["top_k"]
+    given.setdefault("temperature", OPENAI_TEMPERATURE)
     problem = _settings_problem(given)
     if problem:
         return problem
@@ -154,15 +160,8 @@ def _request_problem(obj: dict, row: dict) -> str | None:
 def _settings_problem(given: dict) -> str | None:
     back = {v: k for k, v in _SETTINGS.items() if k != "max_completion_tokens"}
     for name, value in given.items():
-        if name == "stop":
-            ok = isinstance(value, str) or (isinstance(value, list)
-                                            and all(isinstance(s, str) for s in value))
-        elif name in _INTEGERS:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok:
-            return f"body.{back[name]} has the wrong type: {json.dumps(value)}"
+        if not fits_request_column(name, value):
+            return f"body.{back[name]} must be {REQUEST_KINDS[name]}, got {json.dumps(value)}"
     try:
         Request.make(**given)
     except ValueError as e:
@@ -185,7 +184,7 @@ def _chat_problem(body: dict, row: dict) -> str | None:
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 return f"body.messages[{i}].content: only text parts are supported here"
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)  # as vLLM joins text parts
         if not isinstance(content, str):
             return f"body.messages[{i}].content must be a string"
         out.append({"role": m["role"], "content": content})

@@ -16,6 +16,7 @@ import os
 import pathlib
 import time
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -25,16 +26,20 @@ COLUMNS = ("id", "sample", "generation", "finish_reason", "n_prompt_tokens", "n_
            "mean_accepted", "accepted_lengths", "method", "model", "error", "url", "line")
 
 
-def _ordered(table: pa.Table, ids: pa.Array) -> pa.Table:
-    """``table``'s rows of the input's ids, each (id, sample) once, in input order then sample."""
+def _ordered(table: pa.Table, ids: pa.Array, counts: pa.Array) -> pa.Table:
+    """``table``'s rows of the input's keys (an input id, a sample below its row's ``counts``), each
+    (id, sample) once, in input order then sample."""
     pos = pc.index_in(table.column("id"), value_set=ids)
     table = table.append_column("_pos", pos).filter(pc.is_valid(pos))
+    wanted = pc.take(counts, table.column("_pos"))
+    table = table.filter(pc.less(table.column("sample"), wanted))
     table = table.sort_by([("_pos", "ascending"), ("sample", "ascending")])
-    keep = [True] * table.num_rows
-    keys = list(zip(table.column("_pos").to_pylist(), table.column("sample").to_pylist()))
-    for k in range(1, len(keys)):
-        keep[k] = keys[k] != keys[k - 1]
-    return table.filter(pa.array(keep, pa.bool_())) if not all(keep) else table
+    keys = table.select(["_pos", "sample"])
+    repeat = np.zeros(table.num_rows, dtype=bool)  # the same key as the row before: a duplicate
+    if table.num_rows > 1:
+        p, smp = (keys.column(c).to_numpy() for c in ("_pos", "sample"))
+        repeat[1:] = (p[1:] == p[:-1]) & (smp[1:] == smp[:-1])
+    return table.filter(pa.array(~repeat)) if repeat.any() else table
 
 
 def request_line(rows: list[dict], created: int) -> dict:
@@ -64,27 +69,38 @@ def request_line(rows: list[dict], created: int) -> dict:
             "response": {"status_code": 200, "request_id": f"batch_req_{line}", "body": body}, "error": None}
 
 
-def write_results(store, index, num_samples: int, path: str | os.PathLike) -> int:
+def write_results(store, index, num_samples: int, path: str | os.PathLike, slice_rows: int = 8192) -> int:
     """Write the results file of every request whose samples are all in ``store``'s output
     (``index``: the input's :class:`~pipeline.job.pending.InputIndex`); returns the lines written. The
-    file is written beside its place and renamed over it (a reader never sees half a file)."""
+    output is sorted as Arrow and turned into lines ``slice_rows`` rows at a time; the file is written
+    beside its place and renamed over it (a reader never sees half a file)."""
     path = pathlib.Path(path)
     table = store.read_existing(COLUMNS)
-    counts = dict(zip(index.ids.to_pylist(), index.sample_counts(num_samples).tolist()))
+    counts = index.sample_counts(num_samples)
     created = int(time.time())
     tmp = path.with_name(f".{path.name}.tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
     written = 0
     with open(tmp, "w", encoding="utf-8") as fh:
         if table is not None:
-            rows = _ordered(table, index.ids).drop(["_pos"]).to_pylist()
-            start = 0
-            for k in range(1, len(rows) + 1):
-                if k == len(rows) or rows[k]["id"] != rows[start]["id"]:
-                    group = rows[start:k]
-                    if len(group) == counts[group[0]["id"]]:
-                        fh.write(json.dumps(request_line(group, created), ensure_ascii=False) + "\n")
-                        written += 1
-                    start = k
+            table = _ordered(table, index.ids, pa.array(counts))
+            group: list[dict] = []
+            for start in range(0, table.num_rows, slice_rows):
+                for row in table.slice(start, slice_rows).to_pylist():
+                    if group and row["id"] != group[0]["id"]:
+                        written += _write_request(fh, group, counts, created)
+                        group = []
+                    group.append(row)
+            if group:
+                written += _write_request(fh, group, counts, created)
     os.replace(tmp, path)
     return written
+
+
+def _write_request(fh, group: list[dict], counts: np.ndarray, created: int) -> int:
+    """Write ``group`` (one request's rows, ``_pos`` its input row) if it holds every sample the request
+    asks for."""
+    if len(group) != counts[group[0]["_pos"]]:
+        return 0
+    fh.write(json.dumps(request_line(group, created), ensure_ascii=False) + "\n")
+    return 1

@@ -3,6 +3,34 @@ from __future__ import annotations
 
 from typing import Any
 
+# decoding settings a row may carry in an input column of the same name (--request-columns); rows with
+# different values share a batch, each decoding as it would alone (n: the row's samples, in place of
+# --num-samples; stop: a string or a list of strings)
+REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "n", "stop")
+INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k", "n")
+MAX_ROW_SAMPLES = 1024  # the most samples a row may ask for in its n column
+REQUEST_KINDS = {**dict.fromkeys(REQUEST_COLUMNS, "a number"),
+                 **dict.fromkeys(INTEGER_REQUEST_COLUMNS, "an integer (64-bit)"),
+                 "n": f"an integer from 1 to {MAX_ROW_SAMPLES}", "stop": "a string or a list of strings"}
+
+
+def row_samples_ok(n) -> bool:
+    """Whether ``n`` is a usable sample count for one row."""
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROW_SAMPLES
+
+
+def fits_request_column(column: str, value) -> bool:
+    """Whether ``value`` has the type request column ``column`` takes (:data:`REQUEST_KINDS`)."""
+    if column == "n":
+        return row_samples_ok(value)
+    if column == "stop":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -2 ** 63 <= value < 2 ** 63  # what an int64 column holds
+    return column not in INTEGER_REQUEST_COLUMNS and isinstance(value, float)
+
 
 def row_problem(prompt: Any, messages: Any = None, use_messages: bool = False) -> str | None:
     """Why this row cannot be generated (checked in the driver, no tokenizer needed), or None."""

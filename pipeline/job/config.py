@@ -12,16 +12,11 @@ from dataclasses import asdict, dataclass, field
 from logitspec.engine.request import Request
 
 from ..errors import ConfigError
+from ..io.row_checks import MAX_ROW_SAMPLES, REQUEST_COLUMNS  # noqa: F401 - the job's names for them
 from ..spec import GenerationSpec
 
-# decoding settings a row may carry in an input column of the same name (--request-columns); rows with
-# different values share a batch, each decoding as it would alone
-# (n: the row's samples, in place of --num-samples; stop: a string or a list of strings)
-REQUEST_COLUMNS = ("max_new_tokens", "seed", "temperature", "top_p", "top_k", "n", "stop")
-INTEGER_REQUEST_COLUMNS = ("max_new_tokens", "seed", "top_k", "n")
-MAX_ROW_SAMPLES = 1024
 INPUT_FORMATS = ("auto", "table", "openai")
-OUTPUT_FORMATS = ("parquet", "openai")  # the most samples a row may ask for in its n column
+OUTPUT_FORMATS = ("parquet", "openai")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 

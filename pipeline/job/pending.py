@@ -19,9 +19,9 @@ from logitspec.engine.request import Request
 
 from ..errors import ConfigError
 from ..io.inputs import PROBLEM, InputSource, is_token_list_type
-from ..io.row_checks import row_problem, row_prompt
+from ..io.row_checks import REQUEST_KINDS, fits_request_column, row_problem, row_prompt, row_samples_ok
 from ..rows import InputRow
-from .config import INTEGER_REQUEST_COLUMNS, MAX_ROW_SAMPLES, JobConfig
+from .config import JobConfig
 
 
 @dataclass
@@ -72,11 +72,6 @@ def scan_ids(source: InputSource, corpus_column: str | None = None, n_column: st
         ids = pa.array(np.arange(n, dtype=np.int64))
         return InputIndex(source, ids, pa.int64(), True, corpora, samples)
     return InputIndex(source, *_checked_ids(chunks, id_col), False, corpora, samples)
-
-
-def row_samples_ok(n) -> bool:
-    """Whether ``n`` is a usable sample count for one row."""
-    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_ROW_SAMPLES
 
 
 def _checked_ids(chunks: list, column: str) -> tuple[pa.Array, pa.DataType]:
@@ -188,8 +183,8 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
         given = {c: values[k] for c, values in columns if values[k] is not None}
         if not given:
             out.append((None, None))
-        elif bad := [c for c, v in given.items() if not _fits(c, v)]:
-            wants = ", ".join(f"{c} must be {_KINDS.get(c, 'a number')}" for c in bad)
+        elif bad := [c for c, v in given.items() if not fits_request_column(c, v)]:
+            wants = ", ".join(f"{c} must be {REQUEST_KINDS[c]}" for c in bad)
             out.append((None, f"--request-columns: {wants}, got {given}"))
         else:
             try:
@@ -197,21 +192,6 @@ def row_requests(t: pa.Table, cfg: JobConfig) -> list[tuple[Request | None, str 
             except ValueError as e:
                 out.append((None, f"--request-columns: {e}"))
     return out
-
-
-_KINDS = {**dict.fromkeys(INTEGER_REQUEST_COLUMNS, "an integer"),
-          "n": f"an integer from 1 to {MAX_ROW_SAMPLES}", "stop": "a string or a list of strings"}
-
-
-def _fits(column: str, value) -> bool:
-    """Whether ``value`` has the type ``column`` takes."""
-    if column == "n":
-        return row_samples_ok(value)
-    if column == "stop":
-        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) or (column not in INTEGER_REQUEST_COLUMNS and isinstance(value, float))
 
 
 def kept_columns(cfg: JobConfig) -> tuple[str, ...]:

@@ -95,8 +95,8 @@ def openai_results(cfg: JobConfig, plan: JobPlan, failure: BaseException | None
 
     try:
         lines = write_results(plan.store, plan.data, cfg.num_samples, cfg.results_path)
-    except OSError as e:
-        log.error("cannot write the OpenAI results file %s: %s", cfg.results_path, e)
+    except Exception as e:  # noqa: BLE001 - the run's own failure, if any, stays the one reported
+        log.error("cannot write the OpenAI results file %s: %s: %s", cfg.results_path, type(e).__name__, e)
         return None, failure or e
     log.info("wrote %d of %d request(s) to %s", lines, len(plan.data), cfg.results_path)
     return {"path": cfg.results_path, "lines": lines, "requests": len(plan.data)}, failure

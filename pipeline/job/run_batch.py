@@ -10,8 +10,9 @@ from .cli import main as job_main
 
 def main(argv=None, prog: str = "logitspec run-batch") -> int:
     p = argparse.ArgumentParser(
-        prog=prog, description="Run an OpenAI batch file (JSONL of {custom_id, method, url, body}) through "
-        "the job and write the OpenAI batch results file. A rerun of the same command resumes.",
+        prog=prog, allow_abbrev=False,
+        description="Run an OpenAI batch file (JSONL of {custom_id, method, url, body}) through the job and "
+        "write the OpenAI batch results file. A rerun of the same command resumes.",
         epilog="Every other flag is the job's (logitspec job --help): --model, --method, --actors, ...")
     p.add_argument("-i", "--input-file", required=True, help="the OpenAI batch requests (JSONL)")
     p.add_argument("-o", "--output-file", required=True, help="the OpenAI batch results file to write")

@@ -163,7 +163,8 @@ def _engine(cfg, record: RunRecord) -> dict:
     mean = record.active_sum / record.batch_steps if record.batch_steps else None
     size = cfg.gen.engine.max_batch_size
     return {"stream": cfg.stream and cfg.tp == 1, "batch_steps": record.batch_steps, "mean_active": mean,
-            "occupancy": mean / size if mean is not None else None, "shared_history": record.shared_history}
+            "occupancy": mean / size if mean is not None else None, "shared_history": record.shared_history,
+            "out_of_memory_splits": record.out_of_memory}
 
 
 def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: BaseException | None) -> dict:
