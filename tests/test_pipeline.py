@@ -1079,19 +1079,87 @@ def test_truncate_middle_cuts_longbench_rows_to_fit_and_the_output_says_so(tmp_p
     assert json.loads((out / "_job.json").read_text())["truncate"] == "middle"
 
 
+def _fault_free(tiny: str, n_rows: int, prompts: dict | None = None, max_new_tokens: int = 4) -> list[str]:
+    """The greedy generations of :func:`_fault_job`'s rows without faults, Ray or batching (the job's row
+    generator in this process)."""
+    from logitspec import Engine
+    from logitspec.models import load_model
+    from pipeline.replica.worker import RowGenerator
+    from pipeline.rows import InputRow
+
+    model, tok = load_model(tiny)
+    gen = job_spec(model=tiny, max_new_tokens=max_new_tokens)
+    rows = [InputRow(i, (prompts or {}).get(i, f"Row {i}: the quick brown fox jumps")) for i in range(n_rows)]
+    return [r.generation for r in RowGenerator(Engine(model, tok, gen.engine), gen)(rows)[0]]
+
+
+@pytest.mark.parametrize("at, runner", [("before", "eager"), ("after", "graph"), ("layer:1", "eager")])
 def test_out_of_memory_in_a_replica_splits_batches_and_the_job_goes_on(tmp_path, tiny, ray_session,
-                                                                        monkeypatch, capsys):
-    """``oom:1:48``: the replica's forwards over more than one row, or past 48 positions, raise MemoryError
-    (at its model-runner seam). Every 2-row batch is split and its rows run alone; the one long row does
-    not fit alone and becomes an error row naming its size; the replica stays alive (no death, no
-    replacement), exit 0, complete, every row once."""
+                                                                        monkeypatch, capsys, at, runner):
+    """``oom:1:48[:AT]``: the replica's forwards over more than one row, or past 48 positions, raise
+    MemoryError (at its model-runner seam: before the forward, after it wrote its KV, or from decoder
+    layer 1's hook; the eager and the graph runner). Every 2-row batch is split and its rows run alone,
+    each equal to its fault-free generation; the one long row does not fit alone and becomes an error
+    row naming its size; the replica stays alive (no death, no replacement), exit 0, complete, every
+    row once, the splits counted in the summary."""
     long = " ".join(["the lighthouse keeper counted his telescopes"] * 3)
-    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, "oom:1:48", 6,
-                                "--budget", "fixed", prompts={4: long})
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys, f"oom:1:48:{at}", 6,
+                                "--budget", "fixed", "--runner", runner, prompts={4: long})
     assert summary["complete"] and summary["replicas"]["deaths"] == 0 and summary["replicas"]["started"] == 1
     errors = dict(zip(table.column("id").to_pylist(), table.column("error").to_pylist()))
     assert [i for i, e in errors.items() if e] == [4]
     assert errors[4].startswith("out of memory: the prompt's") and "MiB of KV cache" in errors[4]
+    assert summary["engine"]["out_of_memory_splits"] >= 3  # each 2-row batch, counted by the replica
+    got = dict(zip(table.column("id").to_pylist(), table.column("generation").to_pylist()))
+    want = _fault_free(tiny, 6, {4: long})
+    assert [got[i] for i in (0, 1, 2, 3, 5)] == [want[i] for i in (0, 1, 2, 3, 5)]
+
+
+CHAOS_SEED = 10  # its schedule over 24 rows in batches of 2 holds a kill, a hang, two OOMs and a slow batch
+
+
+@pytest.mark.slow
+def test_a_job_under_a_seeded_chaos_schedule_finishes_with_every_row_once(tmp_path, tiny, ray_session,
+                                                                          monkeypatch, capsys):
+    """``chaos:SEED:DIR`` over 24 rows on 2 replicas: SIGKILLs, a hang (SIGSTOP, found by the batch
+    timeout), out-of-memory errors a few decode steps into a batch (after the step's writes), a slow
+    batch, as the seeded schedule draws them. The job finishes (exit 0, complete), every row once,
+    every greedy row equal to the fault-free generation, the summary's deaths equal to the kills and
+    hangs injected and its out-of-memory splits to those that fired (a split whose replica died before
+    reporting is not counted), the driver's memory flat."""
+    import resource
+    import threading
+
+    from pipeline.replica.faults import chaos_draw
+
+    planned = [chaos_draw(CHAOS_SEED, i, 0)[0] for i in range(0, 24, 2)]
+    assert {"kill", "hang", "oom"} <= set(planned)  # the seed exercises what the test claims
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    rss, done = [], threading.Event()
+
+    def sample():
+        while not done.wait(0.5):
+            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys,
+                                    f"chaos:{CHAOS_SEED}:{faults}", 24, "--actors", "2", "--batch-rows", "2",
+                                    "--batch-timeout", "8", "--max-replacements", "12", "--budget", "fixed")
+    finally:
+        done.set()
+        sampler.join()
+    injected = {k: len(list(faults.glob(f"{k}-*"))) for k in ("kill", "hang", "oom", "slow", "fired-oom")}
+    assert injected["kill"] >= 1 and injected["hang"] == 1 and injected["oom"] >= 1, injected
+    assert summary["complete"] and summary["replicas"]["deaths"] == injected["kill"] + injected["hang"]
+    assert summary["replicas"]["batches_redone"] >= summary["replicas"]["deaths"]
+    assert summary["engine"]["out_of_memory_splits"] <= injected["fired-oom"]
+    assert injected["fired-oom"] == 0 or summary["engine"]["out_of_memory_splits"] >= 1
+    rows = table.sort_by("id").to_pylist()
+    assert all(r["error"] is None for r in rows)
+    assert [r["generation"] for r in rows] == _fault_free(tiny, 24)
+    assert max(rss) - min(rss) < 200 * 1024, "the driver's peak RSS grew by over 200 MiB during the run"
 
 
 @pytest.mark.slow

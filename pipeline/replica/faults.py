@@ -11,13 +11,21 @@ The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
     oom:R:T[:AT] a forward over more than R rows, or reaching past T positions in a row, raises
                  MemoryError (:class:`OutOfMemoryAt`, the engine's model runner), before it runs, after
                  it ran (AT = after), or from inside it at decoder layer N (AT = layer:N)
+    chaos:S:DIR  a seeded schedule of all of these over a whole job (:func:`chaos`): before each batch,
+                 a draw from S, the batch's first row id and how often that batch was seen picks
+                 nothing, a SIGKILL, a hang (SIGSTOP: a replica that never answers), a slow batch, or
+                 an out-of-memory error a few decode steps later (:class:`ChaosRunner`)
 
-``DIR`` counts the kills so far (one file each), so ``N`` holds across the replacement processes.
+``DIR`` counts the kills so far (one file each), so ``N`` holds across the replacement processes; under
+``chaos`` it holds one file per fault injected (``kill-*``, ``hang-*``, ``slow-*``, ``oom-*``), which also
+bounds each kind (:data:`CHAOS`).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
+import random
 import signal
 import tempfile
 import time
@@ -53,6 +61,75 @@ def at_batch(rows: list) -> None:
         _die()
     if kind == "slow":
         time.sleep(float(arg))
+    if kind == "chaos" and rows:
+        seed, _, directory = arg.partition(":")
+        chaos(rows[0].id, int(seed), pathlib.Path(directory))
+
+
+# chaos: kind -> (probability per batch, most injected over the job); a slow batch takes CHAOS_SLOW_S more
+CHAOS = {"kill": (0.08, 3), "hang": (0.04, 1), "oom": (0.12, 4), "slow": (0.12, 1000)}
+CHAOS_SLOW_S = 1.0
+# [decode step (ChaosRunner's count) at which a forward runs out of memory, the directory to record it in]
+_OOM_AT: list = []
+
+
+def chaos_draw(seed: int, first_id, seen: int) -> tuple[str | None, int]:
+    """The fault the schedule ``seed`` gives a batch whose first row is ``first_id``, drawn for the
+    ``seen``-th time (a batch redone draws again): its kind (or None) and, for ``oom``, in how many
+    decode steps."""
+    key = hashlib.sha1(repr(first_id).encode()).hexdigest()[:12]
+    rng = random.Random(f"{seed}:{key}:{seen}")
+    draw, edge = rng.random(), 0.0
+    for kind, (p, _) in CHAOS.items():
+        edge += p
+        if draw < edge:
+            return kind, rng.randint(1, 4)
+    return None, 0
+
+
+def chaos(first_id, seed: int, directory: pathlib.Path) -> str | None:
+    """Inject the fault :func:`chaos_draw` gives a batch whose first row is ``first_id`` (recorded in
+    ``directory``, where each kind's count is bounded); returns its kind, or None (a kill or a hang
+    does not return)."""
+    key = hashlib.sha1(repr(first_id).encode()).hexdigest()[:12]
+    seen = len(list(directory.glob(f"seen-{key}-*")))
+    tempfile.mkstemp(prefix=f"seen-{key}-", dir=directory)
+    kind, steps = chaos_draw(seed, first_id, seen)
+    if kind is None or len(list(directory.glob(f"{kind}-*"))) >= CHAOS[kind][1]:
+        return None
+    tempfile.mkstemp(prefix=f"{kind}-", dir=directory)
+    if kind == "kill":
+        _die()
+    elif kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)  # the whole process stops answering
+    elif kind == "slow":
+        time.sleep(CHAOS_SLOW_S)
+    else:
+        _OOM_AT[:] = [ChaosRunner.steps + steps, directory]
+    return kind
+
+
+class ChaosRunner:
+    """The ``chaos`` fault's model runner: the one it wraps, but the decode step :func:`chaos` armed
+    raises ``MemoryError`` after the wrapped step ran (its KV and slot writes done, as an allocator
+    failing late would leave them)."""
+
+    steps = 0  # decode steps run in this process
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def step(self, *args, **kwargs):
+        out = self.runner.step(*args, **kwargs)
+        ChaosRunner.steps += 1
+        if _OOM_AT and ChaosRunner.steps >= _OOM_AT[0]:
+            tempfile.mkstemp(prefix="fired-oom-", dir=_OOM_AT[1])
+            _OOM_AT.clear()
+            raise MemoryError(f"test fault: chaos out of memory at decode step {ChaosRunner.steps}")
+        return out
 
 
 class OutOfMemoryAt:
@@ -121,11 +198,14 @@ class OutOfMemoryAt:
 
 def runner_for(model, config):
     """The model runner a replica's engine gets: None (the engine's default) unless ``LOGITSPEC_FAULT``
-    is ``oom:ROWS:TOKENS[:AT]``, then the runner ``config.runner`` names wrapped in :class:`OutOfMemoryAt`."""
+    is ``oom:ROWS:TOKENS[:AT]`` or ``chaos:...``, then the runner ``config.runner`` names wrapped in
+    :class:`OutOfMemoryAt` or :class:`ChaosRunner`."""
     kind, _, rest = os.environ.get(ENV, "").partition(":")
-    if kind != "oom":
+    if kind not in ("oom", "chaos"):
         return None
     from logitspec.worker.gpu import runner_for as configured_runner
 
+    if kind == "chaos":
+        return ChaosRunner(configured_runner(model, config))
     rows, tokens, *at = rest.split(":", 2)
     return OutOfMemoryAt(configured_runner(model, config), int(rows), int(tokens), at[0] if at else "before")

@@ -33,10 +33,12 @@ class RunRecord:
     final: list = field(default_factory=list)
     batch_steps: int = 0  # the replicas' decoding forwards, summed over the tasks they returned
     active_sum: float = 0.0  # ... and the rows those forwards decoded
+    out_of_memory: int = 0  # batches that ran out of memory in a replica and were split and redone there
     shared_history: dict | None = None  # SharedHistory.stats with --share-history (answers in and out)
 
     def add_engine(self, engine: dict) -> None:
-        """Count a task's engine stats (``batch_steps``, ``mean_active``)."""
+        """Count a task's engine stats (``batch_steps``, ``mean_active``, ``out_of_memory``)."""
+        self.out_of_memory += engine.get("out_of_memory") or 0
         steps = engine.get("batch_steps") or 0
         self.batch_steps += steps
         self.active_sum += engine.get("active_sum", steps * (engine.get("mean_active") or 0.0))

@@ -66,6 +66,7 @@ class StreamingRows:
         self.session = None
         self._totals = dict.fromkeys(COUNTERS, 0)  # of the sessions dropped so far
         self._reported = dict.fromkeys(COUNTERS, 0)  # counters at the last finished task
+        self._reported_oom = 0  # the generator's out-of-memory recoveries at the last finished task
 
     def __call__(self, rows: list[InputRow], history: list[list[int]] | None = None
                  ) -> tuple[list[OutputRow], dict]:
@@ -208,10 +209,12 @@ class StreamingRows:
 
     def _engine_stats(self, rows: list[OutputRow]) -> dict:
         """The engine's counters since the previous finished task (their sum over tasks is the
-        replica's total), ``mean_active`` over those steps, and the task's own new tokens."""
+        replica's total), ``mean_active`` over those steps, the out-of-memory recoveries since, and
+        the task's own new tokens."""
         now = self._counters()
         delta = {k: now[k] - self._reported[k] for k in COUNTERS}
         self._reported = now
+        oom, self._reported_oom = self.gen.out_of_memory - self._reported_oom, self.gen.out_of_memory
         steps = delta["batch_steps"]
         return {**delta, "mean_active": delta["active_sum"] / steps if steps else 0.0,
-                "tokens": sum(r.n_new_tokens or 0 for r in rows)}
+                "tokens": sum(r.n_new_tokens or 0 for r in rows), "out_of_memory": oom}

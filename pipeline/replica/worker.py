@@ -109,6 +109,7 @@ class RowGenerator:
         self.engine = engine
         self.spec = spec
         self.references = references or {}
+        self.out_of_memory = 0  # batches that ran out of memory and were split (recover), so far
 
     def __call__(self, rows: list[InputRow],
                  history: list[list[int]] | None = None) -> tuple[list[OutputRow], dict]:
@@ -119,12 +120,14 @@ class RowGenerator:
         out, reqs = self.prepare(rows)
         engine_stats: dict = {}
         results: list[list] = []
+        ooms = self.out_of_memory
         if reqs:
             try:
                 run = self.run(reqs)
                 results, engine_stats = self.split(reqs, run.results), dict(run.stats)
             except Exception as e:  # noqa: BLE001 - isolate the row(s) that fail
                 results = self.recover(reqs, e)
+        engine_stats["out_of_memory"] = self.out_of_memory - ooms
         rows_out = self.assemble(rows, out, reqs, results)
         return rows_out, {"wall_s": time.perf_counter() - t0, "rows": len(rows), "engine": engine_stats,
                           **self.answers(results)}
@@ -212,6 +215,7 @@ class RowGenerator:
         anything else, each request is retried alone."""
         rows = len({q.pos for q in reqs})
         if is_out_of_memory(err):
+            self.out_of_memory += 1
             log.warning("out of memory on a batch of %d prompts (%d rows, %s); splitting it in halves",
                         len(reqs), rows, err)
             free_memory()
