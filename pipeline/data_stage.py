@@ -59,6 +59,9 @@ class ProcessorConfig:
     num_gpus: float = 0.0  # per actor
     threads: int | None = None  # torch threads per actor (None: num_cpus, at least 1)
     references: tuple[tuple[str, str], ...] = ()  # (name, path) corpora, as the job's --reference
+    # model shards per replica: 1 (a Ray Data actor is one process; tensor-parallel replicas, groups of
+    # actors, are the job's: logitspec job --tp N)
+    tp: int = 1
     should_continue_on_error: bool = False  # a failed row: an error row (True), or the stage fails (False)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,10 @@ class ProcessorConfig:
         for name in ("batch_size", "max_concurrent_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tp != 1:
+            raise ConfigError(f"tp={self.tp}: a stage's actor holds one whole model (a Ray Data actor is "
+                              f"one process); for tensor-parallel replicas run the job: logitspec job "
+                              f"--tp {self.tp}")
         if self.gen.share_history:
             raise ConfigError("share_history is the job's (its driver passes answers between replicas)")
 

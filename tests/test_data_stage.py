@@ -95,6 +95,8 @@ def test_a_failed_row_is_an_error_row_or_fails_the_stage_naming_it(tmp_path, tin
 def test_the_stage_is_refused_before_any_actor_for_a_bad_config(tiny):  # noqa: F811
     with pytest.raises(ConfigError, match="concurrency"):
         ProcessorConfig(concurrency=(3, 1))
+    with pytest.raises(ConfigError, match="logitspec job --tp 2"):
+        ProcessorConfig(tp=2)
     with pytest.raises(ConfigError, match="model"):
         build_processor(ProcessorConfig(gen=_gen("/nonexistent/model")))
     with pytest.raises(ConfigError, match="chat template"):
