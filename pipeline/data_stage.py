@@ -13,10 +13,10 @@ comes back with every input column and ``generated_text``, ``finish_reason``, ``
 job's acceptance statistics (``mean_accepted``, ``accepted_lengths``, ``accepted_from``, ``steps``,
 ``verified_steps``, ``error``).
 
-Ray Data runs it: ``map_batches`` over an actor pool whose actors each build the job's replica
-(:func:`pipeline.replica.actor.set_up_job`: the same model loading, reference attachment and engine) and
-share one engine session between the batches they hold at once (``max_concurrent_batches``,
-:class:`pipeline.replica.streaming.StreamingRows`), so rows of the next batch fill slots the current
+Ray Data runs it: ``map_batches`` over an actor pool whose actors each hold the job's streaming replica
+(:class:`pipeline.replica.actor.StreamingEngineWorker`: the same model loading, reference attachment
+and engine, torch on one thread), which decodes the batches an actor holds at once
+(``max_concurrent_batches``) in one engine session, so rows of the next batch fill slots the current
 one frees. Reference indexes are built once in the driver and put in Ray's object store (each actor
 maps them, zero-copy). Ray Data streams, applies backpressure and sizes the pool; exactly-once resume
 over runs is the job's (``logitspec job``), not a stage's.
@@ -114,54 +114,39 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
 
 
 class GenerationActor:
-    """One actor of the stage's pool: the job's replica (model, references, engine) and one engine
-    session shared by the batches it holds at once."""
+    """One actor of the stage's pool: the job's streaming replica
+    (:class:`~pipeline.replica.actor.StreamingEngineWorker`: model, references, one engine session on
+    one torch thread) shared by the batches it holds at once."""
 
     def __init__(self, config: ProcessorConfig, reference_refs: dict):
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .replica.streaming import StreamingRows
+        from .replica.actor import StreamingEngineWorker
 
         self.config = config
         self.corpora = set(reference_refs)
         self.default_corpus = next(iter(reference_refs)) if len(reference_refs) == 1 else None
-        # every torch call (load, decoding) on one thread, as the job's streaming replica does: Ray runs
-        # the concurrent batches' calls on several threads, whose OpenMP pools would compete for the cores
-        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        generator, self.info = self._on_engine_thread(self._set_up, config, reference_refs)
-        self.rows = StreamingRows(generator, run=self._on_engine_thread)
-
-    @staticmethod
-    def _set_up(config: ProcessorConfig, reference_refs: dict):
-        import torch
-
-        from .replica.actor import set_up_job
-
-        torch.set_num_threads(config.threads or max(1, int(config.num_cpus)))
-        device = "cuda" if config.num_gpus and torch.cuda.is_available() else "cpu"
-        return set_up_job(config.gen, device, reference_refs)
-
-    def _on_engine_thread(self, fn, *args):
-        return self._engine_thread.submit(fn, *args).result()
+        threads = config.threads or max(1, int(config.num_cpus))
+        self.replica = StreamingEngineWorker(config.gen, threads, config.num_gpus > 0, reference_refs)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         """The batch's rows, each repeated per sample, with the output columns."""
+        from .replica.worker import error_rows
+
+        records = batch.to_pylist()
         rows, problems = [], {}
-        for k, r in enumerate(batch.to_pylist()):
+        for k, r in enumerate(records):
             row, problem = self.input_row(r)
             rows.append(row)
             if problem:
                 problems[k] = problem
         todo = [r for k, r in enumerate(rows) if k not in problems]
-        done = iter(self.rows(todo)[0] if todo else [])  # in row order, each row's samples in order
-        by_row = {k: [OutputRow(id=r.id, sample=s, error=problems[k]) for s in r.samples] if k in problems
+        done = iter(self.replica.generate(todo)[0] if todo else [])  # row order, samples in order
+        by_row = {k: error_rows(r, problems[k], self.config.gen) if k in problems
                   else [next(done) for _ in r.samples] for k, r in enumerate(rows)}
         take, out_rows = [], []
         for k in range(batch.num_rows):
             for out in by_row[k]:
                 if out.error is not None and not self.config.should_continue_on_error:
-                    row = _describe(batch.slice(k, 1).to_pylist()[0])
-                    raise RuntimeError(f"row {k} of its batch ({row}) failed: {out.error}")
+                    raise RuntimeError(f"row {k} of its batch ({_describe(records[k])}) failed: {out.error}")
                 take.append(k)
                 out_rows.append(out)
         table = batch.take(pa.array(take, pa.int64())) if take else batch.slice(0, 0)

@@ -141,6 +141,35 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
+def _swap_modules(model, dtype: torch.dtype, device: str, cpu_kernels: bool, merge: bool | None) -> dict:
+    """Put :func:`load_model`'s faster modules in ``model`` (``cpu_kernels``, ``merge``: as there); the
+    count of each kind swapped in."""
+    swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
+    if cpu_kernels and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        from ..kernels.onednn import use_onednn_linears
+        from ..kernels.rms_norm import use_fused_rms_norms
+        from ..kernels.skinny import use_skinny_linears
+
+        swapped["onednn"] = use_onednn_linears(model)  # where oneDNN is batch-invariant here
+        if dtype == torch.float32:
+            swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
+        swapped["rms_norm"] = use_fused_rms_norms(model)  # where the fused kernel reproduces the module
+        left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
+                and m is not model.get_output_embeddings()] if dtype == torch.bfloat16 else []
+        if left:
+            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here "
+                           "(no oneDNN bfloat16 GEMM, or it failed the check), so speculative and batched "
+                           "outputs may part from plain decoding's at near-ties; float32 is exact here",
+                           len(left), left[0])
+    if merge is None:
+        merge = torch.device(device).type != "cpu"
+    if merge:
+        from .merged_projections import merge_projections
+
+        swapped["merged"] = merge_projections(model)  # plain linears only: none the CPU kernels took
+    return swapped
+
+
 def load_model(
     spec: str | os.PathLike = "default",
     *,
@@ -182,29 +211,7 @@ def load_model(
     if device != "cpu":
         model.to(device)
     model.eval()
-    swapped = {"onednn": 0, "skinny": 0, "rms_norm": 0}
-    if cpu_kernels and device == "cpu" and dtype in (torch.float32, torch.bfloat16):
-        from ..kernels.onednn import use_onednn_linears
-        from ..kernels.rms_norm import use_fused_rms_norms
-        from ..kernels.skinny import use_skinny_linears
-
-        swapped["onednn"] = use_onednn_linears(model)  # where oneDNN is batch-invariant here
-        if dtype == torch.float32:
-            swapped["skinny"] = use_skinny_linears(model)  # the rest; 0 where the kernel cannot be built
-        swapped["rms_norm"] = use_fused_rms_norms(model)  # where the fused kernel reproduces the module
-        left = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear
-                and m is not model.get_output_embeddings()] if dtype == torch.bfloat16 else []
-        if left:
-            logger.warning("bfloat16 on this CPU: %d linears (e.g. %s) are not batch-invariant here "
-                           "(no oneDNN bfloat16 GEMM, or it failed the check), so speculative and batched "
-                           "outputs may part from plain decoding's at near-ties; float32 is exact here",
-                           len(left), left[0])
-    if merge is None:
-        merge = torch.device(device).type != "cpu"
-    if merge:
-        from .merged_projections import merge_projections
-
-        swapped["merged"] = merge_projections(model)  # plain linears only: none the CPU kernels took
+    swapped = _swap_modules(model, dtype, device, cpu_kernels, merge)
     tokenizer = None
     if _has_tokenizer_files(path):
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,

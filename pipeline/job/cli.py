@@ -79,6 +79,40 @@ def _add_io_arguments(p: argparse.ArgumentParser) -> None:
                          "starts no Ray and writes nothing")
 
 
+def _add_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The replicas' flags: where they run, how many, their resources and limits."""
+    ray_ = p.add_argument_group("Ray")
+    ray_.add_argument("--address", default=None,
+                      help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
+    ray_.add_argument("--actors", type=int, default=1, help="model replicas (one actor each)")
+    ray_.add_argument("--tp", type=int, default=1,
+                      help="tensor-parallel shards per replica (DeepSpeed AutoTP): each replica is N actors "
+                           "on one node; --cpus/--gpus/--threads-per-actor are then per shard")
+    ray_.add_argument("--cpus-per-actor", type=float, default=None,
+                      help="default: the local Ray's CPUs / actors, or 1 on a cluster")
+    ray_.add_argument("--gpus-per-actor", type=float, default=0.0,
+                      help="GPUs each actor reserves in Ray; > 0 runs the model on that GPU (fractions "
+                           "share one GPU between actors), 0 runs it on the CPU")
+    ray_.add_argument("--threads-per-actor", type=int, default=None,
+                      help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a "
+                           "CPU shared with other work, 1 (and more actors) can be much faster "
+                           "(docs/pipeline.md)")
+    ray_.add_argument("--batch-rows", type=int, default=None,
+                      help="rows per actor task; default 2 x max-batch-size")
+    ray_.add_argument("--no-stream", action="store_true",
+                      help="decode each actor task to its end before the next starts (the engine's slots "
+                           "empty as its rows finish) instead of keeping one engine session full across "
+                           "tasks")
+    ray_.add_argument("--max-replacements", type=int, default=None,
+                      help="dead actors replaced before giving up; default 3 + 2 x actors")
+    ray_.add_argument("--batch-timeout", type=float, default=3600.0,
+                      help="seconds a replica with work in flight may return nothing before it is given up "
+                           "as lost (killed, its rows redone elsewhere); 0: no limit")
+    ray_.add_argument("--start-timeout", type=float, default=3600.0,
+                      help="seconds a replica may take to be placed and load the model before it is given "
+                           "up; 0: no limit")
+
+
 def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, description=DESCRIPTION,
@@ -124,36 +158,7 @@ def build_parser(prog: str = "jobs/generate.py") -> argparse.ArgumentParser:
     add_request_flags(p, max_new_tokens=DEFAULT_MAX_NEW_TOKENS)  # the flags every command shares
     for action in p._actions:  # argparse keeps no public handle on them: say what two of them mean in a job
         action.help = JOB_MEANING.get(action.dest, action.help)
-    ray_ = p.add_argument_group("Ray")
-    ray_.add_argument("--address", default=None,
-                      help="Ray cluster to join (default: $RAY_ADDRESS, else start a local Ray)")
-    ray_.add_argument("--actors", type=int, default=1, help="model replicas (one actor each)")
-    ray_.add_argument("--tp", type=int, default=1,
-                      help="tensor-parallel shards per replica (DeepSpeed AutoTP): each replica is N actors "
-                           "on one node; --cpus/--gpus/--threads-per-actor are then per shard")
-    ray_.add_argument("--cpus-per-actor", type=float, default=None,
-                      help="default: the local Ray's CPUs / actors, or 1 on a cluster")
-    ray_.add_argument("--gpus-per-actor", type=float, default=0.0,
-                      help="GPUs each actor reserves in Ray; > 0 runs the model on that GPU (fractions "
-                           "share one GPU between actors), 0 runs it on the CPU")
-    ray_.add_argument("--threads-per-actor", type=int, default=None,
-                      help="torch intra-op threads per actor; default: the actor's CPUs (at least 1). On a "
-                           "CPU shared with other work, 1 (and more actors) can be much faster "
-                           "(docs/pipeline.md)")
-    ray_.add_argument("--batch-rows", type=int, default=None,
-                      help="rows per actor task; default 2 x max-batch-size")
-    ray_.add_argument("--no-stream", action="store_true",
-                      help="decode each actor task to its end before the next starts (the engine's slots "
-                           "empty as its rows finish) instead of keeping one engine session full across "
-                           "tasks")
-    ray_.add_argument("--max-replacements", type=int, default=None,
-                      help="dead actors replaced before giving up; default 3 + 2 x actors")
-    ray_.add_argument("--batch-timeout", type=float, default=3600.0,
-                      help="seconds a replica with work in flight may return nothing before it is given up "
-                           "as lost (killed, its rows redone elsewhere); 0: no limit")
-    ray_.add_argument("--start-timeout", type=float, default=3600.0,
-                      help="seconds a replica may take to be placed and load the model before it is given "
-                           "up; 0: no limit")
+    _add_ray_arguments(p)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     p.add_argument("--json", action="store_true",

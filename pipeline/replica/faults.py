@@ -73,12 +73,16 @@ CHAOS_SLOW_S = 1.0
 _OOM_AT: list = []
 
 
+def _batch_key(first_id) -> str:
+    """A batch's name in the schedule and its files: a hash of its first row id."""
+    return hashlib.sha1(repr(first_id).encode()).hexdigest()[:12]
+
+
 def chaos_draw(seed: int, first_id, seen: int) -> tuple[str | None, int]:
     """The fault the schedule ``seed`` gives a batch whose first row is ``first_id``, drawn for the
     ``seen``-th time (a batch redone draws again): its kind (or None) and, for ``oom``, in how many
     decode steps."""
-    key = hashlib.sha1(repr(first_id).encode()).hexdigest()[:12]
-    rng = random.Random(f"{seed}:{key}:{seen}")
+    rng = random.Random(f"{seed}:{_batch_key(first_id)}:{seen}")
     draw, edge = rng.random(), 0.0
     for kind, (p, _) in CHAOS.items():
         edge += p
@@ -91,7 +95,7 @@ def chaos(first_id, seed: int, directory: pathlib.Path) -> str | None:
     """Inject the fault :func:`chaos_draw` gives a batch whose first row is ``first_id`` (recorded in
     ``directory``, where each kind's count is bounded); returns its kind, or None (a kill or a hang
     does not return)."""
-    key = hashlib.sha1(repr(first_id).encode()).hexdigest()[:12]
+    key = _batch_key(first_id)
     seen = len(list(directory.glob(f"seen-{key}-*")))
     tempfile.mkstemp(prefix=f"seen-{key}-", dir=directory)
     kind, steps = chaos_draw(seed, first_id, seen)
