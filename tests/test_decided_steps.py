@@ -40,7 +40,8 @@ def test_the_decision_equals_decide_on_the_same_scores():
     spans = [(int(a), int(a) + n) for a, n in zip(starts, sizes)]
     want = decide(NodeLogits(scores[select], exact=True), packed, select, starts, SamplingParams(), None, 3,
                   spans, outputs=True)
-    got = greedy_decision(scores.argmax(-1).view(B, T), packed, 4, lambda at: scores[at])  # [B, 2 + 4 + T]
+    top4 = lambda at: torch.topk(scores[at], 4).indices  # noqa: E731
+    got = greedy_decision(scores.argmax(-1).view(B, T), packed, 4, top4)  # [B, 2 + 4 + T]
     assert got[:, 0].tolist() == want.last == [2, 0, 0] and got[:, 1].tolist() == want.bonus
     assert got[:, 2:6].tolist() == want.top
     outs = [row[:n] for row, n in zip(got[:, 6:].tolist(), sizes)]

@@ -91,13 +91,14 @@ def _spmd_rank(rank: int, world: int, port: int, model_dirs: dict, prompts, resu
                 made = []  # the engine this rank makes for the case
 
                 def make(cfg):
-                    made.append(make_engine(model, tok, cfg))
+                    made.append(make_engine(model, tok, cfg, consensus=consensus))
                     return made[-1]
                 res = _generate(make, case, prompts)
                 check_agreement(decisions_digest(res))
                 out[(fam,) + case] = _record(res)
                 out[(fam,) + case + ("runner",)] = made[-1].runner.kind  # the runner this rank ran
             out[(fam, "params")] = _layer_params(model)
+            out[(fam, "head")] = type(model.get_output_embeddings()).__name__
             out[(fam, "consensus")] = consensus.stats()
         results_q.put((rank, out, None))
     except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
@@ -165,12 +166,17 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
         model, tok = load_model(path)
         full = _layer_params(model)
         assert ranks[0][(fam, "params")] < full and ranks[1][(fam, "params")] < full  # really sharded
+        assert [ranks[r][(fam, "head")] for r in range(TP)] == ["VocabParallelHead"] * TP
         for case in CASES:
             key = (fam,) + case
             assert ranks[0][key] == ranks[1][key], f"ranks diverged on {key}"
-            # each rank ran the runner its case names: graph, the static path uncaptured; else eager
-            want = "graph:sdpa:uncaptured" if case[3] == "graph" else "eager"
-            assert all(ranks[r][key + ("runner",)].startswith(want) for r in range(TP)), key
+            # each rank ran the runner its case names: graph (the static path uncaptured, its greedy steps
+            # decided inside the step from the vocabulary-parallel head's argmax and top tokens); else eager
+            kinds = [ranks[r][key + ("runner",)] for r in range(TP)]
+            if case[3] == "graph":
+                assert all(k.startswith("graph:sdpa:uncaptured") and ":decide=" in k for k in kinds), key
+            else:
+                assert kinds == ["eager"] * TP, key
             if case[1] == 0.0:
                 ref = _record(_generate(lambda cfg: Engine(model, tok, cfg), case, prompts))
                 assert [r[0] for r in ranks[0][key]] == [r[0] for r in ref], f"TP=2 != TP=1 on {key}"
@@ -183,9 +189,9 @@ def test_tp2_processes_equal_one_process(comm_op, tiny_dirs):
     print(f"TP=2 group (spawn, load, {len(CASES)} cases x 2 models): {tp_s:.1f} s")
 
 
-def _consensus_rank(rank: int, world: int, port: int, every: int, results_q) -> None:
+def _consensus_rank(rank: int, world: int, port: int, every: int, lag, results_q) -> None:
     """One rank of a plain gloo group running forwards of the same tiny model under LogitsConsensus
-    (checking one forward in ``every``); rank 1 feeds other tokens to the 4th forward."""
+    (checking one forward in ``every``, ``lag`` as given); rank 1 feeds other tokens to the 4th forward."""
     try:
         import torch.distributed as dist
 
@@ -194,13 +200,14 @@ def _consensus_rank(rank: int, world: int, port: int, every: int, results_q) -> 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         model = tiny_model("llama", attn="sdpa")
-        consensus = LogitsConsensus(model, every=every)
+        consensus = LogitsConsensus(every=every, lag=lag)
         seen = []  # per forward: (forwards compared after it, error)
         with torch.no_grad():
             for f in range(6):
-                ids = torch.tensor([[1 + f + (rank if f == 3 else 0)]])
+                ids, pos = torch.tensor([[1 + f + (rank if f == 3 else 0)]]), torch.tensor([[f]])
                 try:
-                    model(input_ids=ids, position_ids=torch.tensor([[f]]))
+                    out = model.get_decoder()(input_ids=ids, position_ids=pos)
+                    consensus.observe(ids, pos, out.last_hidden_state)
                     seen.append((consensus.checked, None))
                 except RanksDiverged as e:
                     seen.append((consensus.checked, str(e)))
@@ -213,8 +220,8 @@ def _consensus_rank(rank: int, world: int, port: int, every: int, results_q) -> 
 def test_consensus_checks_a_forward_one_forward_later_and_every_rank_stops_alike():
     """The ranks' checksums of a forward are compared at the next forward (no wait for the current
     forward's collective on the hot path); a rank fed other inputs makes every rank raise at the same
-    forward, naming the forward that diverged."""
-    ranks = run_group(TP, _consensus_rank, 1, timeout=120)
+    forward, naming the forward that diverged (the lag a GPU's check takes, asked for here on gloo)."""
+    ranks = run_group(TP, _consensus_rank, 1, True, timeout=120)
     assert ranks[0] == ranks[1]
     seen = ranks[0]
     assert [checked for checked, _ in seen] == [0, 1, 2, 3, 4]  # forward f compares forward f - 1
@@ -225,11 +232,69 @@ def test_consensus_checks_a_forward_one_forward_later_and_every_rank_stops_alike
 def test_a_sampled_consensus_checks_one_forward_in_every_and_still_stops_every_rank_alike():
     """Checking one forward in 2 (as a GPU checks one in CONSENSUS_EVERY): the other forwards take no
     collective, forward 4 (sampled) is compared at forward 6, and every rank raises there alike."""
-    ranks = run_group(TP, _consensus_rank, 2, timeout=120)
+    ranks = run_group(TP, _consensus_rank, 2, True, timeout=120)
     assert ranks[0] == ranks[1]
     seen = ranks[0]
     assert [checked for checked, _ in seen] == [0, 0, 0, 1, 1, 2]
     assert [err is None for _, err in seen] == [True] * 5 + [False] and "forward 4" in seen[-1][1]
+
+
+def test_a_consensus_of_host_values_stops_at_the_forward_that_diverged():
+    """On gloo (host values: nothing to wait for) the check compares a forward's checksums at once, so
+    every rank raises at the diverged forward itself, before its output layer gathers anything."""
+    ranks = run_group(TP, _consensus_rank, 1, None, timeout=120)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][-1][0] == 4 and len(ranks[0]) == 4 and "forward 4" in ranks[0][-1][1]
+
+
+def _vocab_rank(rank: int, world: int, port: int, results_q) -> None:
+    """One rank of a plain gloo group holding its rows of a 37-token output weight (not a multiple of
+    ``world``: the last shard is padded); its head's full logits, argmax and top tokens."""
+    try:
+        import torch.distributed as dist
+
+        from logitspec.worker.vocab_parallel import VocabParallelHead
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        w, h = _vocab_case()
+        head = VocabParallelHead(w, rank, world)
+        out = {"rows": tuple(head.weight.shape), "logits": head(h[None])[0].tolist(),  # lists: no tensor
+               "argmax": head.argmax(h).tolist(), "top": head.top(h, 5).tolist(),  # crosses the queue
+               "capped": head.argmax(h, softcap=3.0).tolist()}
+        results_q.put((rank, out, None))
+    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
+        results_q.put((rank, None, traceback.format_exc()))
+
+
+def _vocab_case():
+    """An output weight [37, 8] (positive entries) and hidden states [6, 8]: node 0's best tokens are 4
+    and 30, tied (on different ranks); node 5's logits are all negative (a zero padding row would win)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(37, 8, generator=g) + 0.1
+    w[4] = w[30] = 2.0  # the other entries are below 1.1
+    h = torch.randn(6, 8, generator=g)
+    h[0] = 1.0
+    h[5] = -5.0
+    return w, h
+
+
+def test_a_vocabulary_parallel_head_decides_as_the_whole_output_layer():
+    """Split by vocabulary over 3 ranks: every rank's gathered logits are the whole layer's, and its
+    argmax (ties to the lowest token, padding never chosen, soft-capped too) and top tokens are the
+    whole layer's, from each rank's best alone."""
+    ranks = run_group(3, _vocab_rank, timeout=120)
+    w, h = _vocab_case()
+    full = h @ w.T  # [6, 37]
+    assert [ranks[r]["rows"] for r in range(3)] == [(13, 8)] * 3  # ceil(37 / 3) rows each
+    for r in range(3):
+        got = ranks[r]
+        torch.testing.assert_close(torch.tensor(got["logits"]), full)
+        assert got["argmax"] == full.argmax(-1).tolist()
+        assert got["argmax"][0] == 4 and full[5].max() < 0
+        assert got["top"][1:] == torch.topk(full[1:], 5).indices.tolist()  # node 0 has a tie
+        assert sorted(got["top"][0][:2]) == [4, 30]
+        assert got["capped"] == (torch.tanh(full / 3.0) * 3.0).argmax(-1).tolist()
 
 
 def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompts, results_q) -> None:

@@ -128,8 +128,9 @@ def shard(model, tp_size: int, dtype: torch.dtype):
 def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
                   attn_implementation: str | None = "logitspec_sdpa", trust_remote_code: bool = False):
     """``(sharded model, tokenizer, consensus)`` on this rank; the group must be initialised
-    (:func:`init_rank`). ``consensus`` is the :class:`LogitsConsensus` hook on a sharded model (None
-    when ``tp_size`` is 1).
+    (:func:`init_rank`). ``consensus``: the :class:`LogitsConsensus` its engines run (pass it to
+    :func:`make_engine`; None when ``tp_size`` is 1). The output layer is split by vocabulary
+    (:mod:`logitspec.worker.vocab_parallel`), not along the hidden size as AutoTP splits it.
 
     Loading: ``from_pretrained`` memory-maps safetensors files whose dtype matches, so the full
     weights are page cache shared by all ranks of a node; AutoTP then copies out this rank's slices
@@ -146,9 +147,14 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
                                   trust_remote_code=trust_remote_code)
     consensus = None
     if tp_size > 1:
+        from logitspec.worker import vocab_parallel
+
+        rank = torch.distributed.get_rank()
+        head = vocab_parallel.install(model, rank, tp_size)  # before AutoTP: it needs the whole weight
         model = shard(model, tp_size, dtype)
-        # off CPU one forward in CONSENSUS_EVERY (its checksums and collective are off the hot path)
-        consensus = LogitsConsensus(model, every=1 if device == "cpu" else CONSENSUS_EVERY)
+        if head is not None:  # in place of AutoTP's hidden-split output layer
+            vocab_parallel.attach(model, head)
+        consensus = LogitsConsensus(every=1 if device == "cpu" else CONSENSUS_EVERY)
     elif device != "cpu":
         from logitspec.models.merged_projections import merge_projections
 
@@ -157,12 +163,14 @@ def load_tp_model(spec: str, tp_size: int, *, dtype: torch.dtype = torch.float32
     return model, tokenizer, consensus
 
 
-def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agree_on=None):
+def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agree_on=None, consensus=None):
     """The engine of one rank (``history``: an optional draft source of earlier answers, fed alike
-    on every rank since every rank sees the same outputs). The lm_head is sharded along the hidden
-    dim, so ``W @ h.T`` with the local weight would be wrong: the runner calls the lm_head module
-    itself (which all-reduces the partial logits) on the selected nodes only, as on one device (not
-    the model's whole forward, whose logits cover every padded position). In a group, host-timed
+    on every rank since every rank sees the same outputs). The output layer is sharded, so ``W @ h.T``
+    with the local weight would be wrong: the runner calls the module itself (a collective) on the
+    selected nodes only, as on one device (not the model's whole forward, whose logits cover every
+    padded position). ``consensus``: the :class:`LogitsConsensus` run after every forward of the
+    engine's runner (default in a group: a new one, one forward in :data:`CONSENSUS_EVERY` checked off
+    CPU). In a group, host-timed
     values are rank 0's (``agree_on``, default
     :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
     :func:`group_cost_curve`)."""
@@ -172,6 +180,10 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
 
     grouped = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     runner = runner_for(model, config, sharded_head=grouped)
+    if grouped and consensus is None:
+        consensus = LogitsConsensus(every=1 if runner.device.type == "cpu" else CONSENSUS_EVERY)
+    if consensus is not None:
+        runner.head.checks.append(consensus.observe)
     if grouped and agree_on is None:
         agree_on = rank0_value
     if grouped and uses_auto_budget(config) and cost_curve is None:
@@ -260,15 +272,16 @@ def check_agreement(digest: str) -> list[str]:
 
 
 class LogitsConsensus:
-    """A forward hook that checks the ranks decode in lockstep, off the hot path.
+    """Checks that the ranks decode in lockstep, off the hot path: the runner calls :meth:`observe`
+    after every forward of the decoder, outside any captured step (``Head.checks``).
 
-    After every forward of the decoder each rank all-gathers a checksum of its inputs (token ids,
-    positions) and of its output, the final hidden states every rank's output layer reads (one tiny
-    collective, queued on the device like the forward's own all-reduces) and
-    copies the gathered checksums to host memory without waiting; the hook reads them one forward
-    later, when the engine's own wait for that forward's tokens has long passed, so the check adds no
-    host wait to a step. Different inputs mean the ranks' decisions already diverged: every rank raises
-    :class:`RanksDiverged` at the same forward (they read the same gathered checksums). Different
+    After such a forward each rank all-gathers a checksum of its inputs (token ids, positions) and of
+    its output, the final hidden states every rank's output layer reads (one tiny collective, queued on
+    the device like the forward's own all-reduces) and copies the gathered checksums to host memory
+    without waiting; on a GPU it reads them one checked forward later, when the engine's own wait for
+    that forward's tokens has long passed, so the check adds no host wait to a step (gloo's are host
+    values: compared at once). Different inputs mean the ranks' decisions already diverged: every rank
+    raises :class:`RanksDiverged` at the same forward (they read the same gathered checksums). Different
     outputs are counted (``output_mismatches``) and logged: AutoTP all-reduces every layer's partial
     sums, so every rank holds the same states (never seen otherwise); were they to differ, the
     decisions they led to would differ and show as different inputs at a later forward, and the
@@ -277,28 +290,28 @@ class LogitsConsensus:
     rank counts its forwards alike, so all take the same collectives); the others cost nothing.
     """
 
-    def __init__(self, model, every: int = 1):
+    def __init__(self, every: int = 1, lag: bool | None = None):
+        """``lag``: compare a forward's checksums at the next checked forward (default: where they are
+        device tensors, NCCL's; gloo's are host tensors, compared at once, before the forward's output
+        layer gathers anything)."""
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
-        self.every = every
+        self.every, self.lag = every, lag
         self.forwards = 0
         self.checked = 0  # forwards whose checksums were compared
         self.output_mismatches = 0
         self._pending = None  # (forward number, host copy [world, k], event or None): not yet compared
         self._host = None  # on CUDA, two pinned [world, k] buffers
-        # on the decoder: its output (the final hidden states) is what every rank's output layer reads,
-        # whether a runner calls the model or the decoder and the output layer apart
-        self.handle = model.get_decoder().register_forward_hook(self._hook, with_kwargs=True)
 
-    def _hook(self, module, args, kwargs, output):
+    def observe(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor) -> None:
+        """After a decoder forward of token ids and positions ``ids``, ``pos`` [B, T] whose final
+        hidden states (what every rank's output layer reads) are ``hidden``."""
         self.forwards += 1
         if self.forwards % self.every:  # not sampled: no checksum, no collective
-            return None
-        hidden = output[0]  # the decoder's final hidden states
+            return
         dist = torch.distributed
         dev = hidden.device if dist.get_backend() == "nccl" else torch.device("cpu")  # gloo: host tensors
-        ins = [kwargs.get("input_ids", args[0] if args else None), kwargs.get("position_ids")]
-        mine = torch.cat([_checksum(t).to(dev) for t in [hidden] + ins if t is not None])  # int64 [k]
+        mine = torch.cat([_checksum(t).to(dev) for t in (hidden, ids, pos)])  # int64 [6]
         got = torch.empty(dist.get_world_size(), mine.numel(), dtype=mine.dtype, device=dev)  # [world, k]
         dist.all_gather(list(got.unbind(0)), mine)  # rows of one tensor: one copy to the host
         self.flush()  # the previous forward's: ready long ago
@@ -312,7 +325,8 @@ class LogitsConsensus:
             self._pending = (self.forwards, host, event)
         else:
             self._pending = (self.forwards, got, None)
-        return None
+        if not (dev.type == "cuda" if self.lag is None else self.lag):
+            self.flush()
 
     def flush(self) -> None:
         """Compare the checksums of the last forward not yet compared (raise :class:`RanksDiverged` on
@@ -336,9 +350,6 @@ class LogitsConsensus:
         self.flush()
         return {"forwards": self.forwards, "checked": self.checked,
                 "output_mismatches": self.output_mismatches}
-
-    def remove(self) -> None:
-        self.handle.remove()
 
 
 def _checksum(t: torch.Tensor) -> torch.Tensor:

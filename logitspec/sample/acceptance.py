@@ -128,11 +128,11 @@ def decide(nodes: NodeLogits, packed, select: torch.Tensor, starts: torch.Tensor
 
 
 def greedy_decision(choice: torch.Tensor, packed, top: int,
-                    scores_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    top_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """A greedy step decided on the device from the target's token after every node of its [B, T]
     batch (``choice`` [B, T], the argmax; what a graph runner's step computes inside its graph):
     [B, 2 + top + T] int64, per row the last accepted node, the bonus token, the ``top`` best tokens
-    of the last node's scores (``scores_at(flat positions [B]) -> [B, V]``, row b's node i at
+    of the last node (``top_at(flat positions [B]) -> [B, top]``, best first; row b's node i at
     b * T + i) and ``choice``. Pad nodes are never accepted (:func:`accepted_last`); fixed shapes, no
     host read: capturable."""
     B, T = choice.shape
@@ -140,7 +140,7 @@ def greedy_decision(choice: torch.Tensor, packed, top: int,
     cols = [last[:, None], choice.gather(1, last[:, None])]
     if top:
         at = torch.arange(B, device=last.device) * T + last  # [B]: the last nodes' flat positions
-        cols.append(torch.topk(scores_at(at), top, dim=-1).indices)  # [B, top]
+        cols.append(top_at(at))  # [B, top]
     return torch.cat(cols + [choice], dim=1)
 
 

@@ -21,9 +21,11 @@ full float32 rows (the device path, ``Engine(screened_sampling=False)``). The sc
 and bfloat16 weights on CPU; a bfloat16 model's logits are then the float32 products of its weights
 widened exactly (one float32 copy), the same bits in any batch, where bfloat16 GEMMs are not.
 Elsewhere (a GPU, float16) the output layer is one plain GEMM in the model's dtype over the
-selected nodes. A sharded output layer (DeepSpeed AutoTP's, split along the hidden size, its
-partial logits all-reduced inside the module) runs as its own module over the selected nodes
-(``sharded=True``); ``fast=False`` uses the model's own forward (logits at every position).
+selected nodes. A tensor-parallel rank's output layer (``sharded=True``: split by vocabulary,
+:mod:`logitspec.worker.vocab_parallel`, or AutoTP's, split along the hidden size) runs as its own
+collective module over the selected nodes; greedy choices from a vocabulary-parallel one gather only
+each rank's best tokens (:meth:`Head.top`). ``fast=False`` uses the model's own forward (logits at
+every position).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from logitspec.sample.int8_screen import MAX_CANDIDATES_PER_ROW, Int8Race
 from logitspec.sample.node_logits import NodeLogits, OutputMode
 from logitspec.sample.params import SamplingParams
 from logitspec.sample.sampler import scores_extension
+from logitspec.worker.vocab_parallel import VocabParallelHead
 
 log = logging.getLogger("logitspec.worker.head")
 
@@ -343,6 +346,9 @@ class Head:
         self.fast = fast and usable
         self.module = emb if self.fast and sharded else None
         self.screen = None
+        # f(ids, pos, hidden) after every decoder forward, outside any captured step (a tensor-parallel
+        # group's LogitsConsensus.observe): a forward hook would run once, in a capture, never in replays
+        self.checks: list = []
         if self.fast:
             self.decoder = model.get_decoder()
         if self.fast and self.module is None:
@@ -361,10 +367,26 @@ class Head:
             out = self.decoder(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
                                use_cache=True, **extra)
             h = out.last_hidden_state  # [B, T, H]
+            self.after_forward(ids, pos, h)
             return self.output(h.reshape(-1, h.shape[-1])[select], mode)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
                          **extra)
         return NodeLogits(out.logits.reshape(-1, out.logits.shape[-1])[select], exact=True)
+
+    def after_forward(self, ids: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Run :attr:`checks` on a decoder forward's inputs and final hidden states."""
+        for check in self.checks:
+            check(ids, pos, hidden)
+
+    def top(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """``[N, k]`` int64: the ``k`` best tokens of final hidden states ``h`` [N, H], best first (``k =
+        1``: the argmax, ties to the lowest id). A vocabulary-parallel output layer
+        (:class:`~logitspec.worker.vocab_parallel.VocabParallelHead`) gathers only each rank's best,
+        never the logits; otherwise from :meth:`output`'s logits. Fixed shapes, no host read."""
+        if isinstance(self.module, VocabParallelHead):
+            return self.module.top(h, k, self.softcap)
+        scores = self.output(h, OutputMode.EXACT).scores  # [N, V]
+        return scores.argmax(-1, keepdim=True) if k == 1 else torch.topk(scores, k, dim=-1).indices
 
     def output(self, h: torch.Tensor, mode: OutputMode = OutputMode.EXACT) -> NodeLogits:
         """The output layer (``mode``) over final hidden states ``h`` [N, H] (needs ``fast``)."""

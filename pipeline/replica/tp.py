@@ -95,10 +95,16 @@ class TPRank:
         t_import = time.perf_counter()
         init_rank(rank, world, hellos[0]["port"], device=device, backend=backend, threads=threads)
         t_group = time.perf_counter()
+        loaded = {}
+
+        def load(dtype):
+            model, tokenizer, loaded["consensus"] = load_tp_model(
+                spec.model, world, dtype=dtype, device=device, trust_remote_code=spec.trust_remote_code)
+            return model, tokenizer
+
         self.generator, setup = set_up(
-            spec, device, reference_refs, make_engine=lambda *a: _FailStop(make_engine(*a), rank),
-            load=lambda dtype: load_tp_model(spec.model, world, dtype=dtype, device=device,
-                                                   trust_remote_code=spec.trust_remote_code)[:2])
+            spec, device, reference_refs, load=load,
+            make_engine=lambda *a: _FailStop(make_engine(*a, consensus=loaded["consensus"]), rank))
         info = {"rank": rank, "pid": os.getpid(), "node_id": hellos[rank]["node_id"],
                 "import_s": t_import - t0,
                 "group_init_s": t_group - t_import, **setup, "init_s": time.perf_counter() - t0,

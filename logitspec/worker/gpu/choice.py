@@ -15,15 +15,18 @@ def runner_for(model, config, fast_head: bool = True, sharded_head: bool = False
     ``auto`` (:func:`default_runner`), ``eager`` (:class:`EagerRunner`), ``graph`` (a
     :class:`GraphRunner`; off CUDA its static path without capture, attending with SDPA) or
     ``compiled`` (the same, its steps compiled). ``sharded_head``: a tensor-parallel rank's (the
-    eager runner, or with ``graph`` the static path uncaptured; never compiled)."""
+    eager runner, or with ``graph`` the graph runner, its greedy steps decided inside the step and
+    captured with their collectives on CUDA; never compiled)."""
     if sharded_head:
         if config.runner == "compiled":
-            raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph (uncaptured), "
-                             "not compiled")
+            raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph, not compiled")
         if config.runner != "graph":
             return EagerRunner(model, sharded_head=True)
-        return GraphRunner(model, max_rows=config.max_batch_size, max_len=slot_columns(model), capture=False,
-                           sharded_head=True)
+        cuda = next(model.parameters()).device.type == "cuda"
+        columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns,
+                           attention=ENGINE_ATTENTION if cuda else "sdpa", sharded_head=True,
+                           decide_top=decision_top(config))
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
     compiled = config.runner == "compiled"

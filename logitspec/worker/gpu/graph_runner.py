@@ -81,7 +81,8 @@ class GraphRunner(StepBuilds):
         ``sdpa_backend``: the one SDPA kernel the steps may use (:data:`.fused.SDPA_BACKENDS`; None:
         torch's choice). ``sharded_head``: a tensor-parallel rank's (its output layer a collective
         module, :class:`~logitspec.worker.head.Head`; its slots sized at the first write, by the heads
-        the rank holds); such a runner neither captures nor compiles (unverified on GPUs).
+        the rank holds): its steps are captured with their collectives on CUDA (unverified on GPUs),
+        never compiled, every one built at start-up (no ``startup_s``).
         ``decide_top``: greedy steps are decided inside the step (the output layer over every node,
         the argmax, the accepted path and the last node's ``decide_top`` best tokens:
         :func:`~logitspec.sample.acceptance.greedy_decision`), each bucket built a second time for them;
@@ -103,9 +104,8 @@ class GraphRunner(StepBuilds):
         self.capture = self.device.type == "cuda" if capture is None else capture
         if self.capture and self.device.type != "cuda":
             raise ValueError("capture needs a CUDA device")
-        if sharded_head and (self.capture or self.fuser):
-            raise ValueError("a tensor-parallel rank's graph runner runs uncaptured and uncompiled "
-                             "(capture=False, compile=False)")
+        if sharded_head and self.fuser:
+            raise ValueError("a tensor-parallel rank's graph runner runs uncompiled (compile=False)")
         cfg = model.config.get_text_config(decoder=True)
         heads = int(cfg.num_attention_heads)
         self.groups = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)
@@ -114,10 +114,11 @@ class GraphRunner(StepBuilds):
         self.node_buckets = tuple(node_buckets)
         self.key_block, self.flex_block, self.warmup = key_block, flex_block, warmup
         self.max_rows = max_rows
-        if decide_top is not None and (decide_top < 0 or sharded_head):
-            raise ValueError("decide_top: >= 0, and not on a tensor-parallel rank (its output layer is a "
-                             "collective over the selected nodes)")
-        self.decide_top, self.startup_s = decide_top, startup_s
+        if decide_top is not None and decide_top < 0:
+            raise ValueError(f"decide_top must be >= 0, got {decide_top}")
+        # a rank's own clock must not decide which steps it builds at start-up: building one runs its
+        # collectives (warm-up calls), so every rank of a group builds every step there
+        self.decide_top, self.startup_s = decide_top, float("inf") if sharded_head else startup_s
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
@@ -221,6 +222,7 @@ class GraphRunner(StepBuilds):
                 if retry or is_out_of_memory(e) or not self._without_flex(buf, e):
                     raise
         self.counters["replays"] += 1
+        self.head.after_forward(buf.ids, buf.pos, buf.hidden)  # outside the graph: a replay runs no hooks
         B = len(rows)
         packed = PackedStep(buf.ids[:B], buf.pos[:B], buf.depths[:B], buf.parents[:B], buf.anc[:B], None,
                             sizes, {})
@@ -275,6 +277,7 @@ class GraphRunner(StepBuilds):
                 p = pack([StepRow.chain(start, part)], start, self.windows, self.dtype, self.device)
                 out = self.head.decoder(input_ids=p.ids, position_ids=p.pos, attention_mask=p.mask,
                                         cache=kv.hf, use_cache=True, prefill=True, causal=True)
+                self.head.after_forward(p.ids, p.pos, out.last_hidden_state)
                 kv.lengths[slot] = start + len(part)
         except Exception:
             kv.lengths.pop()
@@ -318,11 +321,11 @@ class GraphRunner(StepBuilds):
         self.kv.end_step()  # drop the write columns: no tensor made in a capture outlives it
         if decide:  # the output layer over every node, DECISION_CHUNK nodes' logits at a time
             h = buf.hidden  # [R * T, hidden]
-            choice = torch.cat([self.head.output(part, OutputMode.EXACT).scores.argmax(-1)
-                                for part in h.split(DECISION_CHUNK)]).view(buf.R, buf.T)
+            choice = torch.cat([self.head.top(part, 1)[:, 0] for part in h.split(DECISION_CHUNK)])
             packed = PackedStep(buf.ids, buf.pos, buf.depths, buf.parents, buf.anc, None, [], {})
-            buf.decision.copy_(greedy_decision(choice, packed, self.decide_top,
-                                               lambda at: self.head.output(h.index_select(0, at)).scores))
+            top = self.decide_top
+            buf.decision.copy_(greedy_decision(choice.view(buf.R, buf.T), packed, top,
+                                               lambda at: self.head.top(h.index_select(0, at), top)))
 
     @property
     def buckets(self) -> list[tuple]:
