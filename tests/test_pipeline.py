@@ -1126,30 +1126,17 @@ def test_a_job_under_a_seeded_chaos_schedule_finishes_with_every_row_once(tmp_pa
     batch, as the seeded schedule draws them. The job finishes (exit 0, complete), every row once,
     every greedy row equal to the fault-free generation, the summary's deaths equal to the kills and
     hangs injected and its out-of-memory splits to those that fired (a split whose replica died before
-    reporting is not counted), the driver's memory flat."""
-    import resource
-    import threading
-
+    reporting is not counted), the driver's and every replica process's resident memory flat through
+    the run (sampled as each task came back: ``_summary.json["memory"]["through_run"]``)."""
     from pipeline.replica.faults import chaos_draw
 
     planned = [chaos_draw(CHAOS_SEED, i, 0)[0] for i in range(0, 24, 2)]
     assert {"kill", "hang", "oom"} <= set(planned)  # the seed exercises what the test claims
     faults = tmp_path / "faults"
     faults.mkdir()
-    rss, done = [], threading.Event()
-
-    def sample():
-        while not done.wait(0.5):
-            rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys,
-                                    f"chaos:{CHAOS_SEED}:{faults}", 24, "--actors", "2", "--batch-rows", "2",
-                                    "--batch-timeout", "8", "--max-replacements", "12", "--budget", "fixed")
-    finally:
-        done.set()
-        sampler.join()
+    summary, table = _fault_job(tmp_path, tiny, ray_session, monkeypatch, capsys,
+                                f"chaos:{CHAOS_SEED}:{faults}", 24, "--actors", "2", "--batch-rows", "2",
+                                "--batch-timeout", "8", "--max-replacements", "12", "--budget", "fixed")
     injected = {k: len(list(faults.glob(f"{k}-*"))) for k in ("kill", "hang", "oom", "slow", "fired-oom")}
     assert injected["kill"] >= 1 and injected["hang"] == 1 and injected["oom"] >= 1, injected
     assert summary["complete"] and summary["replicas"]["deaths"] == injected["kill"] + injected["hang"]
@@ -1159,7 +1146,12 @@ def test_a_job_under_a_seeded_chaos_schedule_finishes_with_every_row_once(tmp_pa
     rows = table.sort_by("id").to_pylist()
     assert all(r["error"] is None for r in rows)
     assert [r["generation"] for r in rows] == _fault_free(tiny, 24)
-    assert max(rss) - min(rss) < 200 * 1024, "the driver's peak RSS grew by over 200 MiB during the run"
+    through = summary["memory"]["through_run"]
+    assert through["driver"]["samples"] == 12  # one a batch written (a batch that died returned nothing)
+    assert through["driver"]["max_bytes"] - through["driver"]["first_bytes"] < 200 * 2**20
+    procs = through["replica_processes"]
+    assert sum(p["samples"] for p in procs) == through["driver"]["samples"]
+    assert len(procs) >= 2 and all(p["max_bytes"] - p["first_bytes"] < 64 * 2**20 for p in procs), procs
 
 
 @pytest.mark.slow

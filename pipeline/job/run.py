@@ -134,6 +134,7 @@ class _Sink:
         self.add(rows)
         self.progress.by_replicas += len(rows)
         self.record.add_engine(stats.get("engine") or {})
+        self.record.add_memory(stats.get("pid"), stats.get("rss_bytes"))
 
     def failed(self, rows: list[InputRow], reason: str) -> None:
         self.add([e for r in rows for e in error_rows(r, reason, self.cfg.gen)])

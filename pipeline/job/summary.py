@@ -82,6 +82,16 @@ def node_memory(reps: list[dict], index_names) -> dict:
             for node, rs in sorted(by_node.items(), key=lambda kv: str(kv[0]))}
 
 
+def memory_through_run(record: RunRecord) -> dict:
+    """Resident memory sampled as tasks came back: per replica process (its samples, first, largest
+    and last), and the driver's; a leak shows as a last far above the first."""
+    def series(values: list) -> dict:
+        return {"samples": len(values), "first_bytes": values[0], "max_bytes": max(values),
+                "last_bytes": values[-1]} if values else {"samples": 0}
+    return {"replica_processes": [{"pid": pid, **series(v)} for pid, v in record.rss.items()],
+            "driver": series(record.driver_rss)}
+
+
 def memory_section(references: dict, ready: list, final: list) -> dict:
     """``summary["memory"]``, measured by the replicas alive at the end (``final``)."""
     reps = [replica_memory(i) for i in final if "missing" not in i]
@@ -196,7 +206,8 @@ def build_summary(cfg, plan, progress: Progress, record: RunRecord, failure: Bas
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "engine": _engine(cfg, record),
         "replicas": _replicas(cfg, record.stats),
-        "memory": memory_section(references, record.stats.replica_info if record.stats else [], record.final),
+        "memory": {**memory_section(references, record.stats.replica_info if record.stats else [],
+                                    record.final), "through_run": memory_through_run(record)},
         "model_path": str(plan.model_path),
         "ray": record.ray_info,
         "config": cfg.as_dict(),

@@ -24,7 +24,7 @@ from ..spec import GenerationSpec
 from . import faults
 from .actor_env import actor_runtime_env
 from .budget import ReplicaBudget
-from .resources import Replica, ReplicaResources, process_memory
+from .resources import Replica, ReplicaResources, process_memory, resident_bytes
 
 if TYPE_CHECKING:
     from .worker import RowGenerator
@@ -100,7 +100,7 @@ class EngineWorker:
         """``history``: other replicas' answers (``--share-history``), for the generator's history."""
         faults.at_batch(rows)  # test-only: a row that kills its process (pipeline.replica.faults)
         out, stats = self.generator(rows, history)
-        stats["pid"] = os.getpid()
+        stats["pid"], stats["rss_bytes"] = os.getpid(), resident_bytes()
         self._note_budget(out, stats)
         return out, stats
 

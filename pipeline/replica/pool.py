@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
+from .resources import resident_bytes
 
 log = logging.getLogger("pipeline.replica.pool")
 
@@ -35,6 +36,18 @@ class RunRecord:
     active_sum: float = 0.0  # ... and the rows those forwards decoded
     out_of_memory: int = 0  # batches that ran out of memory in a replica and were split and redone there
     shared_history: dict | None = None  # SharedHistory.stats with --share-history (answers in and out)
+    # resident bytes through the run: each replica process's after each task it returned (by pid), and
+    # the driver's as each task came back
+    rss: dict = field(default_factory=dict)
+    driver_rss: list = field(default_factory=list)
+
+    def add_memory(self, pid: int | None, rss: int | None) -> None:
+        """A task's replica resident bytes (``pid``'s after it) and the driver's now."""
+        if pid is not None and rss is not None:
+            self.rss.setdefault(pid, []).append(rss)
+        driver = resident_bytes()
+        if driver is not None:
+            self.driver_rss.append(driver)
 
     def add_engine(self, engine: dict) -> None:
         """Count a task's engine stats (``batch_steps``, ``mean_active``, ``out_of_memory``)."""
