@@ -2,12 +2,15 @@
 # GPU check of tensor parallelism (docs/tensor_parallel.md): TP=1 vs TP=2 through the job on the
 # embedded model (or $MODEL), float32 so both sides can be compared token for token:
 #   1. ar, batch 1: equal generations and the step-time ratio (wall_s / steps of each row);
-#   2. logitspec: equal generations.
+#   2. logitspec: equal generations;
+#   3. logitspec with --runner graph: each rank's steps captured in CUDA graphs with their collectives
+#      (NCCL, 2+ GPUs) and decided from the vocabulary-parallel head: equal generations (a rank whose
+#      step cannot be captured ends the group: the job's log names the error).
 # With >= 2 GPUs each rank gets its own GPU (NCCL). With one GPU the two ranks share it (gloo): the
 # outputs still compare, but the ratio then says nothing about TP speed.
-# Budget: under 10 minutes on one machine (4 job runs; the first model conversion is extra).
+# Budget: under 10 minutes on one machine (6 job runs; the first model conversion is extra).
 #
-#   bash scripts/gpu_tp_check.sh            # results in ${OUT:-out/gpu_tp_check}/{ar,logitspec}/result.json
+#   bash scripts/gpu_tp_check.sh            # results in ${OUT:-out/gpu_tp_check}/{ar,logitspec,logitspec-graph}/result.json
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_tp_check}
@@ -33,13 +36,14 @@ echo "GPUs: $NGPU; gpus per rank: $SHARE; model: $MODEL; rows: $ROWS; new tokens
 $PY -c "from logitspec.models import resolve_model_path as r; print('model dir', r('$MODEL'))" || exit 2
 
 rc=0
-for METHOD in ar logitspec; do
+for CASE in ar:auto logitspec:auto logitspec:graph; do
+  METHOD=${CASE%%:*}; RUNNER=${CASE##*:}; NAME=$METHOD; [ "$RUNNER" = auto ] || NAME=$METHOD-$RUNNER
   timeout 420 $PY scripts/tp_measure.py --gpu --gpus-per-rank "$SHARE" --tp 2 --model "$MODEL" \
-      --method "$METHOD" --rows "$ROWS" --max-new-tokens "$NEW" --dtype float32 --out "$OUT/$METHOD" \
-      > "$OUT/$METHOD.stdout" 2> "$OUT/$METHOD.stderr"
+      --method "$METHOD" --runner "$RUNNER" --rows "$ROWS" --max-new-tokens "$NEW" --dtype float32 \
+      --out "$OUT/$NAME" > "$OUT/$NAME.stdout" 2> "$OUT/$NAME.stderr"
   r=$?; [ $r -ne 0 ] && rc=$r
-  echo "== $METHOD: exit $r"
-  $PY - "$OUT/$METHOD/result.json" <<'PY' || tail -n 40 "$OUT/$METHOD.stderr"
+  echo "== $NAME: exit $r"
+  $PY - "$OUT/$NAME/result.json" <<'PY' || tail -n 40 "$OUT/$NAME.stderr"
 import json, sys
 d = json.load(open(sys.argv[1]))
 keys = ("equal_generations", "mismatched_ids", "step_time_ratio_tp2_over_tp1")

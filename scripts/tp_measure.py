@@ -49,6 +49,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per process; default floor(CPUs)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--runner", default="auto", help="the job's --runner (graph: captured TP steps on CUDA)")
     ap.add_argument("--out", default="out/tp_measure")
     a = ap.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> int:
     ncpu = os.cpu_count() or 1
     ray.init(num_cpus=ncpu, include_dashboard=False, logging_level="WARNING")
     address = ray.get_runtime_context().gcs_address
-    record: dict = {"model": a.model, "method": a.method, "rows": len(rows),
+    record: dict = {"model": a.model, "method": a.method, "runner": a.runner, "rows": len(rows),
                     "max_new_tokens": a.max_new_tokens, "prompts": str(src),
                     "device": "gpu" if a.gpu else "cpu", "dtype": a.dtype,
                     "gpus_per_rank": a.gpus_per_rank if a.gpu else 0, "runs": {}}
@@ -82,7 +83,7 @@ def main() -> int:
                 "--method", a.method, "--max-new-tokens", str(a.max_new_tokens), "--max-batch-size", "1",
                 "--batch-rows", "1", "--tp", str(tp), "--cpus-per-actor", str(cpus),
                 "--threads-per-actor", str(a.threads or max(1, int(cpus))), "--address", address,
-                "--dtype", a.dtype, "-q"]
+                "--dtype", a.dtype, "--runner", a.runner, "-q"]
         if a.gpu:
             argv += ["--gpus-per-actor", str(1.0 if tp == 1 else a.gpus_per_rank)]
         ready = []

@@ -397,6 +397,26 @@ def test_a_step_flex_attention_cannot_run_attends_with_sdpa(monkeypatch, caplog)
     assert caplog.text.count("attend with SDPA") == 1
 
 
+def test_a_tensor_parallel_ranks_step_that_cannot_run_raises_instead_of_falling_back_alone(monkeypatch):
+    """A rank of a group (``sharded_head``) never runs a step otherwise than its peers: where flex
+    attention has no kernel, the error ends the step (the group is replaced) instead of this rank
+    attending with SDPA alone; nothing is counted as a fallback."""
+    from logitspec.worker.gpu import step as step_module
+
+    def no_kernel(device):
+        def run(query, key, value, **kw):
+            raise RuntimeError("NoValidChoicesError: no kernel for this query block")
+        return run
+
+    monkeypatch.setattr(step_module, "flex", no_kernel)
+    model = tiny_model("llama")
+    runner = GraphRunner(model, max_rows=2, max_len=256, attention="flex", sharded_head=True)
+    assert runner.startup_s == float("inf")  # no rank-local clock decides which steps it builds
+    with pytest.raises(RuntimeError, match="NoValidChoicesError"), torch.inference_mode():
+        greedy_chains(runner, repetitive_prompts(2, seed=13), 4)
+    assert runner.counters["flex_fallbacks"] == 0 and runner.counters["uncaptured"] == 0
+
+
 def test_start_up_time_is_bounded_and_the_rest_is_built_when_first_used(caplog):
     """With no start-up time, capture_all builds one bucket and says so; the others are built when a
     step first needs them (counted after start-up), and the tokens are the same."""

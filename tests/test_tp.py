@@ -33,7 +33,8 @@ NEW = 24
 # (method, temperature, budget, runner): the graph runner's static path (uncaptured) on every rank too
 CASES = (("ar", 0.0, "auto", "auto"), ("logitspec", 0.0, "auto", "auto"), ("logitspec", 0.0, "fixed", "auto"),
          ("pld", 0.0, "auto", "auto"), ("logitspec", 0.8, "auto", "auto"),
-         ("logitspec", 0.0, "fixed", "graph"), ("logitspec", 0.8, "fixed", "graph"))
+         ("logitspec", 0.0, "fixed", "graph"), ("logitspec", 0.8, "fixed", "graph"),
+         ("logitspec", 0.0, "auto", "graph"))
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,9 @@ _HOST_GROUP = None  # init_rank's gloo group for host values beside an NCCL grou
 # forwards per consensus check on a GPU: a check is a few checksum kernels and a small collective a
 # forward; a divergence shows in every later forward's inputs and in the batch's digest anyway
 CONSENSUS_EVERY = 8
+# settings under which a NCCL collective synchronises with the host (blocking waits, torch's NaN check's
+# read): a CUDA graph cannot capture such a step
+CAPTURE_BREAKERS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_NAN_CHECK")
 
 
 class RanksDiverged(RuntimeError):
@@ -100,6 +103,10 @@ def init_rank(rank: int, world_size: int, master_port: int, *, device: str = "cp
     import deepspeed
 
     backend = backend or default_backend(device)
+    breakers = [k for k in CAPTURE_BREAKERS if os.environ.get(k, "0") not in ("", "0")]
+    if backend == "nccl" and breakers:
+        log.warning("%s set: NCCL collectives then wait on the host, and a graph runner's steps "
+                    "(--runner graph) cannot be captured", ", ".join(breakers))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), verbose=False,
                                rank=rank, world_size=world_size)
     global _HOST_GROUP
@@ -219,11 +226,19 @@ def group_cost_curve(target):
     import json
 
     from logitspec.spec_decode.budget import CostCurve
-    from logitspec.worker.calibrate import curve_from_doc, curve_path, measure, save
+    from logitspec.worker.calibrate import (
+        curve_from_doc,
+        curve_path,
+        grid_for,
+        measure,
+        rows_for,
+        runner_fingerprint,
+        save,
+    )
 
     dist = torch.distributed
     world = dist.get_world_size()
-    base = curve_path(target.model)
+    base = curve_path(target.model, head=target.head, runner=runner_fingerprint(target))
     path = base.with_name(f"{base.stem}-tp{world}.json") if base is not None else None
     doc: list = [None]
     if dist.get_rank() == 0 and path is not None and path.exists():
@@ -234,7 +249,10 @@ def group_cost_curve(target):
     if doc[0] is None:
         t0 = time.perf_counter()
         # every rank measures again or none does: the forwards are collective
-        curve = measure(target, tokens=(1, 2, 4, 8, 16, 32), reps=2, agree=rank0_value)
+        # the grid's batch sizes, at most the runner's slots (a graph runner's: its max_rows)
+        grid = grid_for(target.device)
+        rows = rows_for(grid, max(grid.rows), getattr(target, "max_rows", None))
+        curve = measure(target, tokens=(1, 2, 4, 8, 16, 32), reps=2, batch_rows=rows, agree=rank0_value)
         doc[0] = curve.to_dict()
         dist.broadcast_object_list(doc, src=0)
         if dist.get_rank() == 0:

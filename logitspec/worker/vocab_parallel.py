@@ -40,10 +40,11 @@ class VocabParallelHead(torch.nn.Module):
         self.register_buffer("offset", torch.tensor(start, dtype=torch.int64), persistent=False)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[world, *x.shape]: every rank's ``x`` (rank order)."""
-        out = torch.empty((self.world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-        torch.distributed.all_gather(list(out.unbind(0)), x.contiguous(), group=self.group)
-        return out
+        """[world, *x.shape]: every rank's ``x`` (rank order), gathered into one tensor (the form NCCL
+        captures without a staging copy per rank, as Megatron and vLLM gather)."""
+        out = torch.empty((self.world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_into(out, x.contiguous(), group=self.group)
+        return out.view((self.world,) + tuple(x.shape))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Full logits ``[..., V]`` of ``h`` ``[..., H]`` (as the output ``Linear``: no soft cap)."""
@@ -54,7 +55,10 @@ class VocabParallelHead(torch.nn.Module):
     def shard_logits(self, h: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """``[N, S]`` float32: this rank's logits of ``h`` ``[N, H]`` (soft-capped where the model caps
         them), padding rows at -inf."""
-        local = h @ self.weight.T  # in the model's dtype, capped in it too: as one device computes them
+        w = self.weight
+        if h.device.type == "cpu" and h.dtype == torch.bfloat16:  # as Head.output on CPU: float32 products
+            h, w = h.float(), w.float()  # of the widened weights (the same bits in any batch)
+        local = h @ w.T  # in the model's dtype, capped in it too: as one device computes them
         if softcap:
             local = torch.tanh(local / softcap) * softcap
         return local.float().masked_fill(self.padding, float("-inf"))
@@ -80,6 +84,11 @@ class VocabParallelHead(torch.nn.Module):
     def argmax(self, h: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """``[N]`` int64: the argmax token of ``h`` ``[N, H]``, ties to the lowest token id."""
         return self.top(h, 1, softcap)[:, 0]
+
+
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated there, the name before)
+_all_gather_into = (getattr(torch.distributed, "all_gather_single", None)
+                    or torch.distributed.all_gather_into_tensor)
 
 
 def install(model, rank: int, world: int, group=None):

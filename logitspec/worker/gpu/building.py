@@ -3,7 +3,10 @@
 (with ``compile``), captured in a CUDA graph (on CUDA) and checked against the uncompiled step at its
 first real call; each failure falls back to a plainer form of the same step, logged once and counted,
 never a crash: a compiled step that fails or differs runs uncompiled, a step that fails to capture runs
-without a graph, and a flex attention step without a kernel attends with SDPA."""
+without a graph, and a flex attention step without a kernel attends with SDPA. Not on a tensor-parallel
+rank (``fall_back`` false): NCCL needs every rank of a group to capture a collective alike, and a failure
+mid-forward leaves one rank's collectives out of step with its peers', so there the error ends the
+group (the job replaces it) instead of one rank running otherwise."""
 from __future__ import annotations
 
 import logging
@@ -162,6 +165,8 @@ class StepBuilds:
             self.counters["captures"] += 1
             return replay, None
         except Exception as e:  # noqa: BLE001
+            if not self.fall_back:
+                raise
             self._warn_once("capture", f"capturing the step {key} in a CUDA graph failed "
                                        f"({type(e).__name__}: {e}); steps that fail to capture run "
                                        f"without a graph")

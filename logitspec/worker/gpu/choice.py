@@ -22,11 +22,10 @@ def runner_for(model, config, fast_head: bool = True, sharded_head: bool = False
             raise ValueError("a tensor-parallel rank runs --runner auto, eager or graph, not compiled")
         if config.runner != "graph":
             return EagerRunner(model, sharded_head=True)
-        cuda = next(model.parameters()).device.type == "cuda"
-        columns = -(-slot_columns(model) // 128) * 128  # flex attention's block
-        return GraphRunner(model, max_rows=config.max_batch_size, max_len=columns,
-                           attention=ENGINE_ATTENTION if cuda else "sdpa", sharded_head=True,
-                           decide_top=decision_top(config))
+        # SDPA: it has a kernel for every shape, where flex attention's may fail on one rank alone
+        # (Gemma 3's attention is all on rank 0), and a rank never falls back alone
+        return GraphRunner(model, max_rows=config.max_batch_size, max_len=slot_columns(model),
+                           attention="sdpa", sharded_head=True, decide_top=decision_top(config))
     if config.runner == "eager" or not fast_head:
         return EagerRunner(model, fast_head=fast_head)
     compiled = config.runner == "compiled"

@@ -82,7 +82,7 @@ class GraphRunner(StepBuilds):
         torch's choice). ``sharded_head``: a tensor-parallel rank's (its output layer a collective
         module, :class:`~logitspec.worker.head.Head`; its slots sized at the first write, by the heads
         the rank holds): its steps are captured with their collectives on CUDA (unverified on GPUs),
-        never compiled, every one built at start-up (no ``startup_s``).
+        never compiled, every one built at start-up (no ``startup_s``), none falling back alone.
         ``decide_top``: greedy steps are decided inside the step (the output layer over every node,
         the argmax, the accepted path and the last node's ``decide_top`` best tokens:
         :func:`~logitspec.sample.acceptance.greedy_decision`), each bucket built a second time for them;
@@ -119,6 +119,7 @@ class GraphRunner(StepBuilds):
         # a rank's own clock must not decide which steps it builds at start-up: building one runs its
         # collectives (warm-up calls), so every rank of a group builds every step there
         self.decide_top, self.startup_s = decide_top, float("inf") if sharded_head else startup_s
+        self.fall_back = not sharded_head  # a rank of a group never runs a step otherwise alone (.building)
         self.max_context = min(self.eager.max_context, max_len - self.node_buckets[-1])
         # the eager path's attention is unchanged: graph_attention delegates to it outside the steps
         model.set_attn_implementation(NAME)
@@ -219,7 +220,7 @@ class GraphRunner(StepBuilds):
                 break
             except Exception as e:  # flex attention without a kernel for this shape: SDPA, never a crash
                 # (out of memory is the caller's to handle: SDPA over the whole slot would need more)
-                if retry or is_out_of_memory(e) or not self._without_flex(buf, e):
+                if retry or not self.fall_back or is_out_of_memory(e) or not self._without_flex(buf, e):
                     raise
         self.counters["replays"] += 1
         self.head.after_forward(buf.ids, buf.pos, buf.hidden)  # outside the graph: a replay runs no hooks
