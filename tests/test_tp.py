@@ -248,6 +248,71 @@ def test_a_consensus_of_host_values_stops_at_the_forward_that_diverged():
     assert ranks[0][-1][0] == 4 and len(ranks[0]) == 4 and "forward 4" in ranks[0][-1][1]
 
 
+def _host_reads_rank(rank: int, world: int, port: int, model_dir: str, prompts, results_q) -> None:
+    """One rank decoding greedy rows through its graph runner (steps decided inside the step) while its
+    host reads of device values are counted (tests/device_reads.py: the parameters and the runner's
+    buffers as device memory; what a gather returns is device memory when what it sent was)."""
+    try:
+        from collections import Counter
+
+        from device_reads import DeviceReads
+
+        from logitspec.engine.request import Request
+        from logitspec.engine.tensor_parallel import LogitsConsensus, init_rank, load_tp_model, make_engine
+        from logitspec.worker import vocab_parallel
+
+        init_rank(rank, world, port, threads=1)
+        model, tok, _ = load_tp_model(model_dir, world)
+        cfg = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=len(prompts),
+                         runner="graph")
+        # gloo's consensus copies its checksums to the host (NCCL's stay on the device): off here
+        engine = make_engine(model, tok, cfg, consensus=LogitsConsensus(every=10**9))
+        runner = engine.runner
+        session = engine.open()
+        for p in prompts:
+            session.submit(p, Request.make(max_new_tokens=20))
+        buffers = [runner._buffers_for(R, T) for R in runner.row_buckets for T in runner.node_buckets[:5]]
+        seeds = [t for b in buffers for t in (b.ints, b.anc, b.hidden, b.decision) if t is not None]
+        counted = DeviceReads(model.parameters(), seeds)
+        gather = vocab_parallel._all_gather_into
+
+        def gather_on_device(out, x, **kw):
+            gather(out, x, **kw)
+            if counted._marked(x):
+                counted._mark(out)
+        vocab_parallel._all_gather_into = gather_on_device
+        steps, reads = 0, Counter()
+        with counted:
+            while session.busy:
+                steady = len(session.active) == len(prompts) and not (session.pending or session.ready
+                                                                      or session.prefilling)
+                if steady and runner.kv.K is not None and not steps:  # the slots, once allocated
+                    kv = runner.kv
+                    for t in (kv.K, kv.V, *(t for layer in kv.layer_views for t in layer)):
+                        counted._mark(t)
+                before = Counter(counted.reads)
+                session.step()
+                if steady:
+                    steps += 1
+                    reads += counted.reads - before
+        results_q.put((rank, {"steps": steps, "reads": dict(reads), "kind": runner.kind,
+                              "decided": runner.counters["decided"]}, None))
+    except BaseException:  # noqa: BLE001 - report to the parent, which fails the test
+        results_q.put((rank, None, traceback.format_exc()))
+
+
+def test_a_tensor_parallel_step_reads_the_device_once(comm_op, tiny_dirs):
+    """A rank's steady greedy step through its graph runner (the decoder's all-reduces, the
+    vocabulary-parallel argmax and top tokens gathered, the accepted path) reads one device value on
+    the host: the decision's transfer, as on one device."""
+    ranks = run_group(TP, _host_reads_rank, tiny_dirs["llama"], repetitive_prompts(3, seed=11))
+    for r in range(TP):
+        got = ranks[r]
+        assert ":decide=" in got["kind"] and got["decided"] > 0
+        assert got["steps"] >= 5 and sum(got["reads"].values()) == got["steps"], got
+        assert all(k.startswith("tolist acceptance.py") for k in got["reads"]), got["reads"]
+
+
 def _vocab_rank(rank: int, world: int, port: int, results_q) -> None:
     """One rank of a plain gloo group holding its rows of a 37-token output weight (not a multiple of
     ``world``: the last shard is padded); its head's full logits, argmax and top tokens."""
