@@ -135,7 +135,7 @@ def test_every_drafting_method_is_cut_by_the_auto_budget_alike(method):
 @pytest.mark.parametrize("budget", ["auto", "fixed"])
 def test_a_step_agrees_on_its_timings_once_and_a_fixed_budget_never(budget):
     """In a tensor-parallel group each ``agree_on`` is a collective: a step of the auto budget agrees
-    on its time once (and on drafting's share once where it drafted), a fixed budget on nothing."""
+    on its timings once, a fixed budget on nothing."""
     calls = []
     cfg = SpecConfig(method="logitspec", budget=budget)
     policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=FREE,
@@ -143,10 +143,50 @@ def test_a_step_agrees_on_its_timings_once_and_a_fixed_budget_never(budget):
     rows = _rows(2)
     for _ in range(12):  # the guard's plain and drafting steps
         n = len(calls)
+        policy.observe(rows, policy.draft(rows), [[0]] * 2, TIMES)
+        assert len(calls) - n == (0 if budget == "fixed" else 1)
+
+
+class ClockReading(float):
+    """A step time that refuses to be read: any arithmetic, comparison or conversion raises; its value
+    is ``seconds`` (what agreeing reads)."""
+
+    def __new__(cls, seconds: float):
+        out = super().__new__(cls, seconds)
+        out.seconds = seconds
+        return out
+
+    def _refuse(self, *args):
+        raise AssertionError("a step's timing was read without agreeing on it first (agree_on)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __float__ = __bool__ = __round__ = _refuse
+
+
+def test_the_budget_reads_a_steps_timings_only_as_the_group_agreed_on_them():
+    """The one place a decision reads a clock: every timing the auto budget acts on (the speed guard,
+    drafting's share of a step, the curve's staleness, the realised rates) comes out of ``agree_on``;
+    the raw timings handed to ``observe`` are never read (each raises here). Drafting and plain steps,
+    the curve checked for staleness."""
+    agreed = []
+
+    def agree(times):
+        agreed.append(times)
+        return {k: v.seconds for k, v in times.items()}
+
+    cfg = SpecConfig(method="logitspec", budget="auto")
+    policy = SpeculationPolicy(cfg, max_context=1000, read_columns=float, cost_curve=FREE, agree_on=agree,
+                               remeasure_curve=lambda: FREE)
+    rows = _rows(2)
+    sizes = []
+    for step in range(40):
         trees = policy.draft(rows)
-        drafted = policy.drafted
-        policy.observe(rows, trees, [[0]] * 2, TIMES)
-        assert len(calls) - n == (0 if budget == "fixed" else 1 + drafted)
+        sizes.append(max(len(t) for t in trees))
+        paths = [[0, 1] if len(t) > 1 and step % 2 else [0] for t in trees]
+        policy.observe(rows, trees, paths, {k: ClockReading(v) for k, v in TIMES.items()})
+    assert len(agreed) == 40
+    assert min(sizes) == 1 < max(sizes)  # plain steps (the guard's) and drafting steps both ran
+    assert policy._plain_ratios or policy.remeasures  # the staleness check read its agreed time
 
 
 def test_a_stale_curve_is_measured_again_and_what_was_learned_against_it_restarts(caplog):

@@ -373,7 +373,7 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
             init_rank,
             load_tp_model,
             make_engine,
-            rank0_value,
+            rank0_times,
         )
         from logitspec.spec_decode.budget import CostCurve
 
@@ -383,11 +383,12 @@ def _skewed_timing_rank(rank: int, world: int, port: int, model_dir: str, prompt
         for agreed in (True, False):
             # one row at a time: a static batch drafts only for a row that alone sets its end
             # (budget.drain_weights), too rarely for the skewed timings to matter
-            # drafting's share of a step as this rank's timings say: rank 0 skips drafting, rank 1 drafts
-            def share(x: float) -> float:
-                return 1.0 if rank == 0 else 0.0
+            # a step's timings as this rank's clock says: a second of drafting on rank 0 (it skips
+            # drafting), no time at all on rank 1 (it drafts)
+            def skew(times: dict) -> dict:
+                return {**dict.fromkeys(times, 0.0), "draft_s": 1.0 if rank == 0 else 0.0}
 
-            agree = (lambda x: rank0_value(share(x))) if agreed else share
+            agree = (lambda t: rank0_times(skew(t))) if agreed else skew
             engine = make_engine(model, tok, SpecConfig(method="logitspec", max_batch_size=1),
                                  # drafts pay only now and then: skips
                                  cost_curve=CostCurve([1, 64], [1.0, 8.0]),

@@ -53,7 +53,7 @@ class Engine:
                  fill_chunk: int | None = None, fast_head: bool = True, cost_curve: CostCurve | None = None,
                  sample_on_host: bool | None = None, prefix_cache: PrefixCache | None = None,
                  screened_sampling: bool = True, history: NgramSource | None = None,
-                 runner: ModelRunner | None = None, agree_on: Callable[[float], float] = float,
+                 runner: ModelRunner | None = None, agree_on: Callable[[dict], dict] = dict,
                  drafter: Drafter | None = None, accept_override: AcceptOverride | None = None,
                  step_observer: StepObserver | None = None, eos_ids: frozenset[int] | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's

@@ -178,8 +178,8 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
     padded position). ``consensus``: the :class:`LogitsConsensus` run after every forward of the
     engine's runner (default in a group: a new one, one forward in :data:`CONSENSUS_EVERY` checked off
     CPU). In a group, host-timed
-    values are rank 0's (``agree_on``, default
-    :func:`rank0_value`) and the auto budget's cost curve is the group's (``cost_curve``, default
+    timings are rank 0's (``agree_on``, default
+    :func:`rank0_times`) and the auto budget's cost curve is the group's (``cost_curve``, default
     :func:`group_cost_curve`)."""
     from logitspec.engine.engine import Engine
     from logitspec.spec_decode.policy import uses_auto_budget
@@ -192,11 +192,11 @@ def make_engine(model, tokenizer, config, history=None, *, cost_curve=None, agre
     if consensus is not None:
         runner.head.checks.append(consensus.observe)
     if grouped and agree_on is None:
-        agree_on = rank0_value
+        agree_on = rank0_times
     if grouped and uses_auto_budget(config) and cost_curve is None:
         cost_curve = group_cost_curve(runner)
     return Engine(model, tokenizer, config, runner=runner, history=history, cost_curve=cost_curve,
-                  agree_on=agree_on or float)
+                  agree_on=agree_on or dict)
 
 
 def host_group():
@@ -212,6 +212,16 @@ def rank0_value(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     torch.distributed.broadcast(t, src=0, group=host_group())
     return float(t)
+
+
+def rank0_times(times: dict[str, float]) -> dict[str, float]:
+    """Rank 0's step timings on every rank (one broadcast of a few host values on :func:`host_group`):
+    the auto budget's decisions read a step's timings only through this (``SpeculationPolicy``'s
+    ``agree_on``), so ranks with different clocks decide alike."""
+    keys = sorted(times)
+    t = torch.tensor([float(times[k]) for k in keys], dtype=torch.float64)
+    torch.distributed.broadcast(t, src=0, group=host_group())
+    return dict(zip(keys, t.tolist()))
 
 
 def group_cost_curve(target):

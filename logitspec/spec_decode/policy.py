@@ -102,16 +102,17 @@ class SpeculationPolicy:
 
     def __init__(self, config: SpecConfig, *, max_context: int, read_columns: Callable[[float], float],
                  cost_curve: CostCurve | None = None, measure_curve: Callable[[], CostCurve] | None = None,
-                 agree_on: Callable[[float], float] = float, drafter: Drafter | None = None,
+                 agree_on: Callable[[dict], dict] = dict, drafter: Drafter | None = None,
                  accept_override: AcceptOverride | None = None, step_observer: StepObserver | None = None,
                  remeasure_curve: Callable[[], CostCurve] | None = None):
         """``max_context``: the model's context (no tree grows past it). ``read_columns``: cached
         columns a node's attention reads with n in its row (the model runner's). ``cost_curve``:
         forward seconds per new-token count for ``budget="auto"``; without one, ``measure_curve()``
         gives it on first need (e.g. loaded from ``logitspec calibrate``'s store or measured).
-        ``agree_on``: a host-timed value -> the value every rank of a tensor-parallel group uses
-        (rank 0's: :func:`~logitspec.engine.tensor_parallel.rank0_value`); decisions taken from timings must
-        not differ between ranks. ``drafter``: the drafter (default the method's, :func:`make_drafter`).
+        ``agree_on``: a step's timings -> the timings every rank of a tensor-parallel group uses
+        (rank 0's: :func:`~logitspec.engine.tensor_parallel.rank0_times`): the one place a decision reads
+        a clock (:meth:`observe`), so decisions taken from timings never differ between ranks.
+        ``drafter``: the drafter (default the method's, :func:`make_drafter`).
         ``accept_override``: per row of a step, the node to accept instead of the rule's (greedy rows
         only). ``step_observer``: called after each step with (rows, trees, accepted paths). The
         benchmark tools replay and record acceptance traces through these three.
@@ -212,9 +213,15 @@ class SpeculationPolicy:
             self.acceptance.update(tree, path, row.streak)
             if self.auto_budget:
                 self.evidence.update(tree, path, row.streak)
-        seconds = None  # the step's time, the same on every TP rank: taken once, only where it is used
+        plain = all(len(t) == 1 for t in trees)
+        check = plain and self.remeasure_curve is not None and self.cost_curve is not None
+        # the step's timings as the group agreed on them (one collective under tensor parallelism, only
+        # where a decision reads them; a fixed budget never): no decision below reads ``times`` itself
+        timed = self.auto_budget and (self.cost_curve is not None or self.drafted)
+        agreed = self.agree_on(times) if timed or check else None
+        seconds = None  # the step's time, the same on every TP rank
         if self.auto_budget and self.cost_curve is not None:  # (a step with expectations has a curve)
-            seconds = self.agree_on(sum(times.values()))
+            seconds = sum(agreed.values())
             B = len(trees)
             self.guard.record(B, self.mode, sum(len(p) for p in paths), seconds,
                               plain_s=self.cost_curve.step(B, 1))
@@ -228,10 +235,9 @@ class SpeculationPolicy:
             self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s, seconds)
             self.expected = None
         if self.drafted and self.auto_budget:  # (only the auto budget's skips read it)
-            self.draft_share = self.agree_on(host_share(times))
-        plain = all(len(t) == 1 for t in trees)
-        if plain and self.remeasure_curve is not None and self.cost_curve is not None:
-            self._check_curve(len(trees), times["forward_s"], self._columns(rows))
+            self.draft_share = host_share(agreed)
+        if check:
+            self._check_curve(len(trees), agreed["forward_s"], self._columns(rows))
         return [streak_state(len(p) - 1) for p in paths]
 
     def _check_curve(self, rows: int, forward_s: float, columns: float) -> None:
