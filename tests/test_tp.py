@@ -21,7 +21,8 @@ import torch
 from tiny_models import repetitive_prompts, save_tiny_text_model, tiny_model
 
 from logitspec import Engine, SpecConfig
-from logitspec.engine.tensor_parallel import PeerWatchdog, decisions_digest, free_port, rank_env
+from logitspec.engine.peer_watchdog import PeerWatchdog
+from logitspec.engine.tensor_parallel import decisions_digest, free_port, rank_env
 from logitspec.models import load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ scheduler, the writer and the fault handling (requeue, replace, exactly-once) ar
 itself up with :func:`pipeline.replica.startup.set_up`, as a one-actor replica does.
 
 Failure model: a group is all or nothing. A rank that dies makes its peers exit (their
-:class:`~logitspec.engine.tensor_parallel.PeerWatchdog`; otherwise they would spin forever in the shm
+:class:`~logitspec.engine.peer_watchdog.PeerWatchdog`; otherwise they would spin forever in the shm
 all-reduce),
 so rank 0's pending calls fail with ``RayActorError`` and the scheduler kills the group and redoes its
 batches on a new one. An exception inside one rank's engine would leave its peers waiting in a
@@ -70,7 +70,7 @@ class TPRank:
         nodes = {h["node_id"] for h in hellos}
         if len(nodes) != 1:  # STRICT_PACK guarantees it; the watchdog and the shm all-reduce need it
             raise RuntimeError(f"tensor-parallel ranks are spread over {len(nodes)} nodes")
-        from logitspec.engine.tensor_parallel import PeerWatchdog
+        from logitspec.engine.peer_watchdog import PeerWatchdog
 
         self.rank = rank
         self.watchdog = PeerWatchdog([h["pid"] for h in hellos])
