@@ -127,6 +127,38 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
     assert [results[i] for i in ids] == ref
 
 
+@pytest.mark.parametrize("runner", ["eager", "graph"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefilling_while_a_step_is_queued_changes_no_token(llama, runner, temperature):
+    """``overlap`` (a GPU engine's default): while rows decode, the next prompts are prefilled after a
+    step's forward is queued and before its result is read, and admitted at the next step. The order
+    really changes (prefill forwards after a decoding forward within one session step), and every
+    row's tokens are those of the plain order: greedy, and sampled with the same seeds; through the
+    eager runner and the graph runner (greedy steps decided inside the step)."""
+    from logitspec.worker.gpu import GraphRunner
+
+    prompts = repetitive_prompts(8, seed=6)
+    cfg = SpecConfig(method="logitspec", max_batch_size=3, budget="fixed", refill_wait=0)
+    out, orders = {}, {}
+    for overlap in (False, True):
+        kw = {"runner": GraphRunner(llama, max_rows=3, max_len=256, decide_top=cfg.top_k + 1)
+              } if runner == "graph" else {}
+        eng = Engine(llama, None, cfg, overlap=overlap, **kw)
+        log = _spy(eng)
+        session = eng.open(Request.make(max_new_tokens=N_NEW, temperature=temperature, seed=3))
+        for p in prompts:
+            session.submit(p)
+        results, order = {}, []
+        while session.busy:
+            n = len(log)
+            results.update({r.request_id: r.token_ids for r in session.step()})
+            kinds = [k for k, _ in log[n:]]
+            order.append("D" in kinds and any(k != "D" for k in kinds[kinds.index("D"):]))
+        out[overlap], orders[overlap] = [results[i] for i in range(len(prompts))], order
+    assert out[True] == out[False]
+    assert any(orders[True]) and not any(orders[False])
+
+
 def test_rows_finishing_one_by_one_are_refilled_together(llama):
     """Rows that finish at different steps: by default free slots wait for company (at most about
     ``refill_wait`` steps of the whole batch), so fewer prefill forwards refill them; the outputs are

@@ -55,7 +55,8 @@ class Engine:
                  screened_sampling: bool = True, history: NgramSource | None = None,
                  runner: ModelRunner | None = None, agree_on: Callable[[dict], dict] = dict,
                  drafter: Drafter | None = None, accept_override: AcceptOverride | None = None,
-                 step_observer: StepObserver | None = None, eos_ids: frozenset[int] | None = None):
+                 step_observer: StepObserver | None = None, eos_ids: frozenset[int] | None = None,
+                 overlap: bool | None = None):
         """``prefill_chunk``: prompt tokens per prefill forward (while other rows decode, one chunk's
         worth per decoding step). ``fill_chunk``: prompt tokens per forward of short prompts
         prefilled together while no row decodes (a batch filling up; default the larger of
@@ -78,7 +79,10 @@ class Engine:
         (:class:`~logitspec.spec_decode.policy.SpeculationPolicy`). ``drafter``, ``accept_override``,
         ``step_observer``: handed to the policy (a drafter in place of the method's, the node each row
         accepts instead of the rule's, a callback after each step; benchmark tools record and replay
-        acceptance through them). ``eos_ids``: token ids that end a sequence (default the model's)."""
+        acceptance through them). ``eos_ids``: token ids that end a sequence (default the model's).
+        ``overlap``: while rows decode, prefill the next prompts between queueing a step's forward and
+        reading its result, so that a device's step and the host's prefill work overlap; a slot freed
+        by a step is then refilled a step later (default: on CUDA; on CPU nothing runs in parallel)."""
         if prefill_chunk < 1 or (fill_chunk is not None and fill_chunk < 1):
             raise ValueError(f"prefill_chunk and fill_chunk must be >= 1, got {prefill_chunk}, {fill_chunk}")
         check_versions()  # an untested transformers can ignore the cache argument without a word
@@ -107,7 +111,8 @@ class Engine:
             tokenizer=tokenizer, eos_ids=frozenset(stop_ids), prefill_chunk=prefill_chunk,
             fill_chunk=max(prefill_chunk, FILL_CHUNK) if fill_chunk is None else fill_chunk,
             prefix_cache=prefix_cache, history=history, sample_on_host=on_host,
-            screened_sampling=screened_sampling)
+            screened_sampling=screened_sampling,
+            overlap=self.runner.device.type == "cuda" if overlap is None else overlap)
 
     def _measure_curve(self) -> CostCurve:
         """The cost curve on first need: the stored one, or measured now

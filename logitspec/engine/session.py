@@ -73,6 +73,7 @@ class SessionParts:
     history: Any = None  # an n-gram source fed with every finished answer (HistorySource)
     sample_on_host: bool = True  # walk sampled trees on the host (else decide where the logits are)
     screened_sampling: bool = True  # ... drawing from the greedy screen's scores where there is one
+    overlap: bool = False  # prefill while a step's forward runs on the device (Engine's ``overlap``)
 
     def mode(self, params: SamplingParams) -> OutputMode:
         """The output a row sampled with ``params`` needs: float32 rows of every node for sampling,
@@ -159,10 +160,16 @@ class Session:
     def step(self) -> list[GenerationResult]:
         """One iteration (admit, one prefill chunk, one decoding step); the results finished in it."""
         finished: list = []
-        self._fill(finished)
+        # rows decode: the next prompts' prefill goes behind this step's forward (admitted next step)
+        overlap = self.parts.overlap and bool(self.active)
+        if overlap:
+            self._admit_ready(finished)  # prefilled during the last step
+        else:
+            self._fill(finished)
         if self.active:
             # draining: no prompt waits for a slot, so the batch ends with its slowest row
-            self._decode(draining=not (self.pending or self.ready or self.prefilling))
+            self._decode(draining=not (self.pending or self.ready or self.prefilling),
+                         meanwhile=self._prefill_waiting if overlap else None)
             self.steps += 1
             self.active_sum += len(self.active)
             now = time.perf_counter()
@@ -372,9 +379,12 @@ class Session:
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         return seq
 
-    def _decode(self, draining: bool) -> None:
+    def _decode(self, draining: bool, meanwhile=None) -> None:
         """One decoding step of every active row (``kv`` row b is ``active[b]``'s): draft -> target
-        forward -> accept -> commit -> emit. ``draining``: see :meth:`SpeculationPolicy.draft`."""
+        forward -> accept -> commit -> emit. ``draining``: see :meth:`SpeculationPolicy.draft`.
+        ``meanwhile()``: host work run once the forward is queued and before its result is read (the
+        next prompts' prefill: on a GPU its packing overlaps the step's device time and its forward
+        queues behind the step's), timed apart from the step."""
         active, clock = self.active, StepClock()
         trees = self.policy.draft(active, draining)
         rows = [StepRow.from_tree(s.length - 1, tree) for s, tree in zip(active, trees)]
@@ -382,6 +392,9 @@ class Session:
         cols = self.kv.columns
         fwd = self.runner.step(rows, self.kv, OutputMode.for_rows(self.parts.mode(s.params) for s in active))
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
+        if meanwhile is not None:
+            meanwhile()
+            clock.skip()  # its time is the prompts' (prefill_s), not this step's
         k, want = self.policy.guess_count, self.policy.wants_node_outputs
         params, generators = [s.params for s in active], [s.generator for s in active]
         acc = accept_step(trees, fwd, params, generators, k, self.parts.sample_on_host, outputs=want,

@@ -144,9 +144,13 @@ def greedy_decision(choice: torch.Tensor, packed, top: int,
     return torch.cat(cols + [choice], dim=1)
 
 
-def read_decision(decision: torch.Tensor, rows: int, top: int, top_k: int, outputs: bool) -> StepDecision:
+def read_decision(decision: torch.Tensor, rows: int, top: int, top_k: int, outputs: bool,
+                  ready=None) -> StepDecision:
     """:func:`decide`'s result from a :func:`greedy_decision` of ``top`` top tokens: its first ``rows``
-    rows copied to the host (the step's one wait for the device), ``top_k + 1`` top tokens kept."""
+    rows copied to the host (the step's one wait for the device: on ``ready``, a CUDA event, where the
+    runner copied it to host memory already), ``top_k + 1`` top tokens kept."""
+    if ready is not None:
+        ready.synchronize()
     host = decision[:rows].tolist()
     k = top_k + 1 if top_k else 0
     if k > top:
@@ -220,7 +224,7 @@ def accept_step(trees: Sequence[DraftTree], fwd, params: Sequence[SamplingParams
         raise ValueError("an acceptance override needs greedy rows")
     if fwd.decision is not None and override_last is None and all(p.greedy for p in params):
         # decided with the forward, on the device: read it (the step's one wait)
-        d = read_decision(fwd.decision, B, fwd.decision_top, top_k, outputs)
+        d = read_decision(fwd.decision, B, fwd.decision_top, top_k, outputs, fwd.decision_ready)
         paths = [t.path_to(n) for t, n in zip(trees, d.last)]
         top = [row if top_k else None for row in d.top]
         outs = [o[:len(t)] for o, t in zip(d.outputs, trees)] if outputs else None

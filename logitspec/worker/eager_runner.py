@@ -32,7 +32,7 @@ class ForwardResult:
 
     def __init__(self, nodes: NodeLogits | Callable[[], NodeLogits], packed: PackedStep, select: torch.Tensor,
                  starts: torch.Tensor, spans: list[tuple[int, int]], pack_s: float,
-                 decision: torch.Tensor | None = None, decision_top: int = 0):
+                 decision: torch.Tensor | None = None, decision_top: int = 0, decision_ready=None):
         self._nodes = nodes
         self.packed = packed  # the forward's inputs and tree structure, on the model's device
         self.select = select  # int64 [N]: the nodes' flat positions in the [B, T] batch (device)
@@ -40,6 +40,7 @@ class ForwardResult:
         self.spans = spans  # the same ranges on the host
         self.pack_s = pack_s  # masks, positions and node selection, before the model runs
         self.decision, self.decision_top = decision, decision_top
+        self.decision_ready = decision_ready  # a CUDA event: ``decision`` (host memory) is filled once it is
 
     @property
     def nodes(self) -> NodeLogits:

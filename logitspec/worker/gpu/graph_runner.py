@@ -232,9 +232,15 @@ class GraphRunner(StepBuilds):
             nodes = self.head.output(buf.hidden.index_select(0, select_d), mode)
             return ForwardResult(nodes, packed, select_d, starts_d, spans, pack_s)
         self.counters["decided"] += 1
+        decision, ready = buf.decision[:B], None
+        if buf.decision_host is not None:  # to pinned memory now: reading it waits for this step alone,
+            buf.decision_host.copy_(buf.decision, non_blocking=True)  # not for work queued after it
+            ready = torch.cuda.Event()
+            ready.record()
+            decision = buf.decision_host[:B]
         # the nodes' logits only if asked (before the bucket runs again): acceptance reads the decision
         return ForwardResult(lambda: self.head.output(buf.hidden.index_select(0, select_d), mode), packed,
-                             select_d, starts_d, spans, pack_s, buf.decision[:B], self.decide_top)
+                             select_d, starts_d, spans, pack_s, decision, self.decide_top, ready)
 
     def prepare(self, rows: list[StepRow], kv: SlotKV):
         """Fill the bucket's buffers for ``rows`` and return the step's device work as a function
@@ -295,6 +301,8 @@ class GraphRunner(StepBuilds):
             buf.hidden = torch.zeros(R * T, self.hidden_size, dtype=self.dtype, device=self.device)
             if self.decide_top is not None:  # [R, 2 + top + T]: greedy_decision's columns
                 buf.decision = torch.zeros(R, 2 + self.decide_top + T, dtype=torch.int64, device=self.device)
+                if self.device.type == "cuda":  # its host copy (pinned: copied without a wait)
+                    buf.decision_host = torch.empty(buf.decision.shape, dtype=torch.int64, pin_memory=True)
             self._buffers[(R, T)] = buf
             self.counters["allocations"] += 1
             if self.attention == "flex":

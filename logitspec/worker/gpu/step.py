@@ -73,6 +73,7 @@ class StepBuffers:
         self.node = torch.arange(T, device=device)  # [T]
         self.hidden: torch.Tensor | None = None  # [R * T, hidden]: the forward's output, written in place
         self.decision: torch.Tensor | None = None  # [R, 2 + top + T] int64: a decided step's, in place
+        self.decision_host: torch.Tensor | None = None  # its pinned host copy (CUDA)
         # the last fill's copies: the host staging buffers are rewritten only once they are done
         self._copied = torch.cuda.Event() if pin else None
 
