@@ -147,6 +147,26 @@ def test_a_step_agrees_on_its_timings_once_and_a_fixed_budget_never(budget):
         assert len(calls) - n == (0 if budget == "fixed" else 1)
 
 
+def test_a_step_whose_time_is_not_its_own_teaches_no_timing():
+    """A step beside which other work ran (a prefill: ``times`` None) agrees on nothing and moves
+    neither the speed guard nor the realised rates; its acceptance is still learned."""
+    calls = []
+    policy = SpeculationPolicy(SpecConfig(method="logitspec", budget="auto"), max_context=1000,
+                               read_columns=float, cost_curve=FREE, agree_on=lambda x: calls.append(x) or x)
+    rows = _rows(2)
+
+    def learned():  # the speed guard's per-class samples and the realised rates
+        return repr({c: vars(k) for c, k in policy.guard._classes.items()}), policy.realised.as_dict()
+
+    trees = policy.draft(rows)
+    before, tries = learned(), policy.acceptance.tries.sum()
+    policy.observe(rows, trees, [[0]] * 2, None)
+    assert calls == [] and policy.expected is None and learned() == before
+    assert policy.acceptance.tries.sum() > tries
+    policy.observe(rows, policy.draft(rows), [[0]] * 2, TIMES)  # the control: a step's own time is learned
+    assert len(calls) == 1 and learned() != before
+
+
 class ClockReading(float):
     """A step time that refuses to be read: any arithmetic, comparison or conversion raises; its value
     is ``seconds`` (what agreeing reads)."""

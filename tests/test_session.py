@@ -131,10 +131,11 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_prefilling_while_a_step_is_queued_changes_no_token(llama, runner, temperature):
     """``overlap`` (a GPU engine's default): while rows decode, the next prompts are prefilled after a
-    step's forward is queued and before its result is read, and admitted at the next step. The order
-    really changes (prefill forwards after a decoding forward within one session step), and every
-    row's tokens are those of the plain order: greedy, and sampled with the same seeds; through the
-    eager runner and the graph runner (greedy steps decided inside the step)."""
+    decided step's forward is queued and before its result is read, and admitted at the next step.
+    Every row's tokens are those of the plain order (greedy, and sampled with the same seeds; eager
+    and graph runner), and the order really changes exactly where the step is decided inside the graph
+    runner's step (greedy): other steps hold their [N, V] logits, which a prefill beside them would
+    keep alive."""
     from logitspec.worker.gpu import GraphRunner
 
     prompts = repetitive_prompts(8, seed=6)
@@ -156,7 +157,7 @@ def test_prefilling_while_a_step_is_queued_changes_no_token(llama, runner, tempe
             order.append("D" in kinds and any(k != "D" for k in kinds[kinds.index("D"):]))
         out[overlap], orders[overlap] = [results[i] for i in range(len(prompts))], order
     assert out[True] == out[False]
-    assert any(orders[True]) and not any(orders[False])
+    assert any(orders[True]) == (runner == "graph" and temperature == 0.0) and not any(orders[False])
 
 
 def test_rows_finishing_one_by_one_are_refilled_together(llama):

@@ -392,19 +392,27 @@ class Session:
         cols = self.kv.columns
         fwd = self.runner.step(rows, self.kv, OutputMode.for_rows(self.parts.mode(s.params) for s in active))
         clock.lap("forward_s", pack_s=fwd.pack_s)  # on a GPU: queued; the wait for it falls into verify_s
-        if meanwhile is not None:
+        timings = clock.times
+        # beside a decided step only: its result is a few ints read on their own event, where another
+        # step's [N, V] logits would stay alive through the prefill's activations
+        if meanwhile is not None and fwd.decision is not None:
+            chunks = self.prefill_chunks
             meanwhile()
             clock.skip()  # its time is the prompts' (prefill_s), not this step's
+            if self.prefill_chunks != chunks:  # the step's wait hid or held some prefill: not learned from
+                timings = None  # (the same on every rank of a group: prefill work is no rank's choice)
         k, want = self.policy.guess_count, self.policy.wants_node_outputs
         params, generators = [s.params for s in active], [s.generator for s in active]
         acc = accept_step(trees, fwd, params, generators, k, self.parts.sample_on_host, outputs=want,
                           override_last=self.policy.accept_override(trees))
         paths, bonus = acc.paths, acc.bonus
-        guesses = next_guesses(fwd.logits, paths, bonus, acc.top, k)
+        # the nodes' results only where a guess needs them (a decided step's are computed on first use)
+        logits = fwd.logits if k and any(t is None for t in acc.top) else None
+        guesses = next_guesses(logits, paths, bonus, acc.top, k)
         clock.lap("verify_s")
         self.kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
-        streaks = self.policy.observe(active, trees, paths, clock.times, acc.outputs)
+        streaks = self.policy.observe(active, trees, paths, timings, acc.outputs)
         for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
             s.guesses, s.streak = g, streak
             tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]

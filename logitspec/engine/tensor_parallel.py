@@ -40,6 +40,8 @@ _HOST_GROUP = None  # init_rank's gloo group for host values beside an NCCL grou
 # forwards per consensus check on a GPU: a check is a few checksum kernels and a small collective a
 # forward; a divergence shows in every later forward's inputs and in the batch's digest anyway
 CONSENSUS_EVERY = 8
+# a decoding step's timed parts (engine.step_clock.StepClock's laps)
+STEP_PARTS = ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
 # settings under which a NCCL collective synchronises with the host (blocking waits, torch's NaN check's
 # read): a CUDA graph cannot capture such a step
 CAPTURE_BREAKERS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_NAN_CHECK")
@@ -219,8 +221,10 @@ def rank0_times(times: dict[str, float]) -> dict[str, float]:
     """Rank 0's step timings on every rank (one broadcast of a few host values on :func:`host_group`):
     the auto budget's decisions read a step's timings only through this (``SpeculationPolicy``'s
     ``agree_on``), so ranks with different clocks decide alike."""
-    keys = sorted(times)
-    t = torch.tensor([float(times[k]) for k in keys], dtype=torch.float64)
+    # the same keys on every rank whatever each measured (a part a rank timed at 0 may be missing from
+    # its dict): a broadcast of another size would break the collective
+    keys = STEP_PARTS + tuple(sorted(set(times) - set(STEP_PARTS)))
+    t = torch.tensor([float(times.get(k, 0.0)) for k in keys], dtype=torch.float64)
     torch.distributed.broadcast(t, src=0, group=host_group())
     return dict(zip(keys, t.tolist()))
 

@@ -206,7 +206,8 @@ class SpeculationPolicy:
                 times: dict[str, float], outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
         """Learn from a verified step: per row (its acceptance ``streak`` before the step and its
         ``draft_state``) its tree and accepted node path (root first); ``times``: the step's parts in
-        seconds (``draft_s``, ``forward_s``, ``verify_s``, ``commit_s``); where
+        seconds (``draft_s``, ``forward_s``, ``verify_s``, ``commit_s``; None where the step's time is not
+        its own, e.g. a prefill ran beside it: nothing is learned from it); where
         :attr:`wants_node_outputs`, per row the target's token after each node (``outputs``).
         Returns each row's acceptance state after it."""
         for row, tree, path in zip(rows, trees, paths):
@@ -214,13 +215,14 @@ class SpeculationPolicy:
             if self.auto_budget:
                 self.evidence.update(tree, path, row.streak)
         plain = all(len(t) == 1 for t in trees)
-        check = plain and self.remeasure_curve is not None and self.cost_curve is not None
+        known = times is not None  # None: the step's time is not its own (it hid other work)
+        check = known and plain and self.remeasure_curve is not None and self.cost_curve is not None
         # the step's timings as the group agreed on them (one collective under tensor parallelism, only
         # where a decision reads them; a fixed budget never): no decision below reads ``times`` itself
-        timed = self.auto_budget and (self.cost_curve is not None or self.drafted)
+        timed = known and self.auto_budget and (self.cost_curve is not None or self.drafted)
         agreed = self.agree_on(times) if timed or check else None
         seconds = None  # the step's time, the same on every TP rank
-        if self.auto_budget and self.cost_curve is not None:  # (a step with expectations has a curve)
+        if timed and self.cost_curve is not None:  # (a step with expectations has a curve)
             seconds = sum(agreed.values())
             B = len(trees)
             self.guard.record(B, self.mode, sum(len(p) for p in paths), seconds,
@@ -232,9 +234,11 @@ class SpeculationPolicy:
             self.step_observer(rows, trees, paths)
         if self.expected is not None:
             expected, curve_s = self.expected
-            self.realised.of(len(trees)).update(expected, sum(len(p) - 1 for p in paths), curve_s, seconds)
+            if seconds is not None:
+                accepted = sum(len(p) - 1 for p in paths)
+                self.realised.of(len(trees)).update(expected, accepted, curve_s, seconds)
             self.expected = None
-        if self.drafted and self.auto_budget:  # (only the auto budget's skips read it)
+        if timed and self.drafted:  # (only the auto budget's skips read it)
             self.draft_share = host_share(agreed)
         if check:
             self._check_curve(len(trees), agreed["forward_s"], self._columns(rows))

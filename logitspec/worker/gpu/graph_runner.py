@@ -236,7 +236,7 @@ class GraphRunner(StepBuilds):
         if buf.decision_host is not None:  # to pinned memory now: reading it waits for this step alone,
             buf.decision_host.copy_(buf.decision, non_blocking=True)  # not for work queued after it
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
             decision = buf.decision_host[:B]
         # the nodes' logits only if asked (before the bucket runs again): acceptance reads the decision
         return ForwardResult(lambda: self.head.output(buf.hidden.index_select(0, select_d), mode), packed,
