@@ -67,6 +67,25 @@ def test_decided_steps_give_the_eager_runners_tokens(family, method):
     assert "decide=" in runner.kind
 
 
+def test_a_decided_step_computes_no_node_logits_outside_the_step():
+    """Acceptance and logitspec's guesses read the decision alone: after the step, the output layer
+    never runs again over its nodes (it did, once a step, for nothing)."""
+    model = tiny_model("llama")
+    cfg = SpecConfig(method="logitspec", budget="fixed", capacity=8, max_batch_size=2)
+    runner = decided_runner(model, cfg)
+    after_steps, output = [], runner.head.output
+
+    def counted(h, mode=None, **kw):  # the step's own calls ask for EXACT rows; acceptance's would not
+        after_steps.append(mode is not None and mode.name != "EXACT")
+        return output(h, mode, **kw) if mode is not None else output(h, **kw)
+    runner.head.output = counted
+    engine = Engine(model, None, cfg, runner=runner)
+    got = engine.generate(repetitive_prompts(2, seed=5), max_new_tokens=N_NEW)
+    assert runner.counters["decided"] > 5 and all(len(r.token_ids) == N_NEW for r in got)
+    steps = runner.counters["decided"]
+    assert sum(after_steps) <= 2 < steps, (sum(after_steps), steps)  # the two prompts' prefills only
+
+
 def test_sampled_steps_take_the_plain_path():
     """Sampled rows are not decided in the step (their draws are acceptance's): the tokens equal the
     same runner's without decisions, and no step was decided."""
