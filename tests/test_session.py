@@ -129,35 +129,40 @@ def test_session_keeps_the_batch_full_and_equals_run(llama):
 
 @pytest.mark.parametrize("runner", ["eager", "graph"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_prefilling_while_a_step_is_queued_changes_no_token(llama, runner, temperature):
+def test_prefilling_while_a_step_is_queued_changes_no_token(llama, runner, temperature, monkeypatch):
     """``overlap`` (a GPU engine's default): while rows decode, the next prompts are prefilled after a
     decided step's forward is queued and before its result is read, and admitted at the next step.
     Every row's tokens are those of the plain order (greedy, and sampled with the same seeds; eager
-    and graph runner), and the order really changes exactly where the step is decided inside the graph
-    runner's step (greedy): other steps hold their [N, V] logits, which a prefill beside them would
-    keep alive."""
+    and graph runner). A prefill runs between a step's forward and its acceptance exactly where the
+    step is decided inside the graph runner's step (greedy): other steps hold their [N, V] logits,
+    which a prefill beside them would keep alive, and run the plain order's forwards, none skipped."""
+    from logitspec.engine import session as session_module
     from logitspec.worker.gpu import GraphRunner
 
     prompts = repetitive_prompts(8, seed=6)
     cfg = SpecConfig(method="logitspec", max_batch_size=3, budget="fixed", refill_wait=0)
-    out, orders = {}, {}
+    out, forwards, beside = {}, {}, {}
+    accept = session_module.accept_step
     for overlap in (False, True):
         kw = {"runner": GraphRunner(llama, max_rows=3, max_len=256, decide_top=cfg.top_k + 1)
               } if runner == "graph" else {}
         eng = Engine(llama, None, cfg, overlap=overlap, **kw)
         log = _spy(eng)
+        monkeypatch.setattr(session_module, "accept_step",
+                            lambda *a, **k: log.append(("A", 0)) or accept(*a, **k))
         session = eng.open(Request.make(max_new_tokens=N_NEW, temperature=temperature, seed=3))
         for p in prompts:
             session.submit(p)
-        results, order = {}, []
+        results = {}
         while session.busy:
-            n = len(log)
             results.update({r.request_id: r.token_ids for r in session.step()})
-            kinds = [k for k, _ in log[n:]]
-            order.append("D" in kinds and any(k != "D" for k in kinds[kinds.index("D"):]))
-        out[overlap], orders[overlap] = [results[i] for i in range(len(prompts))], order
+        kinds = "".join(k for k, _ in log)  # D: a step's forward, A: its acceptance, P/G: prefill forwards
+        out[overlap], forwards[overlap] = [results[i] for i in range(len(prompts))], kinds.replace("A", "")
+        beside[overlap] = any(c in "PG" for part in kinds.split("D")[1:] for c in part.split("A")[0])
     assert out[True] == out[False]
-    assert any(orders[True]) == (runner == "graph" and temperature == 0.0) and not any(orders[False])
+    decided = runner == "graph" and temperature == 0.0
+    assert beside[True] == decided and not beside[False]
+    assert decided or forwards[True] == forwards[False]
 
 
 def test_rows_finishing_one_by_one_are_refilled_together(llama):

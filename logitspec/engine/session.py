@@ -160,16 +160,17 @@ class Session:
     def step(self) -> list[GenerationResult]:
         """One iteration (admit, one prefill chunk, one decoding step); the results finished in it."""
         finished: list = []
-        # rows decode: the next prompts' prefill goes behind this step's forward (admitted next step)
+        # rows decode: the next prompts are prefilled beside this step (admitted at the next step's start)
         overlap = self.parts.overlap and bool(self.active)
         if overlap:
-            self._admit_ready(finished)  # prefilled during the last step
+            self._admit_ready(finished)  # prefilled during (or after) the last step
         else:
             self._fill(finished)
+        beside = False
         if self.active:
             # draining: no prompt waits for a slot, so the batch ends with its slowest row
-            self._decode(draining=not (self.pending or self.ready or self.prefilling),
-                         meanwhile=self._prefill_waiting if overlap else None)
+            draining = not (self.pending or self.ready or self.prefilling)
+            beside = self._decode(draining, overlap)
             self.steps += 1
             self.active_sum += len(self.active)
             now = time.perf_counter()
@@ -178,6 +179,8 @@ class Session:
             still = [i for i, s in enumerate(self.active) if not s.finish]
             finished += [self._result(s) for s in self.active if s.finish]
             self.active = [self.active[i] for i in self.kv.keep_rows(still)]
+        if overlap and not beside:  # the step's result was read at once: the plain order's fill, a step early
+            self._fill(finished)
         return finished
 
     def drain(self) -> list[GenerationResult]:
@@ -379,12 +382,12 @@ class Session:
         seq.stats.add_step(1, retrieved=False)  # the prefill forward emits the first token
         return seq
 
-    def _decode(self, draining: bool, meanwhile=None) -> None:
+    def _decode(self, draining: bool, overlap: bool = False) -> bool:
         """One decoding step of every active row (``kv`` row b is ``active[b]``'s): draft -> target
         forward -> accept -> commit -> emit. ``draining``: see :meth:`SpeculationPolicy.draft`.
-        ``meanwhile()``: host work run once the forward is queued and before its result is read (the
-        next prompts' prefill: on a GPU its packing overlaps the step's device time and its forward
-        queues behind the step's), timed apart from the step."""
+        ``overlap``: the next prompts are prefilled once a decided step's forward is queued and before
+        its result is read (on a GPU their packing overlaps the step's device time and their forward
+        queues behind the step's), timed apart from the step. Whether they were."""
         active, clock = self.active, StepClock()
         trees = self.policy.draft(active, draining)
         rows = [StepRow.from_tree(s.length - 1, tree) for s, tree in zip(active, trees)]
@@ -395,9 +398,10 @@ class Session:
         timings = clock.times
         # beside a decided step only: its result is a few ints read on their own event, where another
         # step's [N, V] logits would stay alive through the prefill's activations
-        if meanwhile is not None and fwd.decision is not None:
+        beside = overlap and fwd.decision is not None
+        if beside:
             chunks = self.prefill_chunks
-            meanwhile()
+            self._prefill_waiting()
             clock.skip()  # its time is the prompts' (prefill_s), not this step's
             if self.prefill_chunks != chunks:  # the step's wait hid or held some prefill: not learned from
                 timings = None  # (the same on every rank of a group: prefill work is no rank's choice)
@@ -421,6 +425,7 @@ class Session:
             if len(p) > 1:
                 # the emitted drafts
                 s.stats.count_origins([tree.origin_name(n, s.source_names) for n in p[1:emitted + 1]])
+        return beside
 
     def _result(self, seq: DecodingSequence) -> GenerationResult:
         """A finished sequence's result; its answer joins the history source."""
