@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import time
 
+# the parts a decoding step laps (engine.session), in order; pack_s only where the runner packed apart
+STEP_PARTS = ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
+
 
 class StepClock:
     """Times the parts of one step; ``times`` holds seconds per part (``pack_s`` reported apart from

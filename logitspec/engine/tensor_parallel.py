@@ -30,6 +30,8 @@ from typing import Any, Iterable
 
 import torch
 
+from logitspec.engine.step_clock import STEP_PARTS
+
 log = logging.getLogger("logitspec.engine.tensor_parallel")
 
 DEFAULT_TIMEOUT_S = 1800.0  # one collective may wait this long (a long prefill on a slow peer is fine)
@@ -40,8 +42,6 @@ _HOST_GROUP = None  # init_rank's gloo group for host values beside an NCCL grou
 # forwards per consensus check on a GPU: a check is a few checksum kernels and a small collective a
 # forward; a divergence shows in every later forward's inputs and in the batch's digest anyway
 CONSENSUS_EVERY = 8
-# a decoding step's timed parts (engine.step_clock.StepClock's laps)
-STEP_PARTS = ("draft_s", "pack_s", "forward_s", "verify_s", "commit_s")
 # settings under which a NCCL collective synchronises with the host (blocking waits, torch's NaN check's
 # read): a CUDA graph cannot capture such a step
 CAPTURE_BREAKERS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT", "TORCH_NCCL_NAN_CHECK")
@@ -358,7 +358,8 @@ class LogitsConsensus:
             self._pending = (self.forwards, host, event)
         else:
             self._pending = (self.forwards, got, None)
-        if not (dev.type == "cuda" if self.lag is None else self.lag):
+        lag = dev.type == "cuda" if self.lag is None else self.lag
+        if not lag:
             self.flush()
 
     def flush(self) -> None:

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import torch
 
+# torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated there, the name before)
+_all_gather_into = (getattr(torch.distributed, "all_gather_single", None)
+                    or torch.distributed.all_gather_into_tensor)
+
 
 class VocabParallelHead(torch.nn.Module):
     """Rank ``rank`` of ``world``'s rows of an output weight ``[V, H]`` (copied; no bias)."""
@@ -84,11 +88,6 @@ class VocabParallelHead(torch.nn.Module):
     def argmax(self, h: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
         """``[N]`` int64: the argmax token of ``h`` ``[N, H]``, ties to the lowest token id."""
         return self.top(h, 1, softcap)[:, 0]
-
-
-# torch >= 2.13 names it all_gather_single (all_gather_into_tensor: deprecated there, the name before)
-_all_gather_into = (getattr(torch.distributed, "all_gather_single", None)
-                    or torch.distributed.all_gather_into_tensor)
 
 
 def install(model, rank: int, world: int, group=None):
