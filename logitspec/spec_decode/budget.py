@@ -112,19 +112,22 @@ class CostCurve:
         nodes = np.asarray(nodes, dtype=float)
         if self.head is None:
             return np.zeros_like(nodes)
-        x, y = np.asarray(self.head.tokens, float), np.asarray(self.head.seconds, float)
-        if len(x) == 1:
-            return y[0] * nodes / x[0]
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])  # linear past the last point, like __call__
-        return np.where(nodes > x[-1], y[-1] + slope * (nodes - x[-1]), np.interp(nodes, x, y))
+        if len(self.head.tokens) == 1:
+            return self.head.seconds[0] * nodes / self.head.tokens[0]
+        return self.head.at(nodes)
 
     def __call__(self, n: int) -> float:
-        x, y = self.tokens, self.seconds
-        if n <= x[0]:
-            return y[0]
-        i = min(bisect.bisect_left(x, n), len(x) - 1)
-        x0, x1, y0, y1 = x[i - 1], x[i], y[i - 1], y[i]
-        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)  # extrapolates linearly past the last point
+        """Seconds of a forward of ``n`` new tokens (flat below the first point, linear past the last)."""
+        return float(self.at(n))
+
+    def at(self, n) -> np.ndarray:
+        """:meth:`__call__` over an array of token counts (float64, ``n``'s shape)."""
+        n = np.asarray(n, dtype=float)
+        x, y = np.asarray(self.tokens, float), np.asarray(self.seconds, float)
+        if len(x) == 1:
+            return np.full(n.shape, y[0])
+        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        return np.where(n > x[-1], y[-1] + slope * (n - x[-1]), np.interp(n, x, y))
 
     def step(self, rows: int, per_row: int, columns: float | None = None) -> float:
         """Forward time of ``rows`` sequences adding ``per_row`` tokens each: the measured batch
@@ -132,26 +135,28 @@ class CostCurve:
         curve alone when no batch curve was measured. ``columns``: the cached columns the rows'
         nodes read (averaged over layers); beyond the curves' own, each node costs ``context``'s
         ``per_column`` more a column."""
+        return float(self.steps(rows, per_row, columns))
+
+    def steps(self, rows: int, per_row, columns: float | None = None) -> np.ndarray:
+        """:meth:`step` over an array of ``per_row`` counts (float64, ``per_row``'s shape)."""
+        per_row = np.asarray(per_row, dtype=float)
         extra = 0.0
         if columns is not None and self.context:
             extra = self.context["per_column"] * rows * per_row * max(0.0, columns - self.context["columns"])
-        return self._step(rows, per_row) + extra
-
-    def _step(self, rows: int, per_row: int) -> float:
         if rows <= 1 or not self.batches:
-            return self(rows * per_row)
+            return self.at(rows * per_row) + extra
         sizes = sorted({1, *self.batches})
 
-        def at(b: int) -> float:
-            return self(per_row) if b == 1 else self.batches[b](per_row)
+        def at(b: int) -> np.ndarray:
+            return self.at(per_row) if b == 1 else self.batches[b].at(per_row)
 
         if rows in sizes:
-            return at(rows)
+            return at(rows) + extra
         if rows > sizes[-1]:
-            return at(sizes[-1]) * rows / sizes[-1]
+            return at(sizes[-1]) * rows / sizes[-1] + extra
         lo = max(b for b in sizes if b < rows)
         hi = min(b for b in sizes if b > rows)
-        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
+        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo) + extra
 
     def monotone(self) -> "CostCurve":
         """This curve with its noise made harmless: no point costs less than a smaller one, in new
@@ -218,37 +223,48 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     of row b is worth (default 1 for every row; see :func:`drain_weights`); ``base``: what a plain
     step is worth (default the weights' sum: each row's token). Any drafting must score
     ``1 + margin`` times plain decoding. ``columns``: the cached columns the nodes read (see
-    :meth:`CostCurve.step`). For each padded width T, the
-    forward costs ``cost.step(B, T)`` less the output layer of the padding nodes; the rows' nodes
-    are then taken most probable first (a row's kept nodes are its most probable ones), each
-    prefix scored. Without ``cost.head`` every node up to the width is free of extra cost, and this
-    is :func:`choose_size` for every row. ``token_scale`` and ``cost_scale``: corrections learned
-    from the steps so far (:class:`~logitspec.spec_decode.feedback.Realised`): each node's expected tokens,
-    and a
-    drafting forward's time against a plain one's, are multiplied by them.
+    :meth:`CostCurve.step`). For each padded width W, the forward costs ``cost.step(B, W + 1)``
+    less the output layer of the padding nodes; the rows' nodes (each row's first W) are then taken
+    most probable first (a row's kept nodes are its most probable ones), each prefix scored: the
+    smallest width with the best score wins. Without ``cost.head`` every node up to the width is free
+    of extra cost, and this is :func:`choose_size` for every row. ``token_scale`` and ``cost_scale``:
+    corrections learned from the steps so far (:class:`~logitspec.spec_decode.feedback.Realised`):
+    each node's expected tokens, and a drafting forward's time against a plain one's, are multiplied
+    by them. All widths are scored at once, from one sort of every row's nodes.
     """
     B = len(probs)
     w = np.ones(B) if weights is None else np.asarray(weights, dtype=float)  # [B]
     # drafting must beat plain decoding by the margin: the curve and the rates are estimates, and
     # a drafting step has host work (drafts, acceptance) that the curve does not hold
     base = w.sum() if base is None else float(base)
-    best, best_score = [0] * B, base / cost.step(B, 1, columns) * (1 + margin)
-    top = [np.asarray(p[:max_nodes], dtype=float) for p in probs]
-    for width in range(1, 1 + max((len(p) for p in top), default=0)):
-        cand = [p[:width] for p in top]
-        rows = np.concatenate([np.full(len(p), b) for b, p in enumerate(cand)])
-        # [M]: each node's expected tokens, weighted by its row
-        vals = np.concatenate(cand) * w[rows] * token_scale
-        order = np.argsort(-vals, kind="stable")  # stable: a row's nodes stay in their order
-        gain = base + np.concatenate([[0.0], np.cumsum(vals[order])])  # [M + 1]: top K nodes kept
-        full = padded_decoder(cost, B, width, columns)
-        score = gain / ((full + cost.head_time(B + np.arange(len(vals) + 1))) * cost_scale)
-        score[0] = 0.0  # no node kept: plain decoding, scored above
-        k = int(np.argmax(score))
-        if score[k] > best_score * (1 + 1e-12):
-            best_score = score[k]
-            best = np.bincount(rows[order[:k]], minlength=B).tolist()
-    return best
+    plain = base / cost.step(B, 1, columns) * (1 + margin)
+    lengths = np.array([min(len(p), max_nodes) for p in probs], dtype=np.int64)  # [B]
+    W = int(lengths.max(initial=0))
+    if W == 0:
+        return [0] * B
+    vals = np.full((B, W), -np.inf)  # [B, W]: each node's expected tokens, weighted by its row
+    for b, p in enumerate(probs):
+        vals[b, :lengths[b]] = np.asarray(p[:lengths[b]], dtype=float) * w[b] * token_scale
+    flat = vals.reshape(-1)  # [B * W]
+    order = np.argsort(-flat, kind="stable")  # stable: a row's nodes stay in their order
+    ranked, depth = flat[order], order % W  # [B * W]: nodes most valuable first; each one's place in its row
+    widths = np.arange(1, W + 1)  # [W]
+    # at width i + 1 a row offers its first i + 1 nodes: the offered nodes in the same order
+    offered = (depth[None] < widths[:, None]) & np.isfinite(ranked)[None]  # [W, B * W]
+    kept = np.cumsum(offered, axis=1)  # [W, B * W]: nodes kept when the offered ones up to here are
+    gain = base + np.cumsum(np.where(offered, ranked, 0.0), axis=1)  # [W, B * W]
+    decoder = cost.steps(B, widths + 1, columns) - cost.head_time(B * (widths + 1))  # [W]
+    heads = cost.head_time(B + np.arange(B * W + 1))  # [B * W + 1]: the output layer for B rows + k nodes
+    score = np.where(offered, gain / ((decoder[:, None] + heads[kept]) * cost_scale), -np.inf)
+    ends = np.argmax(score, axis=1)  # [W]: per width, the last node of the best prefix
+    best, best_score = None, plain
+    for i, end in enumerate(ends):  # the smallest width wins unless a wider one scores higher
+        if score[i, end] > best_score * (1 + 1e-12):
+            best, best_score = i, score[i, end]
+    if best is None:
+        return [0] * B
+    chosen = order[:ends[best] + 1][offered[best, :ends[best] + 1]]
+    return np.bincount(chosen // W, minlength=B).tolist()
 
 
 def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
