@@ -14,10 +14,15 @@ thin evidence never learns otherwise. Two checks keep it honest:
 - :class:`SpeedGuard`: the measured speed of steps that may draft (the budget decides) against steps
   that decode plainly, per batch-size class, interleaved (tokens per row per plain step's curve time,
   so steps of different row counts in one class compare fairly). Drafting is turned off only
-  when the interval of the difference says plain decoding is faster; plain steps are still taken
-  now and then while drafting wins, and drafting steps while plain wins, at intervals that double
-  while the verdict holds (``RECHECK_FIRST`` .. ``RECHECK_LAST``). This is what makes the auto budget
-  never a net loss: whatever the cost curve and the rates get wrong, the clock does not.
+  when the interval of the difference says plain decoding is faster. While drafting wins, plain
+  steps are still taken now and then, at intervals that double while the verdict holds
+  (``RECHECK_FIRST`` .. ``RECHECK_LAST``); while plain wins, every ``RECHECK_DRAFT``-th step may draft.
+  The two are not alike: a drafting step the budget sizes costs little more than a plain one where
+  drafts do not pay, and a plain step costs two thirds of a step where they pay 3x; a verdict reached
+  on one answer must not hold through the next (one answer's drafts lost 15%, the next's won 3x: a
+  guard re-checking drafting at doubling intervals decoded up to 121 of the next 150 steps plainly,
+  ``test_the_guard_resumes_drafting_within_a_few_steps_once_it_pays``). This is what makes the auto
+  budget never a net loss: whatever the cost curve and the rates get wrong, the clock does not.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from logitspec.spec_decode.tree import DraftTree
 Z = 1.645  # one-sided 95%
 DECAY = 0.995  # per step: counts halve in about 140 steps
 MIN_ARM_STEPS = 6.0  # steps each mode needs before the guard compares them
-RECHECK_FIRST, RECHECK_LAST = 8, 64  # steps between samples of the losing mode, doubling while it loses
+RECHECK_FIRST, RECHECK_LAST = 8, 64  # steps between plain steps while drafting wins, doubling while it does
+RECHECK_DRAFT = 6  # steps between drafting steps while plain decoding wins
 ARM_DECAY = 0.97  # per sample of a mode: its speed is a mean over about its last 30 steps
 
 
@@ -169,7 +175,9 @@ class SpeedGuard:
         diff = c.draft.mean - c.plain.mean
         se = math.sqrt(c.draft.var / c.draft.n + c.plain.var / c.plain.n)
         verdict = "plain" if diff + Z * se < 0 else "draft" if diff - Z * se > 0 else "undecided"
-        if verdict == c.verdict and verdict != "undecided":
+        if verdict == "plain":  # drafting is re-checked often: at worst it costs a little
+            c.every = RECHECK_DRAFT
+        elif verdict == c.verdict and verdict != "undecided":
             c.every = min(2 * c.every, RECHECK_LAST) if mode != verdict else c.every
         elif verdict != c.verdict:
             c.every, c.since = RECHECK_FIRST, 0
