@@ -2,11 +2,13 @@
 budget and its state machine (when it drafts, skips drafting and re-checks)."""
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 
 from logitspec.config import SpecConfig
 from logitspec.spec_decode import policy as policy_module
 from logitspec.spec_decode.budget import CostCurve
+from logitspec.spec_decode.interface import LOOKUP_KINDS
 from logitspec.spec_decode.ngram_index import SequenceIndex
 from logitspec.spec_decode.policy import RECHECK_EVERY, SpeculationPolicy
 
@@ -240,3 +242,27 @@ def test_a_stale_curve_is_measured_again_and_what_was_learned_against_it_restart
     for _ in range(2 * policy_module.STALE_STEPS):
         policy.observe(rows, policy.draft(rows), [[0]], plain)
     assert policy.cost_curve is slow
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_logitspecs_first_chain_keeps_at_least_what_pld_keeps_under_the_auto_budget(rows):
+    """With the same cost curve and acceptance rates, a logitspec tree (its chain and guess branches)
+    keeps at least as many of its chain's nodes as pld's tree (the chain alone) keeps: the guesses
+    take only nodes beyond the chain's. Over 40 random rate tables, some favouring the guesses."""
+    rng = np.random.default_rng(0)
+    curve = CostCurve([1, 2, 4, 8, 16, 33], [1.0, 1.15, 1.3, 1.6, 2.2, 3.5],
+                      head={"tokens": [1, 64], "seconds": [0.01, 0.5]})
+    guessed = 0
+    for _ in range(40):
+        ls, pld = _policy(curve), _policy(curve, method="pld")
+        rates = rng.uniform(0.05, 0.95, ls.acceptance.hits.shape)
+        for p in (ls, pld):
+            p.acceptance.tries[:] = 10.0
+            p.acceptance.hits[:] = 10.0 * rates
+        batch = [Row([7, 1, 2, 3, 4, 5, 6, 8, 9] * 3 + [7, 1][: 1 + b % 2], guesses=[11, 12, 2, 13, 14])
+                 for b in range(rows)]
+        trees, plain_chains = ls.draft(batch), [len(t) - 1 for t in pld.draft(batch)]
+        chains = [int(np.isin(t.kinds, LOOKUP_KINDS).sum()) for t in trees]
+        assert all(c >= p for c, p in zip(chains, plain_chains)), (chains, plain_chains)
+        guessed += sum(len(t) - 1 > c for t, c in zip(trees, chains))
+    assert guessed  # guess branches were kept too: the test is not of chains alone

@@ -313,7 +313,17 @@ def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float
 
 def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:
     """The sub-tree of the root and the ``n`` most probable draft nodes (ties: earlier first)."""
-    if n >= len(tree) - 1:
-        return tree
-    order = sorted(range(1, len(tree)), key=lambda i: (-probs[i], i))[:n]
-    return tree.subtree(order)
+    keep = kept_nodes(probs, n)
+    return tree if len(keep) == len(tree) - 1 else tree.subtree(keep)
+
+
+def kept_nodes(probs: np.ndarray, n: int, also: int = 0, among: np.ndarray | None = None) -> list[int]:
+    """The ``n`` most probable draft nodes of a tree (``probs``: [nodes], the root's first; ties:
+    earlier first), and the ``also`` most probable of the nodes ``among`` marks (bool [nodes]) not
+    yet kept, in ascending order: an ancestor-closed set, since no node is more probable than its
+    parent."""
+    rank = sorted(range(1, len(probs)), key=lambda i: (-probs[i], i))
+    keep = set(rank[:n])
+    if also:
+        keep.update([i for i in rank if among[i]][:also])
+    return sorted(keep)

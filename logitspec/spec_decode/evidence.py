@@ -83,10 +83,13 @@ class FirstNodeEvidence:
     def bounds(self, state: int, kind: int) -> tuple[float, float]:
         return wilson(self.hits[state, kind], self.tries[state, kind])
 
-    def unsound(self, tree: DraftTree, state: int, break_even: float) -> bool:
-        """Whether the evidence that ``tree``'s first nodes do not pay is not yet sound: some first
-        node's kind has an acceptance interval reaching ``break_even``."""
-        return any(self.bounds(state, int(tree.kinds[c]))[1] >= break_even for c in first_nodes(tree))
+    def unsound(self, tree: DraftTree, state: int, break_even: float,
+                among: np.ndarray | None = None) -> bool:
+        """Whether the evidence that ``tree``'s first nodes (those ``among`` marks, bool [nodes]: all
+        without it) do not pay is not yet sound: some first node's kind has an acceptance interval
+        reaching ``break_even``."""
+        return any(self.bounds(state, int(tree.kinds[c]))[1] >= break_even for c in first_nodes(tree)
+                   if among is None or among[c])
 
     def summary(self, kind_names: dict[int, str]) -> dict:
         """Per kind (states pooled): first nodes tested (decayed), acceptance and its interval."""

@@ -37,8 +37,8 @@ from logitspec.spec_decode.budget import (
     choose_sizes,
     drain_weights,
     estimate,
+    kept_nodes,
     streak_state,
-    top_nodes,
 )
 from logitspec.spec_decode.drafters import make_drafter
 from logitspec.spec_decode.evidence import FirstNodeEvidence, SpeedGuard
@@ -302,35 +302,51 @@ class SpeculationPolicy:
         columns = self._columns(rows)
         ranked = [np.sort(p[1:])[::-1] for p in probs]
         fix = self.realised.of(B)
-        sizes = choose_sizes(ranked, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
-                             columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
+
+        def choose(values: list[np.ndarray]) -> list[int]:
+            return choose_sizes(values, curve, most, weights, margin=DRAFT_MARGIN if B > 1 else 0.0,
+                                columns=columns, token_scale=fix.tokens, cost_scale=fix.cost, base=base)
+
+        sizes = choose(ranked)
         be = break_even(curve, B, fix.cost)
         # a draining batch's row is worth its weight in a step (of B rows' tokens at weight 1 / B each):
         # a row whose tokens save nothing of the batch's time is never probed
         bes = [be] * B if weights is None else [be / max(B * w, 1e-12) for w in weights]
         sizes = self._probe(sizes, trees, rows, bes)
-        sizes = self._after_choice(sizes)
-        self.expected = None if fresh else estimate(ranked, sizes, curve, columns)
-        return [top_nodes(t, p, n) for t, p, n in zip(trees, probs, sizes)]
+        # trees of retrieved chains and guesses: the chains keep at least what the same choice over the
+        # chains alone (pld's tree) keeps; guesses take only the nodes that pay beyond them
+        chained = [np.isin(t.kinds, LOOKUP_KINDS) for t in trees] if self.drafter.wants_guesses else None
+        floors = [0] * B
+        if chained is not None and any(c.any() and not c[1:].all() for c, t in zip(chained, trees)):
+            floors = self._probe(choose([np.sort(p[c])[::-1] for p, c in zip(probs, chained)]), trees, rows,
+                                 bes, chained)
+        keep = [kept_nodes(p, n, f, c) for p, n, f, c in zip(probs, sizes, floors, chained or [None] * B)]
+        self._after_choice([len(k) for k in keep])
+        if not fresh:
+            self.expected = estimate([np.sort(p[k])[::-1] for p, k in zip(probs, keep)],
+                                     [len(k) for k in keep], curve, columns)
+        return [t if len(k) == len(t) - 1 else t.subtree(k) for t, k in zip(trees, keep)]
 
     def _probe(self, sizes: list[int], trees: Sequence[DraftTree], rows: Sequence[DraftRow],
-               break_evens: Sequence[float]) -> list[int]:
-        """One node for each row the budget gave none whose drafts are not soundly shown to fall
-        short of its break-even acceptance (:meth:`FirstNodeEvidence.unsound`)."""
+               break_evens: Sequence[float], among: Sequence[np.ndarray] | None = None) -> list[int]:
+        """One node for each row the budget gave none whose drafts (those ``among`` marks: all without
+        it) are not soundly shown to fall short of its break-even acceptance
+        (:meth:`FirstNodeEvidence.unsound`); only the drafts' probes are counted."""
         out = list(sizes)
         for b, (n, tree, row, be) in enumerate(zip(sizes, trees, rows, break_evens)):
-            if n == 0 and len(tree) > 1 and be <= 1.0 and self.evidence.unsound(tree, row.streak, be):
+            nodes = among[b] if among is not None else None
+            if (n == 0 and len(tree) > 1 and (nodes is None or nodes.any()) and be <= 1.0
+                    and self.evidence.unsound(tree, row.streak, be, nodes)):
                 out[b] = 1
-                self.probes += 1
+                self.probes += among is None
         return out
 
-    def _after_choice(self, sizes: list[int]) -> list[int]:
+    def _after_choice(self, sizes: list[int]) -> None:
         """The state machine's step after the budget chose ``sizes``: count draft-free steps, widen
         or reset the re-check interval."""
         none = not any(sizes)
         self.steps_without_drafts = self.steps_without_drafts + 1 if none else 0
         self.recheck_every = min(2 * self.recheck_every, MAX_RECHECK_EVERY) if none else RECHECK_EVERY
-        return sizes
 
     def _columns(self, rows: Sequence[DraftRow]) -> float:
         """The cached columns the rows' nodes read, averaged over layers (see CostCurve.step)."""
