@@ -38,9 +38,10 @@ def test_rows_the_point_estimate_drops_are_probed_until_the_evidence_is_sound():
     rows = _rows(1)
     verified = []
     for _ in range(400):
-        trees = policy.draft(rows)
+        plan = policy.draft(rows)
+        trees = plan.trees
         verified.append(len(trees[0]) - 1)
-        policy.observe(rows, trees, [[0]], TIMES)
+        policy.observe(rows, plan, [[0]], TIMES)
     tried = policy.evidence.tries.sum()
     # sound after enough tries: the upper end z^2 / (n + z^2) < 0.2 needs n > 10.8
     n_sound = ev.Z ** 2 * (1 - 0.2) / 0.2
@@ -55,16 +56,17 @@ def test_rows_with_good_first_nodes_are_not_probed_once_drafting_is_chosen():
     policy = _policy(CostCurve([1, 64], [1.0, 1.0]))  # free nodes: the budget verifies whole trees
     rows = _rows(1)
     for _ in range(5):
-        trees = policy.draft(rows)
+        plan = policy.draft(rows)
+        trees = plan.trees
         assert len(trees[0]) > 2
-        policy.observe(rows, trees, [[0, 1]], TIMES)
+        policy.observe(rows, plan, [[0, 1]], TIMES)
     assert policy.probes == 0
 
 
 def test_first_node_evidence_counts_each_tested_child_of_the_root():
     policy = _policy(CostCurve([1, 64], [1.0, 1.0]))
     rows = [Row([1, 2, 3, 4, 5] * 4 + [1, 2], guesses=[9, 8])]
-    tree = policy.draft(rows)[0]
+    tree = policy.draft(rows).trees[0]
     children = np.flatnonzero(tree.parents[1:] == 0) + 1
     assert len(children) >= 2  # the lookup chain and a guess branch
     e = FirstNodeEvidence(1, int(tree.kinds.max()) + 1)
@@ -134,11 +136,12 @@ def test_the_policy_decodes_plainly_when_drafting_steps_are_slower():
     rows = _rows(2)
     nodes = []
     for _ in range(200):
-        trees = policy.draft(rows)
+        plan = policy.draft(rows)
+        trees = plan.trees
         drafted = sum(len(t) - 1 for t in trees)
         nodes.append(drafted)
         t = dict(TIMES, forward_s=3.0 if drafted else 1.0)
-        policy.observe(rows, trees, [[0]] * len(rows), t)
+        policy.observe(rows, plan, [[0]] * len(rows), t)
     assert sum(1 for n in nodes[-100:] if n) <= 100 // ev.RECHECK_DRAFT + 2  # re-checks only
     summary = policy.evidence_summary(2)
     # plain won; once the budget itself chooses no nodes, steps that may draft are plain steps too
@@ -175,8 +178,9 @@ def test_a_draining_batch_probes_only_rows_whose_tokens_save_time():
             r.remaining = left
         probed = np.zeros(4, dtype=int)
         for _ in range(30):
-            trees = policy.draft(rows, draining=draining)
+            plan = policy.draft(rows, draining=draining)
+            trees = plan.trees
             probed += [len(t) > 1 for t in trees]
-            policy.observe(rows, trees, [[0]] * 4, TIMES)
+            policy.observe(rows, plan, [[0]] * 4, TIMES)
         assert probed[0] > 0
         assert (probed[1:] == 0).all() if draining else (probed[1:] > 0).all()

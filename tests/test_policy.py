@@ -57,26 +57,29 @@ def _run(policy: SpeculationPolicy, rows, steps: int):
     log = []
     for _ in range(steps):
         n = len(drafted)
-        trees = policy.draft(rows)
+        plan = policy.draft(rows)
+        trees = plan.trees
         log.append((len(drafted) > n, sum(len(t) - 1 for t in trees)))
-        policy.observe(rows, trees, [[0]] * len(trees), TIMES)
+        policy.observe(rows, plan, [[0]] * len(trees), TIMES)
     return log
 
 
 def test_free_drafts_are_verified_and_learned_from():
     policy = _policy(FREE)
     rows = _rows(2)
-    trees = policy.draft(rows)
+    plan = policy.draft(rows)
+    trees = plan.trees
     assert all(len(t) > 1 for t in trees) and policy.guess_count == policy.config.top_k
     before = policy.acceptance.tries.sum()
-    streaks = policy.observe(rows, trees, [[0, 1]] * 2, TIMES)
+    streaks = policy.observe(rows, plan, [[0, 1]] * 2, TIMES)
     assert streaks == [1, 1] and policy.acceptance.tries.sum() > before
     assert policy.stats()  # the budget's corrections for 2 rows are reported
 
 
 def test_trees_that_do_not_pay_are_not_verified():
     policy = _policy(STEEP)
-    trees = policy.draft(_rows(1))
+    plan = policy.draft(_rows(1))
+    trees = plan.trees
     assert [len(t) for t in trees] == [1]  # the root alone: plain decoding
 
 
@@ -101,13 +104,14 @@ def test_skipped_steps_compute_no_guesses():
     policy = _policy(STEEP)
     rows = _rows(1)
     policy.observe(rows, policy.draft(rows), [[0]], TIMES)  # drafts, chooses none: the next steps skip
-    assert policy.draft(rows)[0].tokens.tolist() == [rows[0].tokens[-1]]
+    assert policy.draft(rows).trees[0].tokens.tolist() == [rows[0].tokens[-1]]
     assert policy.guess_count == 0
 
 
 def test_ar_drafts_nothing_and_asks_for_no_guesses():
     policy = _policy(STEEP, method="ar", budget="auto")
-    trees = policy.draft(_rows(1))
+    plan = policy.draft(_rows(1))
+    trees = plan.trees
     assert policy.guess_count == 0 and [len(t) for t in trees] == [1]
 
 
@@ -127,9 +131,9 @@ def test_every_drafting_method_is_cut_by_the_auto_budget_alike(method):
     """One budget for every method: with drafts that never pay each verifies the root alone, with free
     ones its whole tree; ``budget="fixed"`` keeps the whole tree whatever the curve."""
     rows = _rows(1)
-    assert [len(t) for t in _policy(STEEP, method=method).draft(rows)] == [1]
-    free = _policy(FREE, method=method).draft(rows)
-    fixed = _policy(STEEP, method=method, budget="fixed").draft(rows)
+    assert [len(t) for t in _policy(STEEP, method=method).draft(rows).trees] == [1]
+    free = _policy(FREE, method=method).draft(rows).trees
+    fixed = _policy(STEEP, method=method, budget="fixed").draft(rows).trees
     assert len(free[0]) > 1 and [len(t) for t in free] == [len(t) for t in fixed]
     assert _policy(FREE, method=method).auto_budget and not _policy(FREE, method="lookahead").auto_budget
 
@@ -160,10 +164,10 @@ def test_a_step_whose_time_is_not_its_own_teaches_no_timing():
     def learned():  # the speed guard's per-class samples and the realised rates
         return repr({c: vars(k) for c, k in policy.guard._classes.items()}), policy.realised.as_dict()
 
-    trees = policy.draft(rows)
+    plan = policy.draft(rows)
     before, tries = learned(), policy.acceptance.tries.sum()
-    policy.observe(rows, trees, [[0]] * 2, None)
-    assert calls == [] and policy.expected is None and learned() == before
+    policy.observe(rows, plan, [[0]] * 2, None)
+    assert calls == [] and learned() == before
     assert policy.acceptance.tries.sum() > tries
     policy.observe(rows, policy.draft(rows), [[0]] * 2, TIMES)  # the control: a step's own time is learned
     assert len(calls) == 1 and learned() != before
@@ -202,10 +206,11 @@ def test_the_budget_reads_a_steps_timings_only_as_the_group_agreed_on_them():
     rows = _rows(2)
     sizes = []
     for step in range(40):
-        trees = policy.draft(rows)
+        plan = policy.draft(rows)
+        trees = plan.trees
         sizes.append(max(len(t) for t in trees))
         paths = [[0, 1] if len(t) > 1 and step % 2 else [0] for t in trees]
-        policy.observe(rows, trees, paths, {k: ClockReading(v) for k, v in TIMES.items()})
+        policy.observe(rows, plan, paths, {k: ClockReading(v) for k, v in TIMES.items()})
     assert len(agreed) == 40
     assert min(sizes) == 1 < max(sizes)  # plain steps (the guard's) and drafting steps both ran
     assert policy._plain_ratios or policy.remeasures  # the staleness check read its agreed time
@@ -224,8 +229,8 @@ def test_a_stale_curve_is_measured_again_and_what_was_learned_against_it_restart
     rows = _rows(1)
     plain = {"draft_s": 0.0, "forward_s": 1.0, "verify_s": 0.0, "commit_s": 0.0}
     for step in range(3 * policy_module.STALE_STEPS):
-        trees = policy.draft(rows)
-        policy.observe(rows, trees, [[0]], plain)
+        plan = policy.draft(rows)
+        policy.observe(rows, plan, [[0]], plain)
         if step == policy_module.STALE_STEPS - 2:
             assert not made  # not before STALE_STEPS plain steps
     assert made == [1] and policy.cost_curve is fresh  # the fresh curve agrees: not measured again
@@ -261,7 +266,7 @@ def test_logitspecs_first_chain_keeps_at_least_what_pld_keeps_under_the_auto_bud
             p.acceptance.hits[:] = 10.0 * rates
         batch = [Row([7, 1, 2, 3, 4, 5, 6, 8, 9] * 3 + [7, 1][: 1 + b % 2], guesses=[11, 12, 2, 13, 14])
                  for b in range(rows)]
-        trees, plain_chains = ls.draft(batch), [len(t) - 1 for t in pld.draft(batch)]
+        trees, plain_chains = ls.draft(batch).trees, [len(t) - 1 for t in pld.draft(batch).trees]
         chains = [int(np.isin(t.kinds, LOOKUP_KINDS).sum()) for t in trees]
         assert all(c >= p for c, p in zip(chains, plain_chains)), (chains, plain_chains)
         guessed += sum(len(t) - 1 > c for t, c in zip(trees, chains))

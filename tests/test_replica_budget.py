@@ -63,8 +63,8 @@ def test_the_line_carries_the_auto_budgets_evidence():
     policy = _policy(BE20, guard=True)
     rows = _rows(1)
     for _ in range(60):
-        trees = policy.draft(rows)
-        policy.observe(rows, trees, [[0]], TIMES)
+        plan = policy.draft(rows)
+        policy.observe(rows, plan, [[0]], TIMES)
     engine = type("E", (), {"policy": policy})()
     b = ReplicaBudget("logitspec", "cpu")
     b.add([OutputRow(id=0, accepted_lengths=[1] * 61, verified_steps=10)], {"mean_active": 1.0,

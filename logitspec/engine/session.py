@@ -389,7 +389,8 @@ class Session:
         its result is read (on a GPU their packing overlaps the step's device time and their forward
         queues behind the step's), timed apart from the step. Whether they were."""
         active, clock = self.active, StepClock()
-        trees = self.policy.draft(active, draining)
+        plan = self.policy.draft(active, draining)
+        trees = plan.trees
         rows = [StepRow.from_tree(s.length - 1, tree) for s, tree in zip(active, trees)]
         clock.lap("draft_s")
         cols = self.kv.columns
@@ -405,7 +406,7 @@ class Session:
             clock.skip()  # its time is the prompts' (prefill_s), not this step's
             if self.prefill_chunks != chunks:  # the step's wait hid or held some prefill: not learned from
                 timings = None  # (the same on every rank of a group: prefill work is no rank's choice)
-        k, want = self.policy.guess_count, self.policy.wants_node_outputs
+        k, want = plan.guesses, self.policy.wants_node_outputs
         params, generators = [s.params for s in active], [s.generator for s in active]
         acc = accept_step(trees, fwd, params, generators, k, self.parts.sample_on_host, outputs=want,
                           override_last=self.policy.accept_override(trees))
@@ -416,7 +417,7 @@ class Session:
         clock.lap("verify_s")
         self.kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
-        streaks = self.policy.observe(active, trees, paths, timings, acc.outputs)
+        streaks = self.policy.observe(active, plan, paths, timings, acc.outputs)
         for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
             s.guesses, s.streak = g, streak
             tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]

@@ -2,11 +2,12 @@
 
 It holds what speculation learns across steps and calls: the drafter, the acceptance rates per node
 kind (:class:`~logitspec.spec_decode.budget.AcceptanceStats`), the forward-cost curve, the budget's
-corrections
-(:class:`~logitspec.spec_decode.feedback.Realised`) and the auto budget's state machine (when a step skips
-drafting). It knows nothing of the model: a session hands it the rows (:class:`DraftRow`) and gets
-draft trees (:meth:`SpeculationPolicy.draft`), then tells it what the step verified and how long it
-took (:meth:`SpeculationPolicy.observe`). Tests drive it with a hand-made cost curve and rows.
+corrections (:class:`~logitspec.spec_decode.feedback.Realised`) and the auto budget's state machine
+(when a step skips drafting). It knows nothing of the model: a session hands it the rows
+(:class:`DraftRow`) and gets the step's plan (:meth:`SpeculationPolicy.draft`: a :class:`StepPlan`,
+the trees and what was decided with them), then hands the plan back with what the step verified and
+how long it took (:meth:`SpeculationPolicy.observe`). Tests drive it with a hand-made cost curve and
+rows.
 
 The auto budget's state machine: while it keeps choosing no draft nodes and drafting (with
 verifying: the guesses' top-k) is a noticeable share of a step's time (``SKIP_DRAFT_SHARE``), only
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -97,6 +99,20 @@ class DraftRow(Protocol):
     def drafted_rate(self) -> float: ...  # tokens per step over its recent steps that drafted
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """What :meth:`SpeculationPolicy.draft` decided for one step; the session verifies its trees and
+    hands it back to :meth:`SpeculationPolicy.observe` with the result (nothing else about the step is
+    kept between the two calls)."""
+
+    trees: list[DraftTree]  # per row, the tree to verify (the root alone: a plain step for the row)
+    guesses: int  # next-next guesses the step's verification computes for the next step's drafts
+    drafted: bool = True  # whether the drafter ran (False: the auto budget skipped drafting)
+    mode: str = "draft"  # the speed guard's mode for the step ("draft": the budget decided; "plain")
+    expected: tuple[float, float] | None = None  # the budget's (accepted drafted tokens, curve seconds)
+    columns: float = 0.0  # cached columns the rows' nodes read, averaged over layers (the auto budget's)
+
+
 class SpeculationPolicy:
     """Draft trees per step, sized by the budget, learning from every verified step."""
 
@@ -138,33 +154,33 @@ class SpeculationPolicy:
         self.realised = Realised()  # the budget's estimates against what steps delivered
         self.evidence = FirstNodeEvidence(N_STREAK_STATES, N_KINDS)  # first-node acceptance, with intervals
         self.guard = SpeedGuard()  # drafting steps against plain ones, by the clock
-        self.mode = "draft"  # the guard's mode for the current step
         self.probes = 0  # rows whose first node was verified only for evidence
         self.steps_without_drafts = 0
         self.recheck_every = RECHECK_EVERY  # steps between re-checks while no drafts are chosen
         self.draft_share = 1.0  # drafting's share of the last drafting step's time
-        self.drafted = True  # whether the current step drafted
-        self.expected: tuple[float, float] | None = None  # this step's (drafted tokens, curve seconds)
+        self.drafted = True  # whether the last step drafted
         self.remeasure_curve = remeasure_curve
         self.remeasures = 0
         self._plain_ratios: collections.deque = collections.deque(maxlen=STALE_STEPS)  # forward / curve
 
     # ------------------------------------------------------------------ per step
-    def draft(self, rows: Sequence[DraftRow], draining: bool = False) -> list[DraftTree]:
-        """A draft tree per row, within the step's budget, the row's remaining tokens and the
-        context (see the module for when a step skips drafting). ``draining``: no prompt waits for
-        a slot, so the batch ends with its slowest row (the budget weighs rows by what they have
+    def draft(self, rows: Sequence[DraftRow], draining: bool = False) -> StepPlan:
+        """The step's plan: a draft tree per row, within the step's budget, the row's remaining tokens
+        and the context (see the module for when a step skips drafting). ``draining``: no prompt waits
+        for a slot, so the batch ends with its slowest row (the budget weighs rows by what they have
         left: :func:`~logitspec.spec_decode.budget.drain_weights`)."""
+        mode, columns = "draft", 0.0
         if self.auto_budget:
             self.evidence.age()
-            self.mode = self.guard.mode(len(rows))
-        if self.auto_budget and (self.mode == "plain" or self.steps_without_drafts % self.recheck_every
+            mode = self.guard.mode(len(rows))
+            columns = self.read_columns(sum(r.length for r in rows) / max(len(rows), 1))
+        if self.auto_budget and (mode == "plain" or self.steps_without_drafts % self.recheck_every
                                  and self.draft_share >= SKIP_DRAFT_SHARE):
-            self.steps_without_drafts += self.mode == "draft"
+            self.steps_without_drafts += mode == "draft"
             self.drafted = False
-            if self.cost_curve is not None:
-                self.expected = (0.0, self.cost_curve.step(len(rows), 1, self._columns(rows)))
-            return [DraftTree.single(r.tokens[-1]) for r in rows]
+            expected = None if self.cost_curve is None else (0.0, self.cost_curve.step(len(rows), 1, columns))
+            return StepPlan([DraftTree.single(r.tokens[-1]) for r in rows], self.guess_count, False, mode,
+                            expected, columns)
         self.drafted = True
         stateful, fixed = self.drafter.keeps_state, self.drafter.fixed_shape
         # a fixed-shape tree (lookahead's W, N, G) is the method's at any batch size
@@ -176,15 +192,17 @@ class SpeculationPolicy:
             room = (room if fixed else min(r.remaining, room)) - 1
             trees.append(self.drafter.draft(r.sources, r.tokens, r.guesses, max(0, min(budget, room)),
                                             r.draft_state if stateful else None))
+        expected = None
         if self.auto_budget:
-            trees = self._prune(trees, rows, draining)
-        return trees
+            trees, expected = self._prune(trees, rows, draining, columns)
+        return StepPlan(trees, self.guess_count, True, mode, expected, columns)
 
     @property
     def guess_count(self) -> int:
-        """Next-next guesses the next step can use from this one's last verified nodes: none when it
-        will skip drafting, so their top-k over the vocabulary is not computed for nothing. A
-        drafting step always computes them, so the draft share it measures includes them."""
+        """Next-next guesses the next step can use from the last verified nodes (a prefill's, or the
+        step just planned: :attr:`StepPlan.guesses`): none when it will skip drafting, so their
+        top-k over the vocabulary is not computed for nothing. A drafting step always computes them,
+        so the draft share it measures includes them."""
         if not self.drafter.wants_guesses:
             return 0
         return self.config.top_k if self.drafted or not self.steps_without_drafts % self.recheck_every else 0
@@ -202,46 +220,46 @@ class SpeculationPolicy:
         """Per row the node to accept instead of the acceptance rule's (None: the rule decides)."""
         return None if self._accept_override is None else self._accept_override(trees)
 
-    def observe(self, rows: Sequence[DraftRow], trees: Sequence[DraftTree], paths: Sequence[Sequence[int]],
-                times: dict[str, float], outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
+    def observe(self, rows: Sequence[DraftRow], plan: StepPlan, paths: Sequence[Sequence[int]],
+                times: dict[str, float] | None, outputs: Sequence[Sequence[int]] | None = None) -> list[int]:
         """Learn from a verified step: per row (its acceptance ``streak`` before the step and its
-        ``draft_state``) its tree and accepted node path (root first); ``times``: the step's parts in
-        seconds (``draft_s``, ``forward_s``, ``verify_s``, ``commit_s``; None where the step's time is not
-        its own, e.g. a prefill ran beside it: nothing is learned from it); where
-        :attr:`wants_node_outputs`, per row the target's token after each node (``outputs``).
-        Returns each row's acceptance state after it."""
+        ``draft_state``) its tree (``plan``'s, from :meth:`draft`) and accepted node path (root first);
+        ``times``: the step's parts in seconds (``draft_s``, ``forward_s``, ``verify_s``, ``commit_s``;
+        None where the step's time is not its own, e.g. a prefill ran beside it: nothing is learned
+        from it); where :attr:`wants_node_outputs`, per row the target's token after each node
+        (``outputs``). Returns each row's acceptance state after it."""
+        trees = plan.trees
         for row, tree, path in zip(rows, trees, paths):
             self.acceptance.update(tree, path, row.streak)
             if self.auto_budget:
                 self.evidence.update(tree, path, row.streak)
         plain = all(len(t) == 1 for t in trees)
         known = times is not None  # None: the step's time is not its own (it hid other work)
-        check = known and plain and self.remeasure_curve is not None and self.cost_curve is not None
+        check = (known and plain and self.auto_budget and self.remeasure_curve is not None
+                 and self.cost_curve is not None)
         # the step's timings as the group agreed on them (one collective under tensor parallelism, only
         # where a decision reads them; a fixed budget never): no decision below reads ``times`` itself
-        timed = known and self.auto_budget and (self.cost_curve is not None or self.drafted)
+        timed = known and self.auto_budget and (self.cost_curve is not None or plan.drafted)
         agreed = self.agree_on(times) if timed or check else None
         seconds = None  # the step's time, the same on every TP rank
         if timed and self.cost_curve is not None:  # (a step with expectations has a curve)
             seconds = sum(agreed.values())
             B = len(trees)
-            self.guard.record(B, self.mode, sum(len(p) for p in paths), seconds,
+            self.guard.record(B, plan.mode, sum(len(p) for p in paths), seconds,
                               plain_s=self.cost_curve.step(B, 1))
         if outputs is not None:
             for row, tree, path, out in zip(rows, trees, paths, outputs):
                 self.drafter.observe(row.draft_state, tree, path, out)
         if self.step_observer is not None:
             self.step_observer(rows, trees, paths)
-        if self.expected is not None:
-            expected, curve_s = self.expected
-            if seconds is not None:
-                accepted = sum(len(p) - 1 for p in paths)
-                self.realised.of(len(trees)).update(expected, accepted, curve_s, seconds)
-            self.expected = None
-        if timed and self.drafted:  # (only the auto budget's skips read it)
+        if plan.expected is not None and seconds is not None:
+            expected, curve_s = plan.expected
+            accepted = sum(len(p) - 1 for p in paths)
+            self.realised.of(len(trees)).update(expected, accepted, curve_s, seconds)
+        if timed and plan.drafted:  # (only the auto budget's skips read it)
             self.draft_share = host_share(agreed)
         if check:
-            self._check_curve(len(trees), agreed["forward_s"], self._columns(rows))
+            self._check_curve(len(trees), agreed["forward_s"], plan.columns)
         return [streak_state(len(p) - 1) for p in paths]
 
     def _check_curve(self, rows: int, forward_s: float, columns: float) -> None:
@@ -285,9 +303,12 @@ class SpeculationPolicy:
             self.cost_curve = self.measure_curve()
         return self.cost_curve
 
-    def _prune(self, trees: list[DraftTree], rows: Sequence[DraftRow], draining: bool) -> list[DraftTree]:
+    def _prune(self, trees: list[DraftTree], rows: Sequence[DraftRow], draining: bool,
+               columns: float) -> tuple[list[DraftTree], tuple[float, float] | None]:
         """Keep per tree the nodes worth their forward time (see :mod:`logitspec.spec_decode.budget`); a
-        ``draining`` batch weighs its rows' tokens by :func:`~logitspec.spec_decode.budget.drain_weights`."""
+        ``draining`` batch weighs its rows' tokens by :func:`~logitspec.spec_decode.budget.drain_weights`.
+        ``columns``: what the rows' nodes read (:attr:`StepPlan.columns`). With the kept trees, what the
+        budget expects of them (:attr:`StepPlan.expected`; None right after the curve was measured)."""
         fresh = self.cost_curve is None  # measured in this step's time: not a step to learn from
         curve, B = self.curve(), len(rows)
         weights, base = None, None
@@ -299,7 +320,6 @@ class SpeculationPolicy:
             base = 1.0
         probs = [self.acceptance.node_probs(t, r.streak) for t, r in zip(trees, rows)]
         most = max(len(t) - 1 for t in trees)
-        columns = self._columns(rows)
         ranked = [np.sort(p[1:])[::-1] for p in probs]
         fix = self.realised.of(B)
 
@@ -322,10 +342,9 @@ class SpeculationPolicy:
                                  bes, chained)
         keep = [kept_nodes(p, n, f, c) for p, n, f, c in zip(probs, sizes, floors, chained or [None] * B)]
         self._after_choice([len(k) for k in keep])
-        if not fresh:
-            self.expected = estimate([np.sort(p[k])[::-1] for p, k in zip(probs, keep)],
-                                     [len(k) for k in keep], curve, columns)
-        return [t if len(k) == len(t) - 1 else t.subtree(k) for t, k in zip(trees, keep)]
+        expected = None if fresh else estimate([np.sort(p[k])[::-1] for p, k in zip(probs, keep)],
+                                               [len(k) for k in keep], curve, columns)
+        return [t if len(k) == len(t) - 1 else t.subtree(k) for t, k in zip(trees, keep)], expected
 
     def _probe(self, sizes: list[int], trees: Sequence[DraftTree], rows: Sequence[DraftRow],
                break_evens: Sequence[float], among: Sequence[np.ndarray] | None = None) -> list[int]:
@@ -347,10 +366,6 @@ class SpeculationPolicy:
         none = not any(sizes)
         self.steps_without_drafts = self.steps_without_drafts + 1 if none else 0
         self.recheck_every = min(2 * self.recheck_every, MAX_RECHECK_EVERY) if none else RECHECK_EVERY
-
-    def _columns(self, rows: Sequence[DraftRow]) -> float:
-        """The cached columns the rows' nodes read, averaged over layers (see CostCurve.step)."""
-        return self.read_columns(float(np.mean([r.length for r in rows])))
 
 
 def host_share(times: dict[str, float]) -> float:
