@@ -418,6 +418,7 @@ class Session:
         self.kv.commit([[cols + n for n in p] for p in paths])
         clock.lap("commit_s")
         streaks = self.policy.observe(active, plan, paths, timings, acc.outputs)
+        clock.lap("draft_s")  # the policy's host work: planning the step and learning from it
         for s, tree, p, tok, g, streak in zip(active, trees, paths, bonus, guesses, streaks):
             s.guesses, s.streak = g, streak
             tokens = [int(tree.tokens[n]) for n in p[1:]] + [tok]

@@ -16,8 +16,9 @@ class StepClock:
         self.times: dict[str, float] = {}
 
     def lap(self, part: str, pack_s: float = 0.0) -> None:
+        """The time since the last lap (less ``pack_s``) is ``part``'s (added, where it has some)."""
         now = time.perf_counter()
-        self.times[part] = now - self.t - pack_s
+        self.times[part] = self.times.get(part, 0.0) + now - self.t - pack_s
         if pack_s:
             self.times["pack_s"] = pack_s
         self.t = now

@@ -48,8 +48,8 @@ class AcceptanceStats:
         optimistic one for retrieved chains, so a fresh engine tries them (a rate is only learned
         from nodes that get verified)."""
         self.max_offset = max_offset
-        self.hits = np.full((n_states, n_kinds, max_offset), prior_hits)
-        self.tries = np.full((n_states, n_kinds, max_offset), prior_hits + prior_misses)
+        self.hits = np.full((n_states, n_kinds, max_offset), prior_hits, dtype=float)
+        self.tries = np.full((n_states, n_kinds, max_offset), prior_hits + prior_misses, dtype=float)
         items = sorted((kind_priors or {}).items(), key=lambda kv: isinstance(kv[0], tuple))
         for key, (h, m) in items:
             where = (slice(None), key) if not isinstance(key, tuple) else key
@@ -77,8 +77,10 @@ class AcceptanceStats:
         on_path[list(path)] = True
         tested = np.flatnonzero(on_path[tree.parents[1:]]) + 1
         k, o = self._cells(tree, tested)
-        np.add.at(self.tries[state], (k, o), 1.0)
-        np.add.at(self.hits[state], (k, o), on_path[tested].astype(float))
+        cells = k * self.max_offset + o  # a kind and offset may repeat (guess branches of one bucket)
+        shape, size = self.tries[state].shape, self.tries[state].size
+        self.tries[state] += np.bincount(cells, minlength=size).reshape(shape)
+        self.hits[state] += np.bincount(cells, on_path[tested], minlength=size).reshape(shape)
 
 
 class CostCurve:
@@ -106,6 +108,7 @@ class CostCurve:
                         for b, c in (batches or {}).items()}
         self.head = None if head is None else CostCurve(head["tokens"], head["seconds"])
         self.context = dict(context) if context else None
+        self._memo: dict = {}  # interpolations already made (step, widths)
 
     def head_time(self, nodes) -> np.ndarray:
         """Output-layer seconds for ``nodes`` (array) nodes; 0 without a head curve."""
@@ -134,29 +137,51 @@ class CostCurve:
         curves, linear in ``rows`` between them and proportional beyond the largest; the token
         curve alone when no batch curve was measured. ``columns``: the cached columns the rows'
         nodes read (averaged over layers); beyond the curves' own, each node costs ``context``'s
-        ``per_column`` more a column."""
-        return float(self.steps(rows, per_row, columns))
+        ``per_column`` more a column. (Each (rows, per_row) is interpolated once: the curve is fixed.)"""
+        key = (rows, per_row)
+        if key not in self._memo:
+            self._memo[key] = float(self._steps(rows, per_row))
+        return self._memo[key] + self.beyond(rows, per_row, columns)
 
     def steps(self, rows: int, per_row, columns: float | None = None) -> np.ndarray:
         """:meth:`step` over an array of ``per_row`` counts (float64, ``per_row``'s shape)."""
         per_row = np.asarray(per_row, dtype=float)
-        extra = 0.0
-        if columns is not None and self.context:
-            extra = self.context["per_column"] * rows * per_row * max(0.0, columns - self.context["columns"])
+        return self._steps(rows, per_row) + self.beyond(rows, per_row, columns)
+
+    def widths(self, rows: int, most: int) -> tuple[np.ndarray, np.ndarray]:
+        """For forwards of ``rows`` rows padded to 1 .. ``most`` draft nodes each: the decoder's
+        seconds without the output layer, float64 [most], and the output layer's over ``rows + k``
+        nodes for k = 0 .. rows * most, float64 [rows * most + 1] (what :func:`choose_sizes`
+        prices; kept, as the curve is fixed). The cached columns' part is :meth:`beyond`'s."""
+        key = ("widths", rows, most)
+        if key not in self._memo:
+            per_row = np.arange(2, most + 2)
+            self._memo[key] = (self._steps(rows, per_row) - self.head_time(rows * per_row),
+                               self.head_time(rows + np.arange(rows * most + 1)))
+        return self._memo[key]
+
+    def beyond(self, rows: int, per_row, columns: float | None):
+        """The seconds ``rows`` rows of ``per_row`` new tokens add by reading ``columns`` cached
+        columns beyond the curves' own (0 without a ``context`` measurement)."""
+        if columns is None or not self.context:
+            return 0.0
+        return self.context["per_column"] * rows * per_row * max(0.0, columns - self.context["columns"])
+
+    def _steps(self, rows: int, per_row):
         if rows <= 1 or not self.batches:
-            return self.at(rows * per_row) + extra
+            return self.at(rows * per_row)
         sizes = sorted({1, *self.batches})
 
         def at(b: int) -> np.ndarray:
             return self.at(per_row) if b == 1 else self.batches[b].at(per_row)
 
         if rows in sizes:
-            return at(rows) + extra
+            return at(rows)
         if rows > sizes[-1]:
-            return at(sizes[-1]) * rows / sizes[-1] + extra
+            return at(sizes[-1]) * rows / sizes[-1]
         lo = max(b for b in sizes if b < rows)
         hi = min(b for b in sizes if b > rows)
-        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo) + extra
+        return at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
 
     def monotone(self) -> "CostCurve":
         """This curve with its noise made harmless: no point costs less than a smaller one, in new
@@ -253,8 +278,8 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
     offered = (depth[None] < widths[:, None]) & np.isfinite(ranked)[None]  # [W, B * W]
     kept = np.cumsum(offered, axis=1)  # [W, B * W]: nodes kept when the offered ones up to here are
     gain = base + np.cumsum(np.where(offered, ranked, 0.0), axis=1)  # [W, B * W]
-    decoder = cost.steps(B, widths + 1, columns) - cost.head_time(B * (widths + 1))  # [W]
-    heads = cost.head_time(B + np.arange(B * W + 1))  # [B * W + 1]: the output layer for B rows + k nodes
+    decoder, heads = cost.widths(B, W)  # [W] without the output layer, [B * W + 1]: it for B rows + k nodes
+    decoder = decoder + cost.beyond(B, widths + 1, columns)
     score = np.where(offered, gain / ((decoder[:, None] + heads[kept]) * cost_scale), -np.inf)
     ends = np.argmax(score, axis=1)  # [W]: per width, the last node of the best prefix
     best, best_score = None, plain

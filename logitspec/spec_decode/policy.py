@@ -229,9 +229,9 @@ class SpeculationPolicy:
         from it); where :attr:`wants_node_outputs`, per row the target's token after each node
         (``outputs``). Returns each row's acceptance state after it."""
         trees = plan.trees
-        for row, tree, path in zip(rows, trees, paths):
-            self.acceptance.update(tree, path, row.streak)
-            if self.auto_budget:
+        if self.auto_budget:  # (only the auto budget reads the rates)
+            for row, tree, path in zip(rows, trees, paths):
+                self.acceptance.update(tree, path, row.streak)
                 self.evidence.update(tree, path, row.streak)
         plain = all(len(t) == 1 for t in trees)
         known = times is not None  # None: the step's time is not its own (it hid other work)
