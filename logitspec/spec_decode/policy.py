@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -268,7 +269,7 @@ class SpeculationPolicy:
         self._plain_ratios.append(forward_s / max(self.cost_curve.step(rows, 1, columns), 1e-12))
         if len(self._plain_ratios) < STALE_STEPS or self.remeasures >= MAX_REMEASURES:
             return
-        ratio = float(np.median(self._plain_ratios))
+        ratio = statistics.median(self._plain_ratios)  # (numpy's costs 30x more on 16 values)
         if 1 / STALE_FACTOR <= ratio <= STALE_FACTOR:
             return
         self.remeasures += 1
