@@ -16,9 +16,10 @@ The driver forwards the variable to the actors it starts (:func:`fault_vars`, in
                  nothing, a SIGKILL, a hang (SIGSTOP: a replica that never answers), a slow batch, or
                  an out-of-memory error a few decode steps later (:class:`ChaosRunner`)
 
-``DIR`` counts the kills so far (one file each), so ``N`` holds across the replacement processes; under
-``chaos`` it holds one file per fault injected (``kill-*``, ``hang-*``, ``slow-*``, ``oom-*``), which also
-bounds each kind (:data:`CHAOS`).
+Forms join with ``+`` (``slow:1.5+chaos:S:DIR``: a paced job under a chaos schedule). ``DIR`` counts the
+kills so far (one file each), so ``N`` holds across the replacement processes; under ``chaos`` it holds one
+file per fault injected (``kill-*``, ``hang-*``, ``slow-*``, ``oom-*``), which also bounds each kind
+(:data:`CHAOS`).
 """
 from __future__ import annotations
 
@@ -38,32 +39,38 @@ def fault_vars() -> dict:
     return {ENV: os.environ[ENV]} if os.environ.get(ENV) else {}
 
 
+def _forms() -> list[tuple[str, str]]:
+    """``LOGITSPEC_FAULT``'s forms as (kind, the rest) pairs (none when unset)."""
+    forms = [f.partition(":") for f in os.environ.get(ENV, "").split("+") if f]
+    return [(kind, rest) for kind, _, rest in forms]
+
+
 def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def at_load() -> None:
     """Called by a replica process while it loads the model."""
-    kind, _, rest = os.environ.get(ENV, "").partition(":")
-    if kind != "load":
-        return
-    times, _, directory = rest.partition(":")
-    d = pathlib.Path(directory)
-    if len(list(d.glob("kill-*"))) < int(times):
-        tempfile.mkstemp(prefix="kill-", dir=d)
-        _die()
+    for kind, rest in _forms():
+        if kind != "load":
+            continue
+        times, _, directory = rest.partition(":")
+        d = pathlib.Path(directory)
+        if len(list(d.glob("kill-*"))) < int(times):
+            tempfile.mkstemp(prefix="kill-", dir=d)
+            _die()
 
 
 def at_batch(rows: list) -> None:
     """Called by a replica process before it generates ``rows``."""
-    kind, _, arg = os.environ.get(ENV, "").partition(":")
-    if kind == "row" and any(str(r.id) == arg for r in rows):
-        _die()
-    if kind == "slow":
-        time.sleep(float(arg))
-    if kind == "chaos" and rows:
-        seed, _, directory = arg.partition(":")
-        chaos(rows[0].id, int(seed), pathlib.Path(directory))
+    for kind, arg in _forms():
+        if kind == "row" and any(str(r.id) == arg for r in rows):
+            _die()
+        if kind == "slow":
+            time.sleep(float(arg))
+        if kind == "chaos" and rows:
+            seed, _, directory = arg.partition(":")
+            chaos(rows[0].id, int(seed), pathlib.Path(directory))
 
 
 # chaos: kind -> (probability per batch, most injected over the job); a slow batch takes CHAOS_SLOW_S more
@@ -204,8 +211,8 @@ def runner_for(model, config):
     """The model runner a replica's engine gets: None (the engine's default) unless ``LOGITSPEC_FAULT``
     is ``oom:ROWS:TOKENS[:AT]`` or ``chaos:...``, then the runner ``config.runner`` names wrapped in
     :class:`OutOfMemoryAt` or :class:`ChaosRunner`."""
-    kind, _, rest = os.environ.get(ENV, "").partition(":")
-    if kind not in ("oom", "chaos"):
+    kind, rest = next(((k, r) for k, r in _forms() if k in ("oom", "chaos")), (None, ""))
+    if kind is None:
         return None
     from logitspec.worker.gpu import runner_for as configured_runner
 
