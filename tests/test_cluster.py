@@ -58,7 +58,7 @@ def test_a_worker_node_lost_mid_job_and_a_new_one_joining(tmp_path, cluster):
     argv = ["--input", str(inp), "--output", str(out), "--model", str(tiny), "--address", c.address,
             "--actors", "2", "--cpus-per-actor", "1", "--threads-per-actor", "1", "--max-batch-size", "4",
             "--batch-rows", "4", "--part-rows", "8", "--max-new-tokens", "4", "--no-warmup",
-            "--batch-timeout", "8", "--max-replacements", "12", "--reference", f"notes={corpus}"]
+            "--batch-timeout", "12", "--max-replacements", "12", "--reference", f"notes={corpus}"]
     # the driver in a process of its own, as `ray job submit` runs it; this thread plays the cluster
     log = tmp_path / "job.log"
     with open(log, "w") as fh:
@@ -86,7 +86,8 @@ def test_a_worker_node_lost_mid_job_and_a_new_one_joining(tmp_path, cluster):
     # others died with the lost node (its replica, and replacements placed on it before it was marked dead)
     chaos_deaths = injected["kill"] + injected["hang"]
     elsewhere = [d for d in reps["lost"] if d["node_id"] not in (None, lost.node_id)]
-    assert len(elsewhere) <= chaos_deaths < reps["deaths"], (reps["lost"], injected)
+    # (<=: the lost node's replica may have been a kill's or the hang's victim already)
+    assert len(elsewhere) <= chaos_deaths <= reps["deaths"], (reps["lost"], injected)
     assert sum("--batch-timeout" in d["error"] for d in reps["lost"]) <= injected["hang"]
     assert reps["batches_redone"] >= len(elsewhere)
     assert summary["engine"]["out_of_memory_splits"] <= injected["fired-oom"]

@@ -143,22 +143,21 @@ class CostCurve:
             self._memo[key] = float(self._steps(rows, per_row))
         return self._memo[key] + self.beyond(rows, per_row, columns)
 
-    def steps(self, rows: int, per_row, columns: float | None = None) -> np.ndarray:
-        """:meth:`step` over an array of ``per_row`` counts (float64, ``per_row``'s shape)."""
-        per_row = np.asarray(per_row, dtype=float)
-        return self._steps(rows, per_row) + self.beyond(rows, per_row, columns)
-
     def widths(self, rows: int, most: int) -> tuple[np.ndarray, np.ndarray]:
         """For forwards of ``rows`` rows padded to 1 .. ``most`` draft nodes each: the decoder's
         seconds without the output layer, float64 [most], and the output layer's over ``rows + k``
         nodes for k = 0 .. rows * most, float64 [rows * most + 1] (what :func:`choose_sizes`
-        prices; kept, as the curve is fixed). The cached columns' part is :meth:`beyond`'s."""
-        key = ("widths", rows, most)
-        if key not in self._memo:
+        prices). Kept per row count for the widest asked yet (the curve is fixed), read-only; the
+        cached columns' part is :meth:`beyond`'s."""
+        kept = self._memo.get(("widths", rows))
+        if kept is None or len(kept[0]) < most:
             per_row = np.arange(2, most + 2)
-            self._memo[key] = (self._steps(rows, per_row) - self.head_time(rows * per_row),
-                               self.head_time(rows + np.arange(rows * most + 1)))
-        return self._memo[key]
+            kept = (self._steps(rows, per_row) - self.head_time(rows * per_row),
+                    self.head_time(rows + np.arange(rows * most + 1)))
+            for a in kept:
+                a.setflags(write=False)
+            self._memo[("widths", rows)] = kept
+        return kept[0][:most], kept[1][:rows * most + 1]
 
     def beyond(self, rows: int, per_row, columns: float | None):
         """The seconds ``rows`` rows of ``per_row`` new tokens add by reading ``columns`` cached
@@ -344,9 +343,9 @@ def top_nodes(tree: DraftTree, probs: np.ndarray, n: int) -> DraftTree:
 
 def kept_nodes(probs: np.ndarray, n: int, also: int = 0, among: np.ndarray | None = None) -> list[int]:
     """The ``n`` most probable draft nodes of a tree (``probs``: [nodes], the root's first; ties:
-    earlier first), and the ``also`` most probable of the nodes ``among`` marks (bool [nodes]) not
-    yet kept, in ascending order: an ancestor-closed set, since no node is more probable than its
-    parent."""
+    earlier first) together with the ``also`` most probable of the nodes ``among`` marks (bool
+    [nodes]; some may be among the former), in ascending order: an ancestor-closed set, since no
+    node is more probable than its parent."""
     rank = sorted(range(1, len(probs)), key=lambda i: (-probs[i], i))
     keep = set(rank[:n])
     if also:

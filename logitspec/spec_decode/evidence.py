@@ -179,7 +179,7 @@ class SpeedGuard:
         se = math.sqrt(c.draft.var / c.draft.n + c.plain.var / c.plain.n)
         verdict = "plain" if diff + Z * se < 0 else "draft" if diff - Z * se > 0 else "undecided"
         if verdict == "plain":  # drafting is re-checked often: at worst it costs a little
-            c.every = RECHECK_DRAFT
+            c.every, c.since = RECHECK_DRAFT, c.since if c.verdict == "plain" else 0
         elif verdict == c.verdict and verdict != "undecided":
             c.every = min(2 * c.every, RECHECK_LAST) if mode != verdict else c.every
         elif verdict != c.verdict:

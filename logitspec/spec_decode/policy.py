@@ -338,7 +338,7 @@ class SpeculationPolicy:
         # chains alone (pld's tree) keeps; guesses take only the nodes that pay beyond them
         chained = [np.isin(t.kinds, LOOKUP_KINDS) for t in trees] if self.drafter.wants_guesses else None
         floors = [0] * B
-        if chained is not None and any(c.any() and not c[1:].all() for c, t in zip(chained, trees)):
+        if chained is not None and any(c.any() and not c[1:].all() for c in chained):
             floors = self._probe(choose([np.sort(p[c])[::-1] for p, c in zip(probs, chained)]), trees, rows,
                                  bes, chained)
         keep = [kept_nodes(p, n, f, c) for p, n, f, c in zip(probs, sizes, floors, chained or [None] * B)]
