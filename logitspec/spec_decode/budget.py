@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -71,16 +71,45 @@ class AcceptanceStats:
 
     def update(self, tree: DraftTree, path: Sequence[int], state: int = 0) -> None:
         """Every node whose parent was accepted was tested; those on ``path`` passed."""
-        if len(tree) == 1:
-            return
-        on_path = np.zeros(len(tree), dtype=bool)
-        on_path[list(path)] = True
-        tested = np.flatnonzero(on_path[tree.parents[1:]]) + 1
-        k, o = self._cells(tree, tested)
-        cells = k * self.max_offset + o  # a kind and offset may repeat (guess branches of one bucket)
-        shape, size = self.tries[state].shape, self.tries[state].size
-        self.tries[state] += np.bincount(cells, minlength=size).reshape(shape)
-        self.hits[state] += np.bincount(cells, on_path[tested], minlength=size).reshape(shape)
+        self.update_step(Verified.of([tree], [path], [state]))
+
+    def update_step(self, v: "Verified") -> None:
+        """A step's tested nodes (:class:`Verified`) counted, every row at once."""
+        offset = np.minimum(v.offsets, self.max_offset - 1)
+        cells = (v.states * self.hits.shape[1] + v.kinds) * self.max_offset + offset  # a cell may repeat
+        self.tries += np.bincount(cells, minlength=self.tries.size).reshape(self.tries.shape)
+        self.hits += np.bincount(cells, v.passed, minlength=self.hits.size).reshape(self.hits.shape)
+
+
+class Verified(NamedTuple):
+    """The draft nodes a verified step tested (those whose parent was accepted), over all its rows."""
+
+    states: np.ndarray  # int64 [T]: the row's acceptance state before the step
+    kinds: np.ndarray  # int64 [T]
+    offsets: np.ndarray  # int64 [T]: the node's index within its chain
+    passed: np.ndarray  # bool [T]: on the accepted path
+    first: np.ndarray  # bool [T]: a child of the root (a draft's first node)
+
+    @classmethod
+    def of(cls, trees: Sequence[DraftTree], paths: Sequence[Sequence[int]],
+           states: Sequence[int]) -> "Verified":
+        """From each row's tree, accepted path (root first) and state (rows of the root alone test
+        nothing)."""
+        rows = [b for b, t in enumerate(trees) if len(t) > 1]
+        if not rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, empty, empty.astype(bool), empty.astype(bool))
+        sizes = np.array([len(trees[b]) for b in rows])
+        start = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # [R]: each row's root in the joined nodes
+        parents = np.concatenate([trees[b].parents for b in rows])  # [N], row-local
+        on_path = np.zeros(int(sizes.sum()), dtype=bool)
+        on_path[np.concatenate([np.asarray(paths[b]) + s for b, s in zip(rows, start)])] = True
+        row = np.repeat(np.arange(len(rows)), sizes)  # [N]
+        tested = np.flatnonzero((parents >= 0) & on_path[np.maximum(parents, 0) + start[row]])
+        kinds = np.concatenate([trees[b].kinds for b in rows])
+        offsets = np.concatenate([trees[b].offsets for b in rows])
+        return cls(np.asarray(states)[rows][row[tested]], kinds[tested], offsets[tested], on_path[tested],
+                   parents[tested] == 0)
 
 
 class CostCurve:

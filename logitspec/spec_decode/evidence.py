@@ -30,6 +30,7 @@ import math
 
 import numpy as np
 
+from logitspec.spec_decode.budget import Verified
 from logitspec.spec_decode.feedback import class_rows, size_class
 from logitspec.spec_decode.tree import DraftTree
 
@@ -75,10 +76,13 @@ class FirstNodeEvidence:
 
     def update(self, tree: DraftTree, path, state: int) -> None:
         """The root's children were tested; the one on ``path`` (if any) passed."""
-        for c in first_nodes(tree):
-            k = int(tree.kinds[c])
-            self.tries[state, k] += 1.0
-            self.hits[state, k] += float(len(path) > 1 and path[1] == c)
+        self.update_step(Verified.of([tree], [path], [state]))
+
+    def update_step(self, v: Verified) -> None:
+        """A step's tested first nodes (:class:`~logitspec.spec_decode.budget.Verified`), all rows at once."""
+        cells = v.states[v.first] * self.hits.shape[1] + v.kinds[v.first]
+        self.tries += np.bincount(cells, minlength=self.tries.size).reshape(self.tries.shape)
+        self.hits += np.bincount(cells, v.passed[v.first], minlength=self.hits.size).reshape(self.hits.shape)
 
     def bounds(self, state: int, kind: int) -> tuple[float, float]:
         return wilson(self.hits[state, kind], self.tries[state, kind])

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from logitspec.config import SpecConfig
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.tree import DraftTree
 
-__all__ = ["KIND", "KINDS", "LOOKUP_KINDS", "MAX_ORDER_KINDS", "N_KINDS", "RANK_BUCKETS", "Drafter",
-           "guess_kind", "lookup_kind"]
+__all__ = ["IS_LOOKUP", "KIND", "KINDS", "LOOKUP_KINDS", "MAX_ORDER_KINDS", "N_KINDS", "RANK_BUCKETS",
+           "Drafter", "guess_kind", "lookup_kind"]
 
 RANK_BUCKETS = (1, 2, 4, 8, 16, 32)  # guess branches learn acceptance per bucket of the guess's rank
 MAX_ORDER_KINDS = 2  # lookup chains matched on 1..MAX_ORDER_KINDS tokens get kinds of their own
@@ -37,6 +39,7 @@ KINDS = (
 KIND = {name: i for i, name in enumerate(KINDS)}
 N_KINDS = len(KINDS)
 LOOKUP_KINDS = tuple(i for name, i in KIND.items() if name.startswith("lookup"))
+IS_LOOKUP = np.isin(np.arange(N_KINDS), LOOKUP_KINDS)  # bool [N_KINDS]: IS_LOOKUP[tree.kinds] marks chains
 
 
 def guess_kind(rank: int) -> int:

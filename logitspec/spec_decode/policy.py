@@ -36,6 +36,7 @@ from logitspec.spec_decode.budget import (
     N_STREAK_STATES,
     AcceptanceStats,
     CostCurve,
+    Verified,
     break_even,
     choose_sizes,
     drain_weights,
@@ -46,7 +47,7 @@ from logitspec.spec_decode.budget import (
 from logitspec.spec_decode.drafters import make_drafter
 from logitspec.spec_decode.evidence import FirstNodeEvidence, SpeedGuard
 from logitspec.spec_decode.feedback import Realised
-from logitspec.spec_decode.interface import KINDS, LOOKUP_KINDS, N_KINDS, Drafter
+from logitspec.spec_decode.interface import IS_LOOKUP, KINDS, LOOKUP_KINDS, N_KINDS, Drafter
 from logitspec.spec_decode.ngram_index import NgramSource
 from logitspec.spec_decode.tree import DraftTree
 
@@ -231,9 +232,9 @@ class SpeculationPolicy:
         (``outputs``). Returns each row's acceptance state after it."""
         trees = plan.trees
         if self.auto_budget:  # (only the auto budget reads the rates)
-            for row, tree, path in zip(rows, trees, paths):
-                self.acceptance.update(tree, path, row.streak)
-                self.evidence.update(tree, path, row.streak)
+            verified = Verified.of(trees, paths, [row.streak for row in rows])
+            self.acceptance.update_step(verified)
+            self.evidence.update_step(verified)
         plain = all(len(t) == 1 for t in trees)
         known = times is not None  # None: the step's time is not its own (it hid other work)
         check = (known and plain and self.auto_budget and self.remeasure_curve is not None
@@ -336,7 +337,7 @@ class SpeculationPolicy:
         sizes = self._probe(sizes, trees, rows, bes)
         # trees of retrieved chains and guesses: the chains keep at least what the same choice over the
         # chains alone (pld's tree) keeps; guesses take only the nodes that pay beyond them
-        chained = [np.isin(t.kinds, LOOKUP_KINDS) for t in trees] if self.drafter.wants_guesses else None
+        chained = [IS_LOOKUP[t.kinds] for t in trees] if self.drafter.wants_guesses else None
         floors = [0] * B
         if chained is not None and any(c.any() and not c[1:].all() for c in chained):
             floors = self._probe(choose([np.sort(p[c])[::-1] for p, c in zip(probs, chained)]), trees, rows,

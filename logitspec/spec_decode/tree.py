@@ -28,14 +28,12 @@ class DraftTree:
     _children: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if len(self.tokens) != len(self.parents) or len(self.tokens) == 0:
+        n = len(self.tokens)
+        if n != len(self.parents) or n == 0:
             raise ValueError("tokens and parents must be non-empty and of equal length")
-        if self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents[1:], 1)):
+        later = self.parents[1:]
+        if self.parents[0] != -1 or n > 1 and not ((later >= 0) & (later < np.arange(1, n))).all():
             raise ValueError(f"parents must be topological with root 0: {self.parents.tolist()}")
-        children = {}
-        for i, (p, t) in enumerate(zip(self.parents[1:].tolist(), self.tokens[1:].tolist()), 1):
-            children.setdefault((p, t), i)
-        object.__setattr__(self, "_children", children)
 
     @classmethod
     def single(cls, root_token: int) -> "DraftTree":
@@ -46,6 +44,11 @@ class DraftTree:
 
     def child(self, node: int, token: int) -> int | None:
         """Index of ``node``'s child carrying ``token``, or None."""
+        if self._children is None:  # built on first use: most trees are never walked by token
+            children = {}
+            for i, (p, t) in enumerate(zip(self.parents[1:].tolist(), self.tokens[1:].tolist()), 1):
+                children.setdefault((p, t), i)
+            object.__setattr__(self, "_children", children)
         return self._children.get((node, token))
 
     @property
