@@ -138,6 +138,7 @@ class CostCurve:
         self.head = None if head is None else CostCurve(head["tokens"], head["seconds"])
         self.context = dict(context) if context else None
         self._memo: dict = {}  # interpolations already made (step, widths)
+        self._points = (np.asarray(self.tokens, float), np.asarray(self.seconds, float))  # for at()
 
     def head_time(self, nodes) -> np.ndarray:
         """Output-layer seconds for ``nodes`` (array) nodes; 0 without a head curve."""
@@ -155,7 +156,7 @@ class CostCurve:
     def at(self, n) -> np.ndarray:
         """:meth:`__call__` over an array of token counts (float64, ``n``'s shape)."""
         n = np.asarray(n, dtype=float)
-        x, y = np.asarray(self.tokens, float), np.asarray(self.seconds, float)
+        x, y = self._points
         if len(x) == 1:
             return np.full(n.shape, y[0])
         slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
@@ -323,18 +324,14 @@ def choose_sizes(probs: Sequence[np.ndarray], cost: CostCurve, max_nodes: int,
 def estimate(probs: Sequence[np.ndarray], sizes: Sequence[int], cost: CostCurve,
              columns: float | None = None) -> tuple[float, float]:
     """What :func:`choose_sizes`' model expects of keeping the ``sizes[b]`` first nodes of each
-    row's ``probs[b]`` (sorted descending): (accepted drafted tokens, forward seconds)."""
+    row's ``probs[b]``: (accepted drafted tokens, forward seconds: the decoder padded to the widest
+    row, the output layer over the kept nodes)."""
     B, width = len(probs), max(sizes, default=0)
     if width == 0:
         return 0.0, cost.step(B, 1, columns)
     tokens = sum(float(np.sum(p[:n])) for p, n in zip(probs, sizes))
-    return tokens, float(padded_decoder(cost, B, width, columns) + cost.head_time(B + sum(sizes)))
-
-
-def padded_decoder(cost: CostCurve, rows: int, width: int, columns: float | None = None) -> float:
-    """Seconds of a forward of ``rows`` rows padded to ``width`` draft nodes each, without the output
-    layer (which runs only for the real nodes: add ``cost.head_time`` of them)."""
-    return cost.step(rows, width + 1, columns) - float(cost.head_time(rows * (width + 1)))
+    decoder, heads = cost.widths(B, width)
+    return tokens, float(decoder[width - 1] + cost.beyond(B, width + 1, columns) + heads[sum(sizes)])
 
 
 def drain_weights(remaining: Sequence[int], rates: Sequence[float], share: float,

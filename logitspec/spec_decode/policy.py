@@ -344,8 +344,8 @@ class SpeculationPolicy:
                                  bes, chained)
         keep = [kept_nodes(p, n, f, c) for p, n, f, c in zip(probs, sizes, floors, chained or [None] * B)]
         self._after_choice([len(k) for k in keep])
-        expected = None if fresh else estimate([np.sort(p[k])[::-1] for p, k in zip(probs, keep)],
-                                               [len(k) for k in keep], curve, columns)
+        expected = None if fresh else estimate([p[k] for p, k in zip(probs, keep)], [len(k) for k in keep],
+                                               curve, columns)
         return [t if len(k) == len(t) - 1 else t.subtree(k) for t, k in zip(trees, keep)], expected
 
     def _probe(self, sizes: list[int], trees: Sequence[DraftTree], rows: Sequence[DraftRow],
@@ -356,8 +356,7 @@ class SpeculationPolicy:
         out = list(sizes)
         for b, (n, tree, row, be) in enumerate(zip(sizes, trees, rows, break_evens)):
             nodes = among[b] if among is not None else None
-            if (n == 0 and len(tree) > 1 and (nodes is None or nodes.any()) and be <= 1.0
-                    and self.evidence.unsound(tree, row.streak, be, nodes)):
+            if n == 0 and len(tree) > 1 and be <= 1.0 and self.evidence.unsound(tree, row.streak, be, nodes):
                 out[b] = 1
                 self.probes += among is None
         return out
